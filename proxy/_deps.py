@@ -1,0 +1,73 @@
+"""What routes depend on: the services built in the lifespan, and the credential checks.
+
+Keys are compared in constant time against every configured key, and never logged.
+"""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+from pydantic import SecretStr
+
+from proxy._forward import Forwarder
+from proxy._keying import Keyer
+from proxy._policies import PolicyRegistry
+from proxy._settings import Settings
+from proxy._upstream import Upstream
+from proxy.errors import AuthenticationFailed
+from proxy.store import Store
+
+
+@dataclass(frozen=True, slots=True)
+class Services:
+    settings: Settings
+    store: Store
+    upstream: Upstream
+    registry: PolicyRegistry
+    keyer: Keyer
+    forwarder: Forwarder
+
+
+def get_services(request: Request) -> Services:
+    services: Services = request.app.state.services
+    return services
+
+
+ServicesDep = Annotated[Services, Depends(get_services)]
+
+
+def _presented_key(request: Request) -> str | None:
+    header = request.headers.get("authorization")
+    if header is None:
+        return None
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+def _check(request: Request, keys: tuple[SecretStr, ...], what: str) -> None:
+    if not keys:
+        return
+    presented = _presented_key(request)
+    if presented is None:
+        raise AuthenticationFailed(f"Missing {what}: send it as 'Authorization: Bearer <key>'.")
+    matched = False
+    for key in keys:  # no early exit: the time taken does not depend on which key matched
+        matched |= hmac.compare_digest(presented.encode(), key.get_secret_value().encode())
+    if not matched:
+        raise AuthenticationFailed(f"Invalid {what}.")
+
+
+def require_inference_key(request: Request, services: ServicesDep) -> None:
+    _check(request, services.settings.api_keys, "inference key")
+
+
+def require_reward_key(request: Request, services: ServicesDep) -> None:
+    """Reward keys when configured; otherwise the inference rule (so a loopback default just works)."""
+    settings = services.settings
+    if settings.reward_keys:
+        _check(request, settings.reward_keys, "reward key")
+    else:
+        _check(request, settings.api_keys, "key")

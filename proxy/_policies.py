@@ -1,0 +1,77 @@
+"""Which upstream model a request's ``model`` names.
+
+``policy`` routes to the newest published version, ``policy@N`` pins one, and
+``policy@0`` is the base model. Versions are immutable names in vLLM (``policy@7``):
+a live name is never reloaded, so the prefix cache never serves an old policy.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.errors import ModelNotFound, UpstreamNotReady
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    policy: str
+    version: int
+    served_model: str  # what vLLM serves: the base model, or "policy@N"
+
+    @property
+    def public_name(self) -> str:
+        """The name clients see in responses: always ``policy@N``."""
+        return f"{self.policy}@{self.version}"
+
+
+class PolicyRegistry:
+    """The policy's published versions, and the alias that ``policy`` points at."""
+
+    def __init__(self, policy: str, base_model: str | None = None) -> None:
+        self.policy = policy
+        self.base_model = base_model
+        self.active_version = 0
+        self.loaded_versions: set[int] = {0}
+        self._created = int(time.time())
+
+    def resolve(self, model: str) -> Route:
+        name, sep, pinned = model.partition("@")
+        if name != self.policy:
+            raise ModelNotFound(
+                f"The model '{model}' does not exist. This proxy serves the policy '{self.policy}' "
+                f"(its newest version) and pinned versions such as '{self.policy}@0'; see GET /v1/models.",
+                param="model",
+            )
+        if not sep:
+            version = self.active_version
+        elif pinned.isdigit() and int(pinned) in self.loaded_versions:
+            version = int(pinned)
+        else:
+            loaded = ", ".join(f"{self.policy}@{v}" for v in sorted(self.loaded_versions))
+            raise ModelNotFound(f"The model '{model}' is not loaded; loaded versions: {loaded}.", param="model")
+        return Route(self.policy, version, self.served_name(version))
+
+    def served_name(self, version: int) -> str:
+        if version == 0:
+            if self.base_model is None:
+                raise UpstreamNotReady("the upstream has not said which model it serves yet; is vLLM up?")
+            return self.base_model
+        return f"{self.policy}@{version}"
+
+    def model_list(self) -> dict[str, Any]:
+        """``GET /v1/models``: the policy alias and every loaded version."""
+
+        def entry(model_id: str) -> dict[str, Any]:
+            return {
+                "id": model_id,
+                "object": "model",
+                "created": self._created,
+                "owned_by": "tracetrain",
+                "root": self.base_model,
+                "parent": None,
+            }
+
+        data = [entry(self.policy)] + [entry(f"{self.policy}@{v}") for v in sorted(self.loaded_versions)]
+        return {"object": "list", "data": data}

@@ -1,0 +1,104 @@
+"""The proxy's settings: one frozen, validated object built at start-up.
+
+Values come from command-line flags (passed as keyword arguments) over environment
+variables prefixed ``TRACETRAIN_`` over the defaults below. Secrets are ``SecretStr``
+so they never print; placeholder secrets are rejected when the object is built, and
+so is a non-loopback bind address with no keys configured.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+_PLACEHOLDER_SECRETS = frozenset(
+    {"changeme", "change-me", "secret", "password", "token", "apikey", "api-key", "test", "xxx", "sk-xxx"}
+)
+_MIN_SECRET_LENGTH = 16
+
+Secrets = Annotated[tuple[SecretStr, ...], NoDecode]
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and addresses in 127.0.0.0/8 or ``::1``."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class Settings(BaseSettings):
+    """Everything the proxy needs to run. Build it once; pass it to ``create_app``."""
+
+    model_config = SettingsConfigDict(env_prefix="TRACETRAIN_", frozen=True, extra="forbid")
+
+    # Where requests go: an OpenAI-compatible base URL ending in /v1 (vLLM in production).
+    upstream: str = "http://127.0.0.1:8000/v1"
+    # The upstream's name for the base model; discovered from GET /v1/models when unset.
+    served_model: str | None = None
+    upstream_timeout_s: float = Field(default=600.0, gt=0)
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8100, ge=0, le=65535)
+    data_dir: Path = Path(".tracetrain")
+    # SQLAlchemy async URL; defaults to SQLite (WAL) in the data directory.
+    database_url: str | None = None
+
+    # The name agents use as `model`; its versions are `policy@N` (`policy@0` is the base model).
+    policy: str = Field(default="agent", pattern=r"^[A-Za-z0-9_.\-]+$")
+    # A derived group (same task prompt) takes at most this many trajectories, then a new one opens.
+    group_size: int = Field(default=8, ge=1)
+    # A group is ready for training when all its trajectories are rewarded and it has this many.
+    min_group_size: int = Field(default=2, ge=1)
+    # How long an unkeyed trajectory stays open for threading (seconds since its last call).
+    thread_ttl_s: float = Field(default=1800.0, gt=0)
+
+    # Credentials. Inference keys authorize /v1 generation calls, reward keys /v1/rewards.
+    api_keys: Secrets = ()
+    reward_keys: Secrets = ()
+    admin_token: SecretStr | None = None
+
+    @field_validator("api_keys", "reward_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(part.strip() for part in value.split(",") if part.strip())
+        return value
+
+    @field_validator("upstream")
+    @classmethod
+    def _upstream_is_http(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError(f"upstream must be an http(s) URL such as http://127.0.0.1:8000/v1, got {value!r}")
+        return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _check_secrets(self) -> Settings:
+        secrets = [*self.api_keys, *self.reward_keys, *([self.admin_token] if self.admin_token else [])]
+        for secret in secrets:
+            raw = secret.get_secret_value()
+            if raw.lower() in _PLACEHOLDER_SECRETS or len(raw) < _MIN_SECRET_LENGTH:
+                raise ValueError(
+                    f"a configured key looks like a placeholder (shorter than {_MIN_SECRET_LENGTH} characters "
+                    "or a well-known dummy value); generate one with: "
+                    "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+                )
+        if not is_loopback(self.host) and not self.api_keys:
+            raise ValueError(
+                f"refusing to listen on {self.host} with no inference keys: anyone on the network could use "
+                "the model and write trajectories. Set TRACETRAIN_API_KEYS (and TRACETRAIN_REWARD_KEYS, "
+                "TRACETRAIN_ADMIN_TOKEN), or bind to 127.0.0.1."
+            )
+        return self
+
+    @property
+    def resolved_database_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite+aiosqlite:///{(self.data_dir / 'tracetrain.db').resolve()}"

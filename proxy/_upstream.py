@@ -1,0 +1,49 @@
+"""The upstream OpenAI-compatible server (vLLM), reached over one pooled httpx client."""
+
+from __future__ import annotations
+
+import httpx
+import orjson
+
+from proxy.errors import UpstreamHTTPError, UpstreamNotReady, upstream_errors
+
+_JSON = {"content-type": "application/json"}
+
+
+class Upstream:
+    def __init__(self, base_url: str, client: httpx.AsyncClient) -> None:
+        self.base_url = base_url
+        self._client = client
+
+    async def post(self, path: str, body: bytes) -> httpx.Response:
+        """POST and read the whole answer (any status)."""
+        async with upstream_errors(self.base_url):
+            return await self._client.post(self.base_url + path, content=body, headers=_JSON)
+
+    async def open_stream(self, path: str, body: bytes) -> httpx.Response:
+        """POST and return once the status line and headers arrived; the caller closes it.
+
+        An error status is read whole and raised as ``UpstreamHTTPError``.
+        """
+        request = self._client.build_request("POST", self.base_url + path, content=body, headers=_JSON)
+        async with upstream_errors(self.base_url):
+            response = await self._client.send(request, stream=True)
+            if response.status_code != 200:
+                try:
+                    content = await response.aread()
+                finally:
+                    await response.aclose()
+                raise UpstreamHTTPError(response.status_code, content)
+        return response
+
+    async def base_model(self) -> str:
+        """The base model the upstream serves: the first model of /v1/models that is no adapter."""
+        async with upstream_errors(self.base_url):
+            response = await self._client.get(self.base_url + "/models", timeout=5.0)
+        if response.status_code != 200:
+            raise UpstreamHTTPError(response.status_code, response.content)
+        models = orjson.loads(response.content).get("data") or []
+        for model in models:
+            if not model.get("parent"):
+                return str(model["id"])
+        raise UpstreamNotReady(f"the upstream at {self.base_url} lists no base model")

@@ -1,0 +1,150 @@
+"""The ``tracetrain`` command line.
+
+tracetrain serve --upstream http://127.0.0.1:8000/v1     proxy an existing vLLM
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from pydantic import ValidationError
+
+_DESCRIPTION = """\
+tracetrain: point an unmodified agent's OPENAI_BASE_URL at this proxy; every call is
+forwarded to vLLM and recorded into a trajectory, rewards POSTed to /v1/rewards train
+the policy's LoRA with GRPO.
+"""
+
+
+def _serve_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="run the proxy (and, with the trainer installed, training) in front of vLLM",
+        description=(
+            "Run the OpenAI-compatible proxy on --host:--port. Agents use http://HOST:PORT/v1 as their "
+            "OPENAI_BASE_URL and model name --policy. Every flag can also be set as an environment variable "
+            "TRACETRAIN_<FLAG> (e.g. TRACETRAIN_API_KEYS=key1,key2)."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--upstream",
+        metavar="URL",
+        help="an existing OpenAI-compatible server to forward to, e.g. http://127.0.0.1:8000/v1 "
+        "(vLLM started with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)",
+    )
+    p.add_argument(
+        "--served-model",
+        metavar="NAME",
+        help="the upstream's name for the base model (default: the first model it lists)",
+    )
+    p.add_argument(
+        "--host", default=None, help="address to listen on (default 127.0.0.1; any other address needs --api-keys)"
+    )
+    p.add_argument("--port", type=int, default=None, help="port to listen on (default 8100)")
+    p.add_argument(
+        "--data-dir", type=Path, default=None, help="where the database and adapters live (default ./.tracetrain)"
+    )
+    p.add_argument(
+        "--database-url",
+        metavar="URL",
+        help="SQLAlchemy async URL, e.g. postgresql+asyncpg://user@host/db (default: SQLite in the data directory)",
+    )
+    p.add_argument("--policy", metavar="NAME", help="the model name agents use (default agent)")
+    p.add_argument("--group-size", type=int, help="most trajectories in a group derived from a task prompt")
+    p.add_argument("--min-group-size", type=int, help="fewest rewarded trajectories for a group to train")
+    p.add_argument("--api-keys", metavar="K1,K2", help="inference keys agents must send as Bearer tokens")
+    p.add_argument("--reward-keys", metavar="K1,K2", help="keys reward services must send to POST /v1/rewards")
+    p.add_argument("--no-train", action="store_true", help="serve and capture only; start no trainer")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _settings_from(args: argparse.Namespace) -> Any:
+    from proxy._settings import Settings
+
+    flags = {
+        "upstream": args.upstream,
+        "served_model": args.served_model,
+        "host": args.host,
+        "port": args.port,
+        "data_dir": args.data_dir,
+        "database_url": args.database_url,
+        "policy": args.policy,
+        "group_size": args.group_size,
+        "min_group_size": args.min_group_size,
+        "api_keys": args.api_keys,
+        "reward_keys": args.reward_keys,
+    }
+    try:
+        return Settings(**{k: v for k, v in flags.items() if v is not None})
+    except ValidationError as exc:
+        lines = [f"  {'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}" for e in exc.errors()]
+        raise SystemExit("tracetrain serve: invalid settings\n" + "\n".join(lines)) from None
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from proxy._app import create_app
+
+    if args.upstream is None:
+        raise SystemExit(
+            "tracetrain serve: pass --upstream URL (an OpenAI-compatible vLLM such as http://127.0.0.1:8000/v1). "
+            "Starting vLLM itself is not part of this version yet."
+        )
+    settings = _settings_from(args)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("tracetrain")
+    if not args.no_train:
+        log.warning("the trainer worker is not part of this version yet: serving and capture only")
+    log.info(
+        "proxy on http://%s:%d/v1 -> %s (policy %r, data in %s)",
+        settings.host,
+        settings.port,
+        settings.upstream,
+        settings.policy,
+        settings.data_dir,
+    )
+    config = uvicorn.Config(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        loop="uvloop",
+        http="httptools",
+        log_level=args.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=30,
+    )
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM (the store drains), then re-raises the
+    # signal; both end here as KeyboardInterrupt, and a clean stop exits 0.
+    signal.signal(signal.SIGTERM, _interrupt)
+    with contextlib.suppress(KeyboardInterrupt):
+        uvicorn.Server(config).run()
+    return 0
+
+
+def _interrupt(_signum: int, _frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tracetrain", description=_DESCRIPTION)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _serve_parser(sub)
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    parser.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

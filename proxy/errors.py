@@ -1,0 +1,148 @@
+"""Every error the proxy raises, and how each leaves it in OpenAI's shape.
+
+    ProxyError                      status, type, code -> {"error": {message, type, param, code}}
+    ├── InvalidRequest              400 invalid_request_error (bad JSON, bad fields, non-finite reward)
+    ├── AuthenticationFailed        401 authentication_error
+    ├── PermissionDenied            403 permission_error
+    ├── NotFound                    404 not_found_error
+    │   ├── ModelNotFound               code model_not_found
+    │   └── TrajectoryNotFound          code trajectory_not_found
+    ├── UpstreamError               the upstream failed us
+    │   ├── UpstreamUnreachable         502 (connection refused, reset, protocol error)
+    │   ├── UpstreamNotReady            503 (the base model is not known yet)
+    │   ├── UpstreamTimeout             504
+    │   └── UpstreamHTTPError           the upstream's own status and body, passed through
+    └── StoreUnavailable            503 the call could not be recorded, so it is not answered
+
+Upstream httpx errors are translated in one place, ``upstream_errors()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import orjson
+
+
+class ProxyError(Exception):
+    """Base of the tree; carries what the OpenAI error body needs."""
+
+    status_code = 500
+    type = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+class InvalidRequest(ProxyError):
+    status_code = 400
+    type = "invalid_request_error"
+
+
+class AuthenticationFailed(ProxyError):
+    status_code = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class PermissionDenied(ProxyError):
+    status_code = 403
+    type = "permission_error"
+
+
+class NotFound(ProxyError):
+    status_code = 404
+    type = "not_found_error"
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+
+
+class TrajectoryNotFound(NotFound):
+    code = "trajectory_not_found"
+
+
+class UpstreamError(ProxyError):
+    status_code = 502
+    type = "upstream_error"
+
+
+class UpstreamUnreachable(UpstreamError):
+    code = "upstream_unreachable"
+
+
+class UpstreamNotReady(UpstreamError):
+    status_code = 503
+    code = "upstream_not_ready"
+
+
+class UpstreamTimeout(UpstreamError):
+    status_code = 504
+    code = "upstream_timeout"
+
+
+class UpstreamHTTPError(UpstreamError):
+    """The upstream answered with an error status; its status and body go to the client."""
+
+    def __init__(self, status_code: int, content: bytes) -> None:
+        self.status_code = status_code
+        self.content = content
+        super().__init__(_upstream_message(content) or f"upstream answered {status_code}")
+
+    def body(self) -> dict[str, Any]:
+        try:
+            parsed = orjson.loads(self.content)
+        except orjson.JSONDecodeError:
+            parsed = None
+        if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
+            return parsed
+        return error_body(self.message, self.type, None, str(self.status_code))
+
+
+class StoreUnavailable(ProxyError):
+    status_code = 503
+    type = "server_error"
+    code = "store_unavailable"
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _upstream_message(content: bytes) -> str:
+    try:
+        parsed = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        return content[:500].decode("utf-8", "replace")
+    if isinstance(parsed, dict):
+        error = parsed.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return str(error["message"])
+        if isinstance(parsed.get("message"), str):
+            return str(parsed["message"])
+    return content[:500].decode("utf-8", "replace")
+
+
+@asynccontextmanager
+async def upstream_errors(upstream: str) -> AsyncIterator[None]:
+    """Translate httpx transport errors talking to ``upstream`` into ``UpstreamError``s."""
+    try:
+        yield
+    except httpx.TimeoutException as exc:
+        raise UpstreamTimeout(f"the upstream at {upstream} did not answer in time ({type(exc).__name__})") from exc
+    except httpx.TransportError as exc:
+        raise UpstreamUnreachable(
+            f"cannot reach the upstream at {upstream} ({type(exc).__name__}: {exc}); is vLLM running?"
+        ) from exc

@@ -1,0 +1,1058 @@
+"""A fake vLLM 0.32 OpenAI-compatible server for tracetrain's fast tests and benchmarks.
+
+It answers like ``vllm serve MODEL --enable-lora --enable-auto-tool-choice
+--tool-call-parser hermes`` with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``, but the "model"
+says scripted text (``FakeVLLM.script``) or echoes the last user message. Shapes come
+from vLLM 0.32's source (``vllm/entrypoints/openai``, ``vllm/entrypoints/serve``) and
+were checked against its pydantic models.
+
+Faithful to vLLM 0.32:
+
+- Serialization. Non-streamed bodies are a full ``model_dump()``: every field, nulls
+  included. Stream chunks are ``model_dump_json(exclude_unset=True)``: the keys vLLM sets
+  explicitly appear (``"logprobs": null``, ``"finish_reason": null``, ``"token_ids": null``),
+  the others do not. Usage chunks also drop nulls.
+- ``return_token_ids``. Chat: top-level ``prompt_token_ids`` (streaming: on each
+  choice's role chunk) and ``token_ids`` on each choice or delta chunk. Completions:
+  both on the choice (streaming: prompt ids on each choice's first chunk). Unasked,
+  they are null where vLLM sets them and absent elsewhere.
+- Streams. Chat opens with one role chunk per choice (``{"role": "assistant",
+  "content": ""}``). Then one chunk per token per choice; the last carries
+  ``finish_reason`` and ``stop_reason`` (vLLM sends no separate finish chunk). Then a
+  usage chunk with ``choices: []`` if ``stream_options.include_usage``, then ``[DONE]``.
+  ``system_fingerprint`` rides on the terminal chunk, or on the usage chunk.
+- Tool calls. The model generates Hermes/Qwen text (``<tool_call>\\n{"name": ...,
+  "arguments": ...}\\n</tool_call>``), so ``token_ids`` cover the markup; a port of
+  vLLM's Hermes parser reads it back. Streams send the name delta (``id``, ``type``,
+  ``index``, ``function.name``), then argument pieces; markup-only tokens become
+  ``"delta": {}`` chunks, skipped unless ``logprobs`` or ``return_token_ids`` was asked.
+  Without ``tools`` (or with ``tool_choice: "none"``) the markup comes back as content.
+- Logprobs: chat ``{token, logprob, bytes, top_logprobs}`` and the legacy completions
+  shape, sampled token first, as vLLM orders its logprob dicts.
+- ``/v1/models`` (LoRA cards: ``root`` = path, ``parent`` = base model), LoRA load and
+  unload statuses, plain-text success bodies and error texts, the unknown-model 404,
+  ``{"error": {message, type, param, code}}`` bodies with file paths scrubbed to
+  ``<path>``, and completions' default ``max_tokens`` of 16.
+
+Simplified:
+
+- A toy tokenizer (special tokens, words, runs of blanks, newlines and punctuation marks
+  are pieces; a piece's id is a hash of it) and a ChatML-like template, not a real model's.
+- vLLM ends a natural stop with the EOS id in ``token_ids`` (counted in usage); the fake
+  does so only with ``emit_eos=True``.
+- Minimal request validation (missing ``messages``/``prompt``, bad JSON) with approximate
+  messages. No context-length errors, ``echo``, stop strings, ``continuous_usage_stats``
+  or ``parallel_tool_calls``; one prompt per completions request; ``tool_choice``
+  "required" or named acts like "auto"; at most 20 top logprobs. Loading a LoRA never
+  reads ``lora_path``: set ``fail_next_load`` to make a load fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import itertools
+import json
+import os
+import re
+import threading
+import time
+import zlib
+from collections import deque
+from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+import orjson
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+__all__ = ["EOS_TOKEN_ID", "FakeVLLM", "Reply", "ToolCall", "serve_in_thread"]
+
+VLLM_VERSION = "0.32.0"
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+
+# ---------------------------------------------------------------- toy tokenizer
+
+_SPECIAL_IDS = {"<|endoftext|>": 1, "<|im_start|>": 2, "<|im_end|>": 3, "<tool_call>": 4, "</tool_call>": 5}
+EOS_TOKEN_ID = _SPECIAL_IDS["<|im_end|>"]
+_BYTE_BASE = 16  # ids 16..271 spell a piece byte by byte
+_HASH_LOW, _HASH_HIGH = 1000, 50000
+_PIECE_RE = re.compile("|".join(map(re.escape, _SPECIAL_IDS)) + r"|\w+|[^\S\n]+|\n|[^\w\s]")
+# Runners-up offered as top_logprobs alternatives.
+_ALT_PIECES = (
+    "the",
+    ",",
+    "a",
+    ".",
+    "and",
+    " ",
+    "to",
+    "of",
+    "\n",
+    "is",
+    "in",
+    "I",
+    "it",
+    "that",
+    "you",
+    "for",
+    "on",
+    "with",
+    "as",
+    "be",
+    "at",
+)
+
+
+class _Vocab:
+    """Piece <-> id table shared by every FakeVLLM in the process.
+
+    An id is a hash of its piece, hence the same in every instance and process, except
+    on a hash collision: the piece the process meets second is spelled in byte tokens
+    (ids 16..271), so decoding stays exact.
+    """
+
+    def __init__(self) -> None:
+        self._ids: dict[str, tuple[int, ...]] = {p: (i,) for p, i in _SPECIAL_IDS.items()}
+        self._pieces: dict[int, str] = {i: p for p, i in _SPECIAL_IDS.items()}
+        self.single: dict[str, int] = dict(_SPECIAL_IDS)  # the pieces with one id: tokenize's fast path
+        self._lock = threading.Lock()  # the server thread and the test thread both add pieces
+
+    def ids(self, piece: str) -> tuple[int, ...]:
+        found = self._ids.get(piece)
+        return found if found is not None else self._add(piece)
+
+    def text(self, token_id: int) -> str:
+        if _BYTE_BASE <= token_id < _BYTE_BASE + 256:
+            return bytes([token_id - _BYTE_BASE]).decode(errors="replace")
+        return self._pieces.get(token_id, "<unk>")
+
+    def _add(self, piece: str) -> tuple[int, ...]:
+        with self._lock:
+            if piece in self._ids:
+                return self._ids[piece]
+            data = piece.encode()
+            token_id = _HASH_LOW + zlib.crc32(data) % (_HASH_HIGH - _HASH_LOW)
+            owner = self._pieces.setdefault(token_id, piece)
+            ids = (token_id,) if owner == piece else tuple(_BYTE_BASE + b for b in data)
+            self._ids[piece] = ids
+            if len(ids) == 1:
+                self.single[piece] = ids[0]
+            return ids
+
+
+_VOCAB = _Vocab()
+
+
+def tokenize(text: str) -> list[int]:
+    """Deterministic, reversible toy tokenization: ``detokenize(tokenize(s)) == s``."""
+    return _encode(text)[0]
+
+
+def detokenize(token_ids: Sequence[int]) -> str:
+    """Inverse of ``tokenize``; special tokens decode to their text, unknown ids to ``<unk>``."""
+    out: list[str] = []
+    pending = bytearray()
+    for token_id in token_ids:
+        if _BYTE_BASE <= token_id < _BYTE_BASE + 256:
+            pending.append(token_id - _BYTE_BASE)
+            continue
+        if pending:
+            out.append(pending.decode(errors="replace"))
+            pending.clear()
+        out.append(_VOCAB.text(token_id))
+    return "".join(out) + pending.decode(errors="replace")
+
+
+def _encode(text: str) -> tuple[list[int], list[str]]:
+    """Token ids of ``text`` and the text each one adds (a byte-spelled piece lands on its last byte)."""
+    pieces = _PIECE_RE.findall(text)
+    try:
+        return [_VOCAB.single[piece] for piece in pieces], pieces
+    except KeyError:  # a piece seen for the first time, or spelled in bytes
+        ids: list[int] = []
+        texts: list[str] = []
+        for piece in pieces:
+            piece_ids = _VOCAB.ids(piece)
+            ids.extend(piece_ids)
+            texts.extend([""] * (len(piece_ids) - 1) + [piece])
+        return ids, texts
+
+
+def sampled_logprob(token_id: int) -> float:
+    """The logprob reported for sampling ``token_id``: deterministic, in [-0.85, -0.05]."""
+    return -(0.05 + (token_id % 17) / 20)
+
+
+# ---------------------------------------------------------------- chat template
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):  # content parts: vLLM joins the text parts with newlines
+        return "\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return content if isinstance(content, str) else ""
+
+
+def _assistant_text(content: str, calls: Sequence[tuple[str, str]]) -> str:
+    """What the model generates for a turn; rendering history uses the same text."""
+    blocks = (
+        f'<tool_call>\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {args}}}\n</tool_call>'
+        for name, args in calls
+    )
+    return content + "\n".join(blocks)
+
+
+def render_chat(
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    *,
+    add_generation_prompt: bool = True,
+) -> str:
+    """Render a conversation ChatML-style: the prompt whose ``tokenize`` is ``prompt_token_ids``.
+
+    ``[{"role": "user", "content": "hi"}]`` renders to
+    ``"<|im_start|>user\\nhi<|im_end|>\\n<|im_start|>assistant\\n"``. An assistant turn with
+    ``tool_calls`` renders as the fake generates it, so a follow-up prompt begins with the
+    previous prompt's and completion's ids.
+    """
+    parts: list[str] = []
+    rest = list(messages)
+    if tools:
+        listing = "\n".join(orjson.dumps(t, option=orjson.OPT_SORT_KEYS).decode() for t in tools)
+        system = f"# Tools\n<tools>\n{listing}\n</tools>"
+        if rest and rest[0].get("role") == "system":
+            system = f"{_text(rest.pop(0).get('content'))}\n\n{system}"
+        parts.append(f"<|im_start|>system\n{system}<|im_end|>\n")
+    for message in rest:
+        body = _text(message.get("content"))
+        if message.get("role") == "assistant" and message.get("tool_calls"):
+            calls = [
+                (f["name"], f["arguments"] if isinstance(f["arguments"], str) else json.dumps(f["arguments"]))
+                for f in (c["function"] for c in message["tool_calls"])
+            ]
+            body = _assistant_text(body, calls)
+        parts.append(f"<|im_start|>{message.get('role')}\n{body}<|im_end|>\n")
+    if add_generation_prompt:
+        parts.append("<|im_start|>assistant\n")
+    return "".join(parts)
+
+
+# ---------------------------------------------------------------- port of vLLM's Hermes2ProToolParser
+
+_TC_OPEN, _TC_CLOSE = "<tool_call>", "</tool_call>"
+_TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+_NAME_RE = re.compile(r'"name"\s*:\s*"([^"]+)"')
+_ARGS_RE = re.compile(r'"arguments"\s*:\s*')
+
+
+def _parse_tool_calls(text: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """``extract_tool_calls``: (content before the calls, [(name, arguments)])."""
+    if _TC_OPEN not in text:
+        return text, []
+    try:
+        raw_calls = [json.loads(a or b) for a, b in _TOOL_CALL_RE.findall(text)]
+        calls = [(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in raw_calls]
+    except (ValueError, KeyError, TypeError):
+        return text, []  # vLLM gives up and returns the raw text as content
+    return text[: text.find(_TC_OPEN)] or None, calls
+
+
+def _tag_overlap(text: str, tag: str) -> int:
+    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:k])), 0)
+
+
+def _tool_call_bodies(text: str) -> list[tuple[str, bool]]:
+    """The JSON inside each ``<tool_call>`` so far, and whether it is complete."""
+    bodies: list[tuple[str, bool]] = []
+    pos = 0
+    while (start := text.find(_TC_OPEN, pos)) != -1:
+        body_start = start + len(_TC_OPEN)
+        end = text.find(_TC_CLOSE, body_start)
+        if end != -1:
+            bodies.append((text[body_start:end].strip(), True))
+            pos = end + len(_TC_CLOSE)
+            continue
+        raw = text[body_start:]
+        raw = raw[: len(raw) - _tag_overlap(raw, _TC_CLOSE)].strip()
+        complete = False
+        if raw:
+            with contextlib.suppress(ValueError):
+                json.loads(raw)
+                complete = True
+        bodies.append((raw, complete))
+        break
+    return bodies
+
+
+def _tool_arguments(body: str, complete: bool) -> str | None:
+    match = _ARGS_RE.search(body)
+    if match is None:
+        return None
+    raw = body[match.end() :]
+    if complete:  # drop the brace closing the outer {"name", "arguments"} object
+        raw = raw.rstrip()
+        raw = raw[:-1].rstrip() if raw.endswith("}") else raw
+    return raw
+
+
+def _hermes_deltas(texts: Sequence[str], call_id: Callable[[int], str]) -> list[dict[str, Any] | None]:
+    """``extract_tool_calls_streaming`` run token by token: one delta, or None, per token."""
+    deltas: list[dict[str, Any] | None] = []
+    text, sent = "", 0
+    streamed: list[str | None] = []  # per call: arguments sent so far, None until the name is
+    for piece in texts:
+        text += piece
+        start = text.find(_TC_OPEN)
+        sendable = start if start != -1 else len(text) - _tag_overlap(text, _TC_OPEN)
+        content = text[sent:sendable] if sendable > sent else None
+        sent = max(sent, sendable)
+        calls: list[dict[str, Any]] = []
+        for i, (body, complete) in enumerate(_tool_call_bodies(text)):
+            if i == len(streamed):
+                streamed.append(None)
+            if streamed[i] is None:
+                if (name := _NAME_RE.search(body)) is None:
+                    break
+                streamed[i] = ""
+                calls.append({"id": call_id(i), "type": "function", "index": i, "function": {"name": name[1]}})
+            sent_args = streamed[i] or ""
+            args = _tool_arguments(body, complete)
+            if args is not None and len(args) > len(sent_args):
+                calls.append({"index": i, "function": {"arguments": args[len(sent_args) :]}})
+                streamed[i] = args
+        delta = {"content": content, "tool_calls": calls} if calls else {"content": content} if content else None
+        deltas.append(delta)
+    if deltas and (last := deltas[-1]) and "tool_calls" in last:
+        # On the finishing token vLLM appends the last call's unstreamed arguments: "{}" if none went out.
+        function = last["tool_calls"][-1]["function"]
+        function["arguments"] = function.get("arguments", "") + ("" if streamed[-1] else "{}")
+    return deltas
+
+
+# ---------------------------------------------------------------- scripted replies
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A tool call the fake model makes; ``arguments`` is the JSON text it generates.
+
+    vLLM's Hermes parser re-serializes arguments with ``json.dumps`` in non-streamed
+    responses but streams the generated text: write ``arguments`` as ``json.dumps`` does
+    (``", "`` and ``": "``) and both agree. ``id`` defaults to a random ``chatcmpl-tool-...``.
+    """
+
+    name: str
+    arguments: str
+    id: str | None = None
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What the next generation request answers.
+
+    ``finish_reason`` defaults to vLLM's: "tool_calls" when the request had ``tools`` and
+    the calls parsed, "length" when ``max_tokens`` cut the output, else "stop". A
+    ``status`` other than 200 answers vLLM's error body with ``error_message``.
+    ``fail_mid_stream`` drops the connection after the first token chunk (non-streamed:
+    halfway through the body). ``delay_s`` is slept before answering.
+    """
+
+    content: str = ""
+    tool_calls: Sequence[ToolCall] = ()
+    finish_reason: str | None = None
+    status: int = 200
+    error_message: str = ""
+    fail_mid_stream: bool = False
+    delay_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Output:
+    token_ids: list[int]
+    texts: list[str]  # the text each token adds
+    truncated: bool  # cut by max_tokens
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+
+def _generate(reply: Reply, max_tokens: int | None, emit_eos: bool) -> _Output:
+    ids, texts = _encode(_assistant_text(reply.content, [(c.name, c.arguments) for c in reply.tool_calls]))
+    if emit_eos:
+        ids.append(EOS_TOKEN_ID)
+        texts.append("")  # skip_special_tokens keeps the EOS out of the text
+    truncated = max_tokens is not None and len(ids) > max_tokens
+    if truncated:
+        del ids[max_tokens:], texts[max_tokens:]
+    return _Output(ids, texts, truncated)
+
+
+def _top_logprobs(token_id: int, count: int) -> list[tuple[int, str, float]]:
+    """(id, text, logprob) at one position: the sampled token (rank 1), then runners-up."""
+    top = [(token_id, _VOCAB.text(token_id), sampled_logprob(token_id))]
+    for piece in _ALT_PIECES[: count + 1]:
+        (alt_id,) = _VOCAB.ids(piece)
+        if len(top) < count and alt_id != token_id:
+            top.append((alt_id, piece, -(1.0 + len(top))))
+    return top
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _chat_logprob(token_id: int, k: int, as_ids: bool) -> dict[str, Any]:
+    """One ``logprobs.content`` entry; cached, so callers must not mutate it."""
+
+    def entry(token_id: int, text: str, logprob: float) -> dict[str, Any]:
+        token = f"token_id:{token_id}" if as_ids else text
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    text = _VOCAB.text(token_id)
+    sampled = entry(token_id, text, sampled_logprob(token_id))
+    sampled["bytes"] = list(text.encode())  # vLLM takes these from the text even with token_id names
+    sampled["top_logprobs"] = [entry(*alt) for alt in _top_logprobs(token_id, k)[:k]]
+    return sampled
+
+
+def _chat_logprobs(ids: Sequence[int], k: int, as_ids: bool) -> dict[str, Any]:
+    return {"content": [_chat_logprob(token_id, k, as_ids) for token_id in ids]}
+
+
+def _completion_logprobs(ids: Sequence[int], k: int, offset: int, as_ids: bool) -> dict[str, Any]:
+    def name(token_id: int, text: str) -> str:
+        return f"token_id:{token_id}" if as_ids else text
+
+    tokens = [name(t, _VOCAB.text(t)) for t in ids]
+    offsets = [offset + sum(map(len, tokens[:j])) for j in range(len(tokens))]
+    tops = [{name(i, p): lp for i, p, lp in _top_logprobs(t, max(k, 1))} for t in ids]
+    return {
+        "text_offset": offsets,
+        "token_logprobs": [sampled_logprob(t) for t in ids],
+        "tokens": tokens,
+        "top_logprobs": tops,
+    }
+
+
+# ---------------------------------------------------------------- errors and responses
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    422: "UnprocessableEntityError",
+    500: "InternalServerError",
+    501: "NotImplementedError",
+    503: "ServiceUnavailableError",
+}
+_PATHS = (
+    re.compile(r"/(?:home|usr|opt|var|tmp|root|lib|mnt|srv)(?:/[\w.\-]+)+"),
+    re.compile(r"(?:/[\w\-]+)+/[\w\-]+\.\w+"),
+)
+
+
+class _VLLMError(Exception):
+    """Answered as vLLM's ``ErrorResponse``; like vLLM's sanitize_message, paths become ``<path>``."""
+
+    def __init__(self, message: str, err_type: str, status: int, param: str | None = None) -> None:
+        super().__init__(message)
+        for pattern in _PATHS:
+            message = pattern.sub("<path>", message)
+        self.body = {"error": {"message": message.strip(), "type": err_type, "param": param, "code": status}}
+        self.status = status
+
+
+class _AbortConnection(Exception):
+    """Raised inside a stream to drop the connection without finishing the response."""
+
+
+def _invalid(field: str, kind: str = "missing", msg: str = "Field required") -> _VLLMError:
+    message = f"1 validation error:\n  {{'type': '{kind}', 'loc': 'body.{field}', 'msg': '{msg}'}}"
+    return _VLLMError(message, "Bad Request", 400, param=f"body.{field}")
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    try:
+        body = orjson.loads(await request.body())
+    except orjson.JSONDecodeError as exc:
+        raise _invalid("json", "json_invalid", "JSON decode error") from exc
+    if not isinstance(body, dict):
+        raise _invalid("json", "model_attributes_type", "Input should be a valid dictionary")
+    return body
+
+
+def _json(content: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(content), status_code=status, media_type="application/json")
+
+
+async def _error_response(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, _VLLMError)
+    return _json(exc.body, exc.status)
+
+
+def _event(chunk: Mapping[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+
+def _random_id() -> str:
+    return os.urandom(8).hex()  # vLLM's random_uuid(): 16 hex characters
+
+
+class _EventStream:
+    """ASGI ``text/event-stream`` response that stops early when the client leaves.
+
+    ``_AbortConnection`` from the events leaves the response unfinished, which makes
+    uvicorn close the socket (and log one error line).
+    """
+
+    def __init__(self, events: AsyncGenerator[bytes, None], on_disconnect: Callable[[], None]) -> None:
+        self._events = events
+        self._on_disconnect = on_disconnect
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = [(b"content-type", b"text/event-stream; charset=utf-8")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+        try:
+            async for event in self._events:
+                if watcher.done():
+                    self._on_disconnect()
+                    return
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+        except _AbortConnection:
+            return
+        finally:
+            watcher.cancel()
+            await self._events.aclose()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class _CutResponse:
+    """A JSON response whose connection drops halfway through the body."""
+
+    def __init__(self, body: bytes) -> None:
+        self._body = body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(self._body))]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        half = self._body[: len(self._body) // 2]
+        await send({"type": "http.response.body", "body": half, "more_body": True})
+
+
+# ---------------------------------------------------------------- the server
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One accepted generation request."""
+
+    head: dict[str, Any]  # id, object, created, model: the first keys of every body and chunk
+    prompt_ids: list[int]
+    out: _Output
+    reply: Reply
+    n: int
+    include_usage: bool
+    return_token_ids: bool
+    tokens_as_ids: bool  # return_tokens_as_token_ids
+
+    def usage(self, *, nulls: bool) -> dict[str, Any]:
+        prompt, completion = len(self.prompt_ids), self.n * len(self.out.token_ids)
+        usage: dict[str, Any] = {
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + completion,
+            "completion_tokens": completion,
+        }
+        if nulls:
+            usage |= {"prompt_tokens_details": None, "completion_tokens_details": None}
+        return usage
+
+
+class FakeVLLM:
+    """State and Starlette ``app`` of a fake vLLM server.
+
+    Example::
+
+        fake = FakeVLLM()
+        fake.script(Reply("hello"), Reply(tool_calls=[ToolCall("f", '{"x": 1}')]))
+        with serve_in_thread(fake.app) as url:
+            ...  # an OpenAI client on f"{url}/v1" gets "hello", then a call to f
+        assert fake.requests[0]["model"] == "fake/base-model"
+    """
+
+    tokenize = staticmethod(tokenize)
+    detokenize = staticmethod(detokenize)
+    render_chat = staticmethod(render_chat)
+    sampled_logprob = staticmethod(sampled_logprob)
+    max_model_len = 32768
+
+    def __init__(
+        self, base_model: str = "fake/base-model", *, token_delay_s: float = 0.0, emit_eos: bool = False
+    ) -> None:
+        self.base_model = base_model
+        self.token_delay_s = token_delay_s
+        self.emit_eos = emit_eos
+        self.requests: list[dict[str, Any]] = []  # every generation body received, in order
+        self.loras: dict[str, str] = {}  # loaded adapters: name -> path
+        self.fail_next_load: str | None = None  # the engine error the next load fails with
+        self.disconnected_streams = 0  # streams cut short because the client went away
+        self._replies: deque[Reply] = deque()
+        self._fingerprint = f"vllm-{VLLM_VERSION}-{zlib.crc32(base_model.encode()):08x}"
+        self.app = Starlette(
+            routes=[
+                Route("/v1/models", self._models, methods=["GET"]),
+                Route("/v1/chat/completions", self._chat, methods=["POST"]),
+                Route("/v1/completions", self._completions, methods=["POST"]),
+                Route("/v1/load_lora_adapter", self._load_lora, methods=["POST"]),
+                Route("/v1/unload_lora_adapter", self._unload_lora, methods=["POST"]),
+                Route("/health", self._health, methods=["GET"]),
+                Route("/ping", self._health, methods=["GET", "POST"]),
+            ],
+            exception_handlers={_VLLMError: _error_response},
+        )
+
+    def script(self, *replies: Reply) -> None:
+        """Queue replies; each generation request takes the oldest (an echo when none is left)."""
+        self._replies.extend(replies)
+
+    @staticmethod
+    def lora_not_found_message(lora_name: str, lora_path: str) -> str:
+        """vLLM's LoRAAdapterNotFoundError text: as ``fail_next_load`` it makes the load a 404."""
+        return f"Loading lora {lora_name} failed: No adapter found for {lora_path}"
+
+    # ---- generation
+
+    async def _chat(self, request: Request) -> Any:
+        body = await _json_body(request)
+        self.requests.append(body)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise _invalid("messages")
+        model = self._served_model(body.get("model"))
+        add_generation_prompt = body.get("add_generation_prompt", True) is not False
+        try:
+            prompt = render_chat(messages, body.get("tools"), add_generation_prompt=add_generation_prompt)
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise _invalid("messages", "value_error", f"Malformed message: {exc!r}") from exc
+        user = next((m.get("content") for m in reversed(messages) if m.get("role") == "user"), "")
+        reply = await self._take_reply(f"echo: {_text(user)}")
+        limit = next((body[key] for key in ("max_completion_tokens", "max_tokens") if body.get(key) is not None), None)
+        job = self._job(request, body, "chat.completion", model, tokenize(prompt), reply, limit)
+        role = "assistant" if add_generation_prompt or not messages else str(messages[-1].get("role"))
+        parse_tools = bool(body.get("tools")) and body.get("tool_choice", "auto") != "none"
+        k = min(int(body.get("top_logprobs") or 0), MAX_LOGPROBS) if body.get("logprobs") else None
+        if body.get("stream"):
+            return self._stream(
+                job, [self._role_chunk(job, i, role) for i in range(job.n)], self._chat_chunk_maker(job, parse_tools, k)
+            )
+        if self.token_delay_s:
+            await asyncio.sleep(self.token_delay_s * len(job.out.token_ids))
+        return self._respond(self._chat_body(job, role, parse_tools, k), reply)
+
+    async def _completions(self, request: Request) -> Any:
+        body = await _json_body(request)
+        self.requests.append(body)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        if not prompt:
+            raise _VLLMError(
+                "Either prompt or prompt_embeds must be provided and non-empty.", "BadRequestError", 400, "prompt"
+            )
+        if not isinstance(prompt, str) and not all(isinstance(t, int) for t in prompt):
+            raise _VLLMError("fake_vllm serves one prompt per request.", "BadRequestError", 400, "prompt")
+        prompt_ids = tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        model = self._served_model(body.get("model"))
+        reply = await self._take_reply(f"echo: {detokenize(prompt_ids)}")
+        job = self._job(request, body, "text_completion", model, prompt_ids, reply, body.get("max_tokens", 16))
+        k = min(int(body["logprobs"]), MAX_LOGPROBS) if body.get("logprobs") is not None else None
+        if body.get("stream"):
+            return self._stream(job, [], self._completion_chunk_maker(job, k))
+        if self.token_delay_s:
+            await asyncio.sleep(self.token_delay_s * len(job.out.token_ids))
+        return self._respond(self._completion_body(job, k), reply)
+
+    def _served_model(self, model: Any) -> str:
+        if not model or model == self.base_model:
+            return self.base_model
+        if model in self.loras:
+            return str(model)
+        raise _VLLMError(
+            f"The model `{model}` does not exist. Valid aliases: {self.base_model}.",
+            "NotFoundError",
+            404,
+            param="model",
+        )
+
+    async def _take_reply(self, echo: str) -> Reply:
+        reply = self._replies.popleft() if self._replies else Reply(content=echo)
+        if reply.delay_s:
+            await asyncio.sleep(reply.delay_s)
+        if reply.status != 200:
+            err_type = _ERROR_TYPES.get(reply.status) or HTTPStatus(reply.status).phrase
+            raise _VLLMError(reply.error_message or err_type, err_type, reply.status)
+        return reply
+
+    def _job(
+        self,
+        request: Request,
+        body: Mapping[str, Any],
+        kind: str,
+        model: str,
+        prompt_ids: list[int],
+        reply: Reply,
+        max_tokens: int | None,
+    ) -> _Job:
+        stream = bool(body.get("stream"))
+        prefix = "chatcmpl-" if kind == "chat.completion" else "cmpl-"
+        request_id = request.headers.get("x-request-id") or str(body.get("request_id") or _random_id())
+        head = {
+            "id": prefix + request_id,
+            "object": f"{kind}.chunk" if stream and prefix == "chatcmpl-" else kind,
+            "created": int(time.time()),
+            "model": model,
+        }
+        return _Job(
+            head=head,
+            prompt_ids=prompt_ids,
+            reply=reply,
+            n=int(body.get("n") or 1),
+            out=_generate(reply, None if max_tokens is None else int(max_tokens), self.emit_eos),
+            include_usage=stream and bool((body.get("stream_options") or {}).get("include_usage")),
+            return_token_ids=bool(body.get("return_token_ids")),
+            tokens_as_ids=bool(body.get("return_tokens_as_token_ids")),
+        )
+
+    @staticmethod
+    def _respond(content: dict[str, Any], reply: Reply) -> Any:
+        return _CutResponse(orjson.dumps(content)) if reply.fail_mid_stream else _json(content)
+
+    def _chat_body(self, job: _Job, role: str, parse_tools: bool, k: int | None) -> dict[str, Any]:
+        out = job.out
+        content, calls = _parse_tool_calls(out.text) if parse_tools else (out.text, [])
+        finish = job.reply.finish_reason or ("tool_calls" if calls else "length" if out.truncated else "stop")
+        logprobs = None if k is None else _chat_logprobs(out.token_ids, k, job.tokens_as_ids)
+        choices = []
+        for i in range(job.n):
+            message: dict[str, Any] = {
+                "role": role,
+                "content": content,
+                "refusal": None,
+                "annotations": None,
+                "audio": None,
+                "function_call": None,
+            }
+            if calls:  # vLLM drops an empty tool_calls list from the message
+                message["tool_calls"] = [
+                    {"id": self._call_id(job, j), "type": "function", "function": {"name": name, "arguments": args}}
+                    for j, (name, args) in enumerate(calls)
+                ]
+            message["reasoning"] = None
+            choices.append(
+                {
+                    "index": i,
+                    "message": message,
+                    "logprobs": logprobs,
+                    "finish_reason": finish,
+                    "stop_reason": None,
+                    "token_ids": out.token_ids if job.return_token_ids else None,
+                    "routed_experts": None,
+                }
+            )
+        return {
+            **job.head,
+            "choices": choices,
+            "service_tier": None,
+            "system_fingerprint": self._fingerprint,
+            "usage": job.usage(nulls=True),
+            "prompt_logprobs": None,
+            "prompt_token_ids": job.prompt_ids if job.return_token_ids else None,
+            "prompt_text": None,
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "metrics": None,
+        }
+
+    def _completion_body(self, job: _Job, k: int | None) -> dict[str, Any]:
+        out = job.out
+        finish = job.reply.finish_reason or ("length" if out.truncated else "stop")
+        logprobs = None if k is None else _completion_logprobs(out.token_ids, k, 0, job.tokens_as_ids)
+        choices = [
+            {
+                "index": i,
+                "text": out.text,
+                "logprobs": logprobs,
+                "finish_reason": finish,
+                "stop_reason": None,
+                "token_ids": out.token_ids if job.return_token_ids else None,
+                "prompt_logprobs": None,
+                "prompt_token_ids": job.prompt_ids if job.return_token_ids else None,
+                "routed_experts": None,
+            }
+            for i in range(job.n)
+        ]
+        return {
+            **job.head,
+            "choices": choices,
+            "service_tier": None,
+            "system_fingerprint": self._fingerprint,
+            "usage": job.usage(nulls=True),
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "metrics": None,
+        }
+
+    @staticmethod
+    def _call_id(job: _Job, index: int) -> str:
+        scripted = job.reply.tool_calls[index].id if index < len(job.reply.tool_calls) else None
+        return scripted or f"chatcmpl-tool-{_random_id()}"
+
+    @staticmethod
+    def _role_chunk(job: _Job, index: int, role: str) -> dict[str, Any]:
+        choice = {"index": index, "delta": {"role": role, "content": ""}, "logprobs": None, "finish_reason": None}
+        return {
+            **job.head,
+            "choices": [choice],
+            "prompt_token_ids": job.prompt_ids if job.return_token_ids else None,
+            "prompt_text": None,
+        }
+
+    def _chat_chunk_maker(
+        self, job: _Job, parse_tools: bool, k: int | None
+    ) -> Callable[[int, int, bool], dict[str, Any] | None]:
+        out = job.out
+        if parse_tools:
+            deltas = [_hermes_deltas(out.texts, lambda j: self._call_id(job, j)) for _ in range(job.n)]
+        else:  # the parser passes text through, and has nothing to say for an empty delta
+            deltas = [[{"content": t} if t else None for t in out.texts]] * job.n
+        tools_streamed = [any(d is not None and "tool_calls" in d for d in ds) for ds in deltas]
+
+        def choice(step: int, i: int, last: bool) -> dict[str, Any] | None:
+            token_ids = out.token_ids[step : step + 1]
+            delta = deltas[i][step] if token_ids else {"content": ""}
+            if delta is None:
+                if not last and k is None and not job.return_token_ids:
+                    return None
+                delta = {}
+            logprobs = None if k is None else _chat_logprobs(token_ids, k, job.tokens_as_ids)
+            body: dict[str, Any] = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+            if last:
+                natural = "length" if out.truncated else "tool_calls" if tools_streamed[i] else "stop"
+                body |= {"finish_reason": job.reply.finish_reason or natural, "stop_reason": None}
+            body["token_ids"] = token_ids if job.return_token_ids else None
+            return body
+
+        return choice
+
+    @staticmethod
+    def _completion_chunk_maker(job: _Job, k: int | None) -> Callable[[int, int, bool], dict[str, Any] | None]:
+        out = job.out
+        finish = job.reply.finish_reason or ("length" if out.truncated else "stop")
+        names = (f"token_id:{t}" if job.tokens_as_ids else _VOCAB.text(t) for t in out.token_ids)
+        offsets = list(itertools.accumulate(map(len, names), initial=0))  # logprobs.text_offset per token
+
+        def choice(step: int, i: int, last: bool) -> dict[str, Any]:
+            token_ids = out.token_ids[step : step + 1]
+            logprobs = None if k is None else _completion_logprobs(token_ids, k, offsets[step], job.tokens_as_ids)
+            return {
+                "index": i,
+                "text": out.texts[step] if token_ids else "",
+                "logprobs": logprobs,
+                "finish_reason": finish if last else None,
+                "stop_reason": None,
+                "prompt_token_ids": job.prompt_ids if job.return_token_ids and step == 0 else None,
+                "token_ids": token_ids if job.return_token_ids else None,
+            }
+
+        return choice
+
+    def _stream(
+        self, job: _Job, opening: Sequence[dict[str, Any]], choice: Callable[[int, int, bool], dict[str, Any] | None]
+    ) -> _EventStream:
+        return _EventStream(self._events(job, opening, choice), self._count_disconnect)
+
+    async def _events(
+        self, job: _Job, opening: Sequence[dict[str, Any]], choice: Callable[[int, int, bool], dict[str, Any] | None]
+    ) -> AsyncGenerator[bytes, None]:
+        """Both APIs' streams: opening chunks, a chunk per token per choice, usage, ``[DONE]``."""
+        for chunk in opening:
+            yield _event(chunk)
+        steps = max(len(job.out.token_ids), 1)  # an empty output still gets its finishing chunk
+        for step in range(steps):
+            await asyncio.sleep(self.token_delay_s)
+            last = step == steps - 1
+            for i in range(job.n):
+                body = choice(step, i, last)
+                if body is None:
+                    continue
+                chunk = {**job.head, "choices": [body]}
+                if last and not job.include_usage:
+                    chunk["system_fingerprint"] = self._fingerprint
+                yield _event(chunk)
+                if job.reply.fail_mid_stream:
+                    raise _AbortConnection
+        if job.include_usage:
+            usage = job.usage(nulls=False)
+            yield _event({**job.head, "choices": [], "usage": usage, "system_fingerprint": self._fingerprint})
+        yield b"data: [DONE]\n\n"
+
+    def _count_disconnect(self) -> None:
+        self.disconnected_streams += 1
+
+    # ---- models and adapters
+
+    async def _models(self, request: Request) -> Response:
+        now = int(time.time())
+
+        def card(model_id: str, root: str, parent: str | None, max_model_len: int | None) -> dict[str, Any]:
+            permission = {
+                "id": f"modelperm-{_random_id()}",
+                "object": "model_permission",
+                "created": now,
+                "allow_create_engine": False,
+                "allow_sampling": True,
+                "allow_logprobs": True,
+                "allow_search_indices": False,
+                "allow_view": True,
+                "allow_fine_tuning": False,
+                "organization": "*",
+                "group": None,
+                "is_blocking": False,
+            }
+            return {
+                "id": model_id,
+                "object": "model",
+                "created": now,
+                "owned_by": "vllm",
+                "root": root,
+                "parent": parent,
+                "max_model_len": max_model_len,
+                "permission": [permission],
+            }
+
+        cards = [card(self.base_model, self.base_model, None, self.max_model_len)]
+        cards += [card(name, path, self.base_model, None) for name, path in self.loras.items()]
+        return _json({"object": "list", "data": cards})
+
+    async def _load_lora(self, request: Request) -> Response:
+        body = await _json_body(request)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not name or not path:
+            raise _VLLMError("Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput", 400)
+        if name == self.base_model:
+            raise _VLLMError(f"The lora adapter '{name}' conflicts with a served base model.", "InvalidUserInput", 400)
+        if not body.get("load_inplace") and name in self.loras:
+            raise _VLLMError(
+                f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                "adapter in place, set 'load_inplace' to True.",
+                "InvalidUserInput",
+                400,
+            )
+        if self.fail_next_load is not None:
+            engine_error, self.fail_next_load = self.fail_next_load, None
+            not_found = self.lora_not_found_message(name, path)
+            if not_found in engine_error:
+                raise _VLLMError(not_found, "NotFoundError", 404)
+            raise _VLLMError(engine_error, "InternalServerError", 500)
+        self.loras[name] = path
+        # vLLM answers a bare text body without a content-type.
+        return Response(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def _unload_lora(self, request: Request) -> Response:
+        name = (await _json_body(request)).get("lora_name")
+        if not name:
+            raise _VLLMError("'lora_name' needs to be provided to unload a LoRA adapter.", "InvalidUserInput", 400)
+        if name not in self.loras:
+            raise _VLLMError(f"The lora adapter '{name}' cannot be found.", "NotFoundError", 404)
+        del self.loras[name]
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.")
+
+    async def _health(self, request: Request) -> Response:
+        return Response()
+
+
+# ---------------------------------------------------------------- running it
+
+
+class _QuickServer(uvicorn.Server):
+    """Notices ``should_exit`` within 10 ms instead of 100 ms: test suites stop many servers."""
+
+    async def main_loop(self) -> None:
+        counter = 0
+        while not await self.on_tick(counter):
+            counter = (counter + 1) % 864000
+            await asyncio.sleep(0.01)
+
+
+@contextmanager
+def serve_in_thread(app: ASGIApp, host: str = "127.0.0.1", *, startup_timeout_s: float = 10.0) -> Iterator[str]:
+    """Serve any ASGI ``app`` with uvicorn on an ephemeral port in a daemon thread.
+
+    Yields the base URL, e.g. ``http://127.0.0.1:PORT``; on exit the server stops and the
+    thread is joined. Lifespan events run, so a FastAPI app's start-up happens first.
+    """
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=0,
+        loop="asyncio",
+        ws="none",
+        log_config=None,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=1,
+    )
+    server = _QuickServer(config)
+    thread = threading.Thread(target=server.run, name=f"uvicorn-{host}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout_s
+    try:
+        while not server.started:
+            if not thread.is_alive():
+                raise RuntimeError("uvicorn stopped during start-up (see its log)")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"uvicorn did not start within {startup_timeout_s}s")
+            time.sleep(0.005)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        yield f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python tests/fake_vllm.py --port 8001``: serve the fake alone, for benchmarks."""
+    parser = argparse.ArgumentParser(description="A fake vLLM 0.32 OpenAI-compatible server.")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8001)
+    parser.add_argument("--model", default="fake/base-model", help="served base model name")
+    parser.add_argument("--token-delay", type=float, default=0.0, help="seconds per generated token")
+    parser.add_argument("--emit-eos", action="store_true", help="end natural stops with the EOS id")
+    args = parser.parse_args(argv)
+    fake = FakeVLLM(args.model, token_delay_s=args.token_delay, emit_eos=args.emit_eos)
+    uvicorn.run(
+        fake.app,
+        host=args.host,
+        port=args.port,
+        loop="uvloop",
+        http="httptools",
+        ws="none",
+        lifespan="off",
+        access_log=False,
+        log_level="warning",
+    )
+
+
+if __name__ == "__main__":
+    main()

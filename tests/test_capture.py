@@ -1,0 +1,254 @@
+"""Token-in/token-out capture, through the real OpenAI client, against a fake vLLM."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import orjson
+from conftest import RunningProxy
+from fake_vllm import EOS_TOKEN_ID, FakeVLLM, Reply, ToolCall
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def stored_calls(proxy: RunningProxy, trajectory_id: str) -> list[dict]:
+    return httpx.get(f"{proxy.v1}/trajectories/{trajectory_id}").json()["calls"]
+
+
+def test_non_streamed_call_records_exact_prompt_and_completion_ids(proxy: RunningProxy, fake: FakeVLLM) -> None:
+    fake.script(Reply(content="Paris is the capital."))
+    raw = proxy.client().chat.completions.with_raw_response.create(model="agent", messages=QUESTION)
+    call = stored_calls(proxy, raw.headers["x-trajectory-id"])[0]
+    assert call["prompt_token_ids"] == fake.tokenize(fake.render_chat(QUESTION, None))
+    assert call["completion_token_ids"] == [*fake.tokenize("Paris is the capital."), EOS_TOKEN_ID]
+    assert len(call["logprobs"]) == len(call["completion_token_ids"])
+    assert all(lp < 0 for lp in call["logprobs"])
+    assert call["finish_reason"] == "stop"
+    assert call["response"]["choices"][0]["message"]["content"] == "Paris is the capital."
+
+
+def test_proxy_asks_upstream_for_token_ids_and_logprobs(proxy: RunningProxy, fake: FakeVLLM) -> None:
+    proxy.client().chat.completions.create(model="agent", messages=QUESTION)
+    forwarded = fake.requests[-1]
+    assert forwarded["return_token_ids"] is True
+    assert forwarded["logprobs"] is True
+    assert forwarded["model"] == fake.base_model
+
+
+def test_fields_the_client_did_not_ask_for_are_stripped(proxy: RunningProxy) -> None:
+    raw = httpx.post(f"{proxy.v1}/chat/completions", json={"model": "agent", "messages": QUESTION}).json()
+    assert raw.get("prompt_token_ids") is None
+    choice = raw["choices"][0]
+    assert choice.get("token_ids") is None
+    assert choice["logprobs"] is None
+    assert raw["model"] == "agent@0"
+
+
+def test_fields_the_client_asked_for_are_kept_and_match_the_record(proxy: RunningProxy) -> None:
+    body = {"model": "agent", "messages": QUESTION, "logprobs": True, "top_logprobs": 2, "return_token_ids": True}
+    response = httpx.post(f"{proxy.v1}/chat/completions", json=body)
+    raw = response.json()
+    call = stored_calls(proxy, response.headers["x-trajectory-id"])[0]
+    assert raw["prompt_token_ids"] == call["prompt_token_ids"]
+    assert raw["choices"][0]["token_ids"] == call["completion_token_ids"]
+    assert [c["logprob"] for c in raw["choices"][0]["logprobs"]["content"]] == call["logprobs"]
+    assert len(raw["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
+
+
+def test_streamed_call_reassembles_ids_logprobs_and_usage(proxy: RunningProxy, fake: FakeVLLM) -> None:
+    fake.script(Reply(content="Paris, of course."))
+    client = proxy.client()
+    with client.chat.completions.with_streaming_response.create(
+        model="agent", messages=QUESTION, stream=True, logprobs=True, extra_body={"return_token_ids": True}
+    ) as response:
+        trajectory_id = response.headers["x-trajectory-id"]
+        chunks = list(response.parse())
+    seen_ids = [i for c in chunks for ch in c.choices for i in (ch.model_extra or {}).get("token_ids") or []]
+    seen_logprobs = [t.logprob for c in chunks for ch in c.choices if ch.logprobs for t in ch.logprobs.content or []]
+    text = "".join(ch.delta.content or "" for c in chunks for ch in c.choices)
+    call = stored_calls(proxy, trajectory_id)[0]
+    assert text == "Paris, of course."
+    assert call["completion_token_ids"] == [*fake.tokenize("Paris, of course."), EOS_TOKEN_ID] == seen_ids
+    assert call["logprobs"] == seen_logprobs
+    assert call["prompt_token_ids"] == fake.tokenize(fake.render_chat(QUESTION, None))
+    assert call["prompt_token_ids"] == (chunks[0].model_extra or {})["prompt_token_ids"]
+    assert call["completion_tokens"] == len(seen_ids)
+    assert call["response"]["choices"][0]["message"]["content"] == "Paris, of course."
+    assert call["stream"] is True and call["ttft_ms"] is not None
+
+
+def test_stream_strips_what_was_not_asked_and_drops_the_usage_chunk(proxy: RunningProxy) -> None:
+    body = {"model": "agent", "messages": QUESTION, "stream": True}
+    with httpx.stream("POST", f"{proxy.v1}/chat/completions", json=body) as response:
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [orjson.loads(e) for e in events[:-1]]
+    assert all(c.get("prompt_token_ids") is None for c in chunks)
+    assert all(ch.get("token_ids") is None for c in chunks for ch in c["choices"])
+    assert all(ch.get("logprobs") is None for c in chunks for ch in c["choices"])
+    assert all(c["choices"] for c in chunks), "the usage-only chunk the client did not ask for must not appear"
+
+
+def test_stream_keeps_usage_chunk_when_asked(proxy: RunningProxy) -> None:
+    stream = proxy.client().chat.completions.create(
+        model="agent", messages=QUESTION, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+
+
+def test_stream_is_forwarded_before_upstream_finishes(start_proxy, fake: FakeVLLM) -> None:
+    fake.token_delay_s = 0.2
+    fake.script(Reply(content="one two three four five six"))
+    proxy = start_proxy()
+    started = time.perf_counter()
+    arrivals = []
+    for chunk in proxy.client().chat.completions.create(model="agent", messages=QUESTION, stream=True):
+        if chunk.choices and chunk.choices[0].delta.content:
+            arrivals.append(time.perf_counter() - started)
+    total = time.perf_counter() - started
+    assert len(arrivals) >= 6
+    assert arrivals[0] < total - 0.8, f"first token at {arrivals[0]:.2f}s of {total:.2f}s: the proxy buffered"
+
+
+def test_tool_calls_round_trip_non_streamed(proxy: RunningProxy, fake: FakeVLLM) -> None:
+    fake.script(Reply(tool_calls=[ToolCall("get_weather", '{"city": "Paris"}')]))
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    raw = proxy.client().chat.completions.with_raw_response.create(model="agent", messages=QUESTION, tools=tools)
+    completion = raw.parse()
+    call_out = completion.choices[0].message.tool_calls[0]
+    assert call_out.function.name == "get_weather" and completion.choices[0].finish_reason == "tool_calls"
+    stored = stored_calls(proxy, raw.headers["x-trajectory-id"])[0]
+    message = stored["response"]["choices"][0]["message"]
+    assert message["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert stored["request"]["tools"] == tools
+    assert stored["completion_token_ids"]
+
+
+def test_tool_calls_round_trip_streamed(proxy: RunningProxy, fake: FakeVLLM) -> None:
+    fake.script(Reply(tool_calls=[ToolCall("get_weather", '{"city": "Paris"}')]))
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    client = proxy.client()
+    with client.chat.completions.stream(model="agent", messages=QUESTION, tools=tools) as stream:
+        final = stream.get_final_completion()
+    assert final.choices[0].message.tool_calls[0].function.arguments == '{"city": "Paris"}'
+    trajectories = httpx.get(f"{proxy.v1}/trajectories").json()["data"]
+    stored = stored_calls(proxy, trajectories[0]["id"])[0]
+    tool_call = stored["response"]["choices"][0]["message"]["tool_calls"][0]
+    assert tool_call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert tool_call["id"]
+    assert stored["finish_reason"] == "tool_calls"
+
+
+def test_completions_endpoint_is_captured_streamed_and_not(proxy: RunningProxy, fake: FakeVLLM) -> None:
+    client = proxy.client()
+    fake.script(Reply(content=" Paris"), Reply(content=" Lyon"))
+    raw = client.completions.with_raw_response.create(model="agent", prompt="The capital of France is")
+    assert raw.parse().choices[0].text == " Paris"
+    call = stored_calls(proxy, raw.headers["x-trajectory-id"])[0]
+    assert call["endpoint"] == "completions"
+    assert call["prompt_token_ids"] == fake.tokenize("The capital of France is")
+    assert call["completion_token_ids"] == [*fake.tokenize(" Paris"), EOS_TOKEN_ID]
+    assert len(call["logprobs"]) == len(call["completion_token_ids"])
+    with client.completions.with_streaming_response.create(
+        model="agent", prompt="The capital of France is", stream=True
+    ) as response:
+        text = "".join(c.choices[0].text for c in response.parse() if c.choices)
+        trajectory_id = response.headers["x-trajectory-id"]
+    assert text == " Lyon"
+    call = stored_calls(proxy, trajectory_id)[0]
+    assert call["completion_token_ids"] == [*fake.tokenize(" Lyon"), EOS_TOKEN_ID]
+    assert call["prompt_token_ids"] == fake.tokenize("The capital of France is")
+
+
+def test_record_is_durable_before_the_response_arrives(proxy: RunningProxy) -> None:
+    raw = proxy.client().chat.completions.with_raw_response.create(model="agent", messages=QUESTION)
+    rows = proxy.rows("SELECT trajectory_id, status_code FROM calls")  # no waiting, another connection
+    assert [(r["trajectory_id"], r["status_code"]) for r in rows] == [(raw.headers["x-trajectory-id"], 200)]
+
+
+def test_streamed_record_is_durable_before_done_arrives(proxy: RunningProxy) -> None:
+    body = {"model": "agent", "messages": QUESTION, "stream": True}
+    with httpx.stream("POST", f"{proxy.v1}/chat/completions", json=body) as response:
+        for line in response.iter_lines():
+            if line == "data: [DONE]":
+                rows = proxy.rows("SELECT completion_token_ids FROM calls")
+                break
+    assert len(rows) == 1 and orjson.loads(rows[0]["completion_token_ids"])
+
+
+async def test_sixty_concurrent_calls_are_all_captured(proxy: RunningProxy, fake: FakeVLLM) -> None:
+    fake.token_delay_s = 0.005
+    client = proxy.async_client()
+
+    async def one(i: int) -> str:
+        messages = [{"role": "user", "content": f"task number {i}"}]
+        if i % 2:
+            stream = await client.chat.completions.create(model="agent", messages=messages, stream=True)
+            async for _ in stream:
+                pass
+            return f"task number {i}"
+        raw = await client.chat.completions.with_raw_response.create(
+            model="agent", messages=messages, extra_headers={"X-Trajectory-Id": f"t-{i}"}
+        )
+        assert raw.headers["x-trajectory-id"] == f"t-{i}"
+        return f"task number {i}"
+
+    await asyncio.gather(*(one(i) for i in range(60)))
+    await client.close()
+    rows = proxy.rows("SELECT request, completion_token_ids, status_code FROM calls")
+    assert len(rows) == 60
+    asked = sorted(orjson.loads(r["request"])["messages"][0]["content"] for r in rows)
+    assert asked == sorted(f"task number {i}" for i in range(60))
+    for row in rows:
+        content = orjson.loads(row["request"])["messages"][0]["content"]
+        assert orjson.loads(row["completion_token_ids"]) == [*fake.tokenize(f"echo: {content}"), EOS_TOKEN_ID]
+        assert row["status_code"] == 200
+    assert proxy.rows("SELECT count(*) AS n FROM trajectories")[0]["n"] == 60
+
+
+def test_client_hanging_up_mid_stream_keeps_what_was_sampled(proxy: RunningProxy, fake: FakeVLLM) -> None:
+    fake.token_delay_s = 0.1
+    fake.script(Reply(content=" ".join(f"w{i}" for i in range(40))))
+    body = {"model": "agent", "messages": QUESTION, "stream": True}
+    with httpx.stream("POST", f"{proxy.v1}/chat/completions", json=body) as response:
+        for line in response.iter_lines():
+            if "w2" in line:
+                break  # hang up
+    deadline = time.monotonic() + 5
+    rows: list = []
+    while time.monotonic() < deadline and not rows:
+        rows = proxy.rows("SELECT status_code, error, completion_token_ids FROM calls")
+        time.sleep(0.05)
+    assert rows and rows[0]["status_code"] == 499
+    assert "disconnected" in rows[0]["error"]
+    assert len(orjson.loads(rows[0]["completion_token_ids"])) >= 3
+
+
+def test_upstream_dying_mid_stream_is_reported_and_recorded(proxy: RunningProxy, fake: FakeVLLM) -> None:
+    fake.script(Reply(content="one two three four", fail_mid_stream=True))
+    body = {"model": "agent", "messages": QUESTION, "stream": True}
+    with httpx.stream("POST", f"{proxy.v1}/chat/completions", json=body) as response:
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert "[DONE]" not in events
+    assert orjson.loads(events[-1])["error"]["type"] == "upstream_error"
+    rows = proxy.rows("SELECT status_code, error FROM calls")
+    assert rows[0]["status_code"] == 502 and rows[0]["error"]
+
+
+def test_concurrent_threads_with_sync_client_share_one_group(proxy: RunningProxy) -> None:
+    ids: list[str] = []
+
+    def attempt() -> None:
+        raw = proxy.client().chat.completions.with_raw_response.create(model="agent", messages=QUESTION)
+        ids.append(raw.headers["x-group-id"])
+
+    threads = [threading.Thread(target=attempt) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(ids)) == 1

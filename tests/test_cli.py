@@ -1,0 +1,87 @@
+"""The ``tracetrain`` command: help that explains, clear refusals, and a real serve/stop cycle."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from fake_vllm import FakeVLLM
+
+from proxy.cli import main
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_help_explains_serve(capsys) -> None:
+    try:
+        main(["serve", "--help"])
+    except SystemExit as exc:
+        assert exc.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--upstream", "--host", "--port", "--data-dir", "--no-train", "--database-url", "OPENAI_BASE_URL"):
+        assert flag in out
+
+
+def test_serve_on_a_public_address_without_keys_says_what_to_do(tmp_path: Path) -> None:
+    try:
+        main(["serve", "--upstream", "http://127.0.0.1:9/v1", "--host", "0.0.0.0", "--data-dir", str(tmp_path)])
+    except SystemExit as exc:
+        assert "TRACETRAIN_API_KEYS" in str(exc.code)
+    else:
+        raise AssertionError("serve started on 0.0.0.0 without keys")
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM])
+def test_serve_proxies_and_stops_cleanly(tmp_path: Path, fake: FakeVLLM, stop_signal: signal.Signals) -> None:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRACETRAIN_")}
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "proxy.cli",
+            "serve",
+            "--upstream",
+            f"{fake.url}/v1",
+            "--port",
+            str(port),
+            "--data-dir",
+            str(tmp_path),
+            "--no-train",
+            "--log-level",
+            "warning",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(model="agent", messages=[{"role": "user", "content": "ping"}])
+        assert reply.choices[0].message.content == "echo: ping"
+    finally:
+        process.send_signal(stop_signal)
+        output, _ = process.communicate(timeout=20)
+    assert process.returncode == 0, output
+    assert "Traceback" not in output
+    assert (tmp_path / "tracetrain.db").exists()

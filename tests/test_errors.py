@@ -1,0 +1,123 @@
+"""Bad input and a failing upstream: OpenAI-shaped errors, and the proxy stays up."""
+
+from __future__ import annotations
+
+import socket
+
+import httpx
+import openai
+import pytest
+from conftest import RunningProxy
+from fake_vllm import FakeVLLM, Reply
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def assert_openai_error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and "Traceback" not in error["message"]
+    return error
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_invalid_json_is_a_400(proxy: RunningProxy) -> None:
+    response = httpx.post(f"{proxy.v1}/chat/completions", content=b'{"model": "agent", "messages": [')
+    assert assert_openai_error(response, 400)["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": "agent"}, "messages"),
+        ({"model": "agent", "messages": []}, "messages"),
+        ({"model": "agent", "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        ({"model": "agent", "messages": MESSAGES, "max_tokens": 0}, "max_tokens"),
+        ({"messages": MESSAGES}, "model"),
+    ],
+)
+def test_invalid_fields_name_the_parameter(proxy: RunningProxy, body: dict, param: str) -> None:
+    response = httpx.post(f"{proxy.v1}/chat/completions", json=body)
+    assert assert_openai_error(response, 400)["param"] == param
+
+
+def test_body_that_is_not_an_object_is_a_400(proxy: RunningProxy) -> None:
+    assert_openai_error(httpx.post(f"{proxy.v1}/completions", json=[1, 2]), 400)
+
+
+def test_unknown_model_is_a_404_with_what_exists(proxy: RunningProxy) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        proxy.client().chat.completions.create(model="gpt-4o", messages=MESSAGES)
+    assert info.value.code == "model_not_found"
+    assert "agent" in info.value.message
+
+
+def test_unloaded_version_is_a_404(proxy: RunningProxy) -> None:
+    response = httpx.post(f"{proxy.v1}/chat/completions", json={"model": "agent@7", "messages": MESSAGES})
+    assert "agent@0" in assert_openai_error(response, 404)["message"]
+
+
+def test_pinned_version_zero_is_the_base_model(proxy: RunningProxy, fake: FakeVLLM) -> None:
+    completion = proxy.client().chat.completions.create(model="agent@0", messages=MESSAGES)
+    assert completion.model == "agent@0"
+    assert fake.requests[-1]["model"] == fake.base_model
+
+
+def test_models_lists_the_policy_and_its_versions(proxy: RunningProxy) -> None:
+    ids = [m.id for m in proxy.client().models.list().data]
+    assert ids == ["agent", "agent@0"]
+
+
+def test_upstream_error_status_and_body_pass_through(proxy: RunningProxy, fake: FakeVLLM) -> None:
+    fake.script(Reply(status=400, error_message="This model's maximum context length is 2048 tokens."))
+    response = httpx.post(f"{proxy.v1}/chat/completions", json={"model": "agent", "messages": MESSAGES})
+    error = assert_openai_error(response, 400)
+    assert "maximum context length" in error["message"]
+    rows = proxy.rows("SELECT status_code, error FROM calls")
+    assert rows[0]["status_code"] == 400 and "maximum context length" in rows[0]["error"]
+    assert response.headers["x-trajectory-id"]
+
+
+def test_upstream_down_is_a_502_and_the_proxy_stays_up(start_proxy, fake: FakeVLLM) -> None:
+    proxy = start_proxy(upstream=f"http://127.0.0.1:{free_port()}/v1", served_model="base")
+    for stream in (False, True):
+        body = {"model": "agent", "messages": MESSAGES, "stream": stream}
+        error = assert_openai_error(httpx.post(f"{proxy.v1}/chat/completions", json=body), 502)
+        assert error["code"] == "upstream_unreachable" and "vLLM" in error["message"]
+    assert httpx.get(f"{proxy.url}/healthz").status_code == 200
+    assert_openai_error(httpx.get(f"{proxy.url}/readyz"), 502)
+    assert len(proxy.rows("SELECT pk FROM calls")) == 2  # the failed calls are on record
+
+
+def test_upstream_down_before_its_model_is_known_is_a_502(start_proxy, fake: FakeVLLM) -> None:
+    proxy = start_proxy(upstream=f"http://127.0.0.1:{free_port()}/v1")
+    response = httpx.get(f"{proxy.v1}/models")
+    assert response.status_code == 200  # listable even while vLLM starts
+    error = assert_openai_error(
+        httpx.post(f"{proxy.v1}/chat/completions", json={"model": "agent", "messages": MESSAGES}), 502
+    )
+    assert error["type"] == "upstream_error"
+
+
+def test_slow_upstream_is_a_504(start_proxy, fake: FakeVLLM) -> None:
+    fake.script(Reply(content="late", delay_s=2.0))
+    proxy = start_proxy(upstream_timeout_s=0.3)
+    error = assert_openai_error(
+        httpx.post(f"{proxy.v1}/chat/completions", json={"model": "agent", "messages": MESSAGES}), 504
+    )
+    assert error["code"] == "upstream_timeout"
+
+
+def test_unknown_route_is_an_openai_404(proxy: RunningProxy) -> None:
+    assert_openai_error(httpx.get(f"{proxy.v1}/embeddingz"), 404)
+
+
+def test_health_and_readiness(proxy: RunningProxy, fake: FakeVLLM) -> None:
+    assert httpx.get(f"{proxy.url}/healthz").json() == {"status": "ok"}
+    assert httpx.get(f"{proxy.url}/readyz").json()["base_model"] == fake.base_model

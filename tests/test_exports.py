@@ -1,0 +1,18 @@
+"""The public faces of the server packages are pinned."""
+
+from __future__ import annotations
+
+import proxy
+
+
+def test_proxy_public_names() -> None:
+    assert sorted(proxy.__all__) == ["Settings", "create_app"]
+
+
+def test_the_serving_path_never_imports_torch() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, proxy, proxy.cli, proxy.store; print('torch' in sys.modules, 'trainer' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]

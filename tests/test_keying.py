@@ -1,0 +1,164 @@
+"""Which trajectory and group a call lands in: headers, path prefixes, threading, derived groups."""
+
+from __future__ import annotations
+
+import httpx
+from conftest import RunningProxy
+from fake_vllm import FakeVLLM, Reply, ToolCall
+
+TASK = [{"role": "system", "content": "You answer capitals."}, {"role": "user", "content": "Capital of Peru?"}]
+
+
+def trajectory(proxy: RunningProxy, trajectory_id: str) -> dict:
+    response = httpx.get(f"{proxy.v1}/trajectories/{trajectory_id}")
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_headers_key_the_trajectory_and_group(proxy: RunningProxy) -> None:
+    client = proxy.client(default_headers={"X-Trajectory-Id": "run-1", "X-Group-Id": "grp-a"})
+    raw = client.chat.completions.with_raw_response.create(model="agent", messages=TASK)
+    assert (raw.headers["x-trajectory-id"], raw.headers["x-group-id"]) == ("run-1", "grp-a")
+    client.chat.completions.create(model="agent", messages=[{"role": "user", "content": "unrelated"}])
+    stored = trajectory(proxy, "run-1")
+    assert stored["group_id"] == "grp-a" and stored["keyed_by"] == "header" and stored["n_calls"] == 2
+
+
+def test_path_prefix_keys_the_trajectory(proxy: RunningProxy) -> None:
+    client = proxy.client(base_url=f"{proxy.url}/t/run-2/v1")
+    raw = client.chat.completions.with_raw_response.create(model="agent", messages=TASK)
+    assert raw.headers["x-trajectory-id"] == "run-2"
+    assert trajectory(proxy, "run-2")["keyed_by"] == "path"
+    assert client.models.list().data[0].id == "agent"
+
+
+def test_path_prefix_keys_group_and_trajectory(proxy: RunningProxy) -> None:
+    client = proxy.client(base_url=f"{proxy.url}/g/grp-b/t/run-3/v1")
+    raw = client.completions.with_raw_response.create(model="agent", prompt="hello")
+    assert (raw.headers["x-trajectory-id"], raw.headers["x-group-id"]) == ("run-3", "grp-b")
+    assert trajectory(proxy, "run-3")["group_id"] == "grp-b"
+
+
+def test_header_wins_over_path_prefix(proxy: RunningProxy) -> None:
+    client = proxy.client(base_url=f"{proxy.url}/t/from-path/v1", default_headers={"X-Trajectory-Id": "from-header"})
+    raw = client.chat.completions.with_raw_response.create(model="agent", messages=TASK)
+    assert raw.headers["x-trajectory-id"] == "from-header"
+
+
+def test_unkeyed_continuation_threads_into_the_same_trajectory(proxy: RunningProxy, fake: FakeVLLM) -> None:
+    client = proxy.client()
+    fake.script(Reply(content="Lima."), Reply(content="About 10 million."))
+    first = client.chat.completions.with_raw_response.create(model="agent", messages=TASK)
+    reply = first.parse().choices[0].message
+    follow_up = [*TASK, reply.model_dump(exclude_none=True), {"role": "user", "content": "Population?"}]
+    second = client.chat.completions.with_raw_response.create(model="agent", messages=follow_up)
+    assert second.headers["x-trajectory-id"] == first.headers["x-trajectory-id"]
+    stored = trajectory(proxy, first.headers["x-trajectory-id"])
+    assert stored["keyed_by"] == "new" and stored["n_calls"] == 2
+
+
+def test_threading_tolerates_reserialized_tool_calls(proxy: RunningProxy, fake: FakeVLLM) -> None:
+    client = proxy.client()
+    fake.script(Reply(tool_calls=[ToolCall("lookup", '{"country": "Peru", "field": "capital"}')]))
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    first = client.chat.completions.with_raw_response.create(model="agent", messages=TASK, tools=tools)
+    assert first.parse().choices[0].message.tool_calls
+    # A framework re-serializes the arguments and drops fields the proxy never compares.
+    echoed = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "call_rewritten",
+                "type": "function",
+                "function": {"name": "lookup", "arguments": '{"field":"capital","country":"Peru"}'},
+            }
+        ],
+    }
+    follow_up = [*TASK, echoed, {"role": "tool", "tool_call_id": "call_rewritten", "content": "Lima"}]
+    second = client.chat.completions.with_raw_response.create(model="agent", messages=follow_up, tools=tools)
+    assert second.headers["x-trajectory-id"] == first.headers["x-trajectory-id"]
+
+
+def test_streamed_reply_threads_too(proxy: RunningProxy, fake: FakeVLLM) -> None:
+    client = proxy.client()
+    fake.script(Reply(content="Lima."))
+    with client.chat.completions.with_streaming_response.create(model="agent", messages=TASK, stream=True) as r:
+        first_id = r.headers["x-trajectory-id"]
+        text = "".join(c.choices[0].delta.content or "" for c in r.parse() if c.choices)
+    follow_up = [*TASK, {"role": "assistant", "content": text}, {"role": "user", "content": "Sure?"}]
+    second = client.chat.completions.with_raw_response.create(model="agent", messages=follow_up)
+    assert second.headers["x-trajectory-id"] == first_id
+
+
+def test_a_changed_history_starts_a_new_trajectory(proxy: RunningProxy, fake: FakeVLLM) -> None:
+    client = proxy.client()
+    fake.script(Reply(content="Lima."))
+    first = client.chat.completions.with_raw_response.create(model="agent", messages=TASK)
+    edited = [*TASK, {"role": "assistant", "content": "Cusco."}, {"role": "user", "content": "Sure?"}]
+    second = client.chat.completions.with_raw_response.create(model="agent", messages=edited)
+    assert second.headers["x-trajectory-id"] != first.headers["x-trajectory-id"]
+
+
+def test_a_rewarded_trajectory_takes_no_continuation(proxy: RunningProxy, fake: FakeVLLM) -> None:
+    client = proxy.client()
+    fake.script(Reply(content="Lima."))
+    first = client.chat.completions.with_raw_response.create(model="agent", messages=TASK)
+    httpx.post(f"{proxy.v1}/rewards", json={"trajectory_id": first.headers["x-trajectory-id"], "reward": 1.0})
+    follow_up = [*TASK, {"role": "assistant", "content": "Lima."}, {"role": "user", "content": "Sure?"}]
+    second = client.chat.completions.with_raw_response.create(model="agent", messages=follow_up)
+    assert second.headers["x-trajectory-id"] != first.headers["x-trajectory-id"]
+
+
+def test_the_same_task_asked_again_forms_one_derived_group(proxy: RunningProxy) -> None:
+    client = proxy.client()
+    groups = set()
+    trajectories = set()
+    for _ in range(3):
+        raw = client.chat.completions.with_raw_response.create(model="agent", messages=TASK)
+        groups.add(raw.headers["x-group-id"])
+        trajectories.add(raw.headers["x-trajectory-id"])
+    other = client.chat.completions.with_raw_response.create(
+        model="agent", messages=[TASK[0], {"role": "user", "content": "Capital of Chile?"}]
+    )
+    assert len(groups) == 1 and len(trajectories) == 3
+    assert other.headers["x-group-id"] not in groups
+
+
+def test_later_turns_do_not_change_the_derived_group(proxy: RunningProxy) -> None:
+    client = proxy.client()
+    a = client.chat.completions.with_raw_response.create(model="agent", messages=TASK)
+    longer = [*TASK, {"role": "assistant", "content": "something else"}, {"role": "user", "content": "again"}]
+    b = client.chat.completions.with_raw_response.create(model="agent", messages=longer)
+    assert a.headers["x-trajectory-id"] != b.headers["x-trajectory-id"]
+    assert a.headers["x-group-id"] == b.headers["x-group-id"]
+
+
+def test_a_full_derived_group_opens_the_next_one(start_proxy) -> None:
+    proxy = start_proxy(group_size=2)
+    client = proxy.client()
+    groups = [
+        client.chat.completions.with_raw_response.create(model="agent", messages=TASK).headers["x-group-id"]
+        for _ in range(5)
+    ]
+    assert groups[0] == groups[1] != groups[2] == groups[3] != groups[4]
+
+
+def test_header_keyed_trajectory_without_group_gets_the_derived_group(proxy: RunningProxy) -> None:
+    a = proxy.client(default_headers={"X-Trajectory-Id": "a1"}).chat.completions.with_raw_response.create(
+        model="agent", messages=TASK
+    )
+    b = proxy.client(default_headers={"X-Trajectory-Id": "b1"}).chat.completions.with_raw_response.create(
+        model="agent", messages=TASK
+    )
+    assert a.headers["x-group-id"] == b.headers["x-group-id"]
+
+
+def test_invalid_trajectory_id_is_rejected_in_openai_shape(proxy: RunningProxy) -> None:
+    response = httpx.post(
+        f"{proxy.v1}/chat/completions",
+        headers={"X-Trajectory-Id": "bad id <script>"},
+        json={"model": "agent", "messages": TASK},
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "X-Trajectory-Id"

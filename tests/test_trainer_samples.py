@@ -1,0 +1,174 @@
+"""Training samples from captured token ids, and packing them into micro-batches."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer._samples import CapturedCall, Sample, SampleStats, build_samples, pack
+
+# A ChatML-like vocabulary: <|im_start|>=1, <|im_end|>=2, "\n"=3, role names 10-12.
+IM_START, IM_END, NL = 1, 2, 3
+SYSTEM, USER, ASSISTANT, TOOL = 10, 11, 12, 13
+
+
+def turn(role: int, *content: int) -> list[int]:
+    return [IM_START, role, NL, *content, IM_END, NL]
+
+
+def header(role: int) -> list[int]:
+    return [IM_START, role, NL]
+
+
+def call(prompt: list[int], completion: list[int], status: int = 200, version: int = 0) -> CapturedCall:
+    logprobs = [-0.1 * (i + 1) for i in range(len(completion))]
+    return CapturedCall(prompt, completion, logprobs, status_code=status, version=version)
+
+
+def test_a_single_call_is_one_sample_with_loss_on_the_completion_only() -> None:
+    samples, stats = build_samples([CapturedCall([5, 6, 7], [8, 9], [-0.5, -0.25])])
+    assert len(samples) == 1
+    s = samples[0]
+    assert s.token_ids == [5, 6, 7, 8, 9]
+    assert s.loss_mask == [False, False, False, True, True]
+    assert s.old_logprobs == [0.0, 0.0, 0.0, -0.5, -0.25]
+    assert s.n_calls == 1
+    assert (stats.calls, stats.samples, stats.merged, stats.mismatched, stats.loss_tokens) == (1, 1, 0, 0, 2)
+
+
+def test_two_calls_with_a_tool_result_between_merge_into_one_sample() -> None:
+    first_prompt = turn(USER, 20, 21) + header(ASSISTANT)
+    first = CapturedCall(first_prompt, [30, 31, IM_END], [-1.0, -2.0, -0.5])
+    tool_result = [NL, *turn(TOOL, 40, 41), *header(ASSISTANT)]
+    second = CapturedCall([*first_prompt, 30, 31, IM_END, *tool_result], [32, IM_END], [-0.3, -0.1])
+    samples, stats = build_samples([first, second])
+    assert len(samples) == 1
+    s = samples[0]
+    assert s.token_ids == [*first_prompt, 30, 31, IM_END, *tool_result, 32, IM_END]
+    assert s.loss_mask == [False] * len(first_prompt) + [True] * 3 + [False] * len(tool_result) + [True] * 2
+    assert s.old_logprobs == [0.0] * len(first_prompt) + [-1.0, -2.0, -0.5] + [0.0] * len(tool_result) + [-0.3, -0.1]
+    assert s.n_calls == 2
+    assert (stats.merged, stats.mismatched, stats.samples, stats.loss_tokens) == (1, 0, 1, 5)
+
+
+def test_the_stop_token_ends_a_completion_and_the_template_newline_joins_unmasked() -> None:
+    # vLLM's completion ends with <|im_end|>; the next prompt renders it back and adds "\n".
+    prompt = turn(SYSTEM, 20) + turn(USER, 21) + header(ASSISTANT)
+    completion = [30, IM_END]
+    next_prompt = [*prompt, 30, IM_END, NL, *turn(USER, 22), *header(ASSISTANT)]
+    samples, stats = build_samples([call(prompt, completion), call(next_prompt, [31, IM_END])])
+    assert stats.merged == 1
+    s = samples[0]
+    end = len(prompt) + len(completion)
+    assert s.token_ids[end - 1 : end + 1] == [IM_END, NL]
+    assert s.loss_mask[end - 1 : end + 1] == [True, False]
+
+
+def test_a_completion_without_its_stop_token_still_merges_when_the_template_adds_it() -> None:
+    # A stop string ended the call before <|im_end|> was sampled; the template writes it. Not sampled: no loss.
+    prompt = turn(USER, 21) + header(ASSISTANT)
+    next_prompt = [*prompt, 30, IM_END, NL, *turn(USER, 22), *header(ASSISTANT)]
+    samples, stats = build_samples([call(prompt, [30]), call(next_prompt, [31])])
+    assert stats.merged == 1
+    assert samples[0].loss_mask[len(prompt) : len(prompt) + 2] == [True, False]
+
+
+def test_a_re_rendered_assistant_turn_is_a_mismatch_that_starts_a_new_sample() -> None:
+    # The agent sent its tool call back spelled with other tokens: 30, 31 became 35.
+    prompt = turn(USER, 21) + header(ASSISTANT)
+    first = call(prompt, [30, 31, IM_END])
+    second_prompt = [*prompt, 35, IM_END, NL, *turn(TOOL, 40), *header(ASSISTANT)]
+    samples, stats = build_samples([first, call(second_prompt, [32, IM_END])])
+    assert len(samples) == 2
+    assert samples[0].token_ids == [*prompt, 30, 31, IM_END]
+    assert samples[1].token_ids == [*second_prompt, 32, IM_END]
+    assert samples[1].loss_mask == [False] * len(second_prompt) + [True, True]
+    assert (stats.merged, stats.mismatched, stats.samples) == (0, 1, 2)
+
+
+def test_a_merge_needs_the_whole_sample_so_far_not_just_the_last_call() -> None:
+    a = call([5, 6], [7])
+    b = call([5, 6, 7, 8], [9])
+    c = call([5, 6, 7, 8, 9, 10], [11])  # extends a + b
+    d = call([5, 6, 7, 10], [12])  # extends a only: a new sample
+    samples, stats = build_samples([a, b, c, d])
+    assert [s.n_calls for s in samples] == [3, 1]
+    assert (stats.merged, stats.mismatched) == (2, 1)
+
+
+def test_a_failed_call_is_skipped_and_the_next_call_merges_past_it() -> None:
+    first = call([5, 6], [7, 8])
+    failed = CapturedCall([5, 6, 7, 8, 9], [], [], status_code=500)
+    retry = call([5, 6, 7, 8, 9], [10])
+    samples, stats = build_samples([first, failed, retry])
+    assert [s.token_ids for s in samples] == [[5, 6, 7, 8, 9, 10]]
+    assert (stats.calls, stats.skipped_failed, stats.merged) == (3, 1, 1)
+
+
+def test_a_call_whose_logprobs_do_not_match_its_completion_is_skipped() -> None:
+    bad = CapturedCall([5, 6], [7, 8], [-0.1])
+    samples, stats = build_samples([bad, call([5, 6], [9])])
+    assert [s.token_ids for s in samples] == [[5, 6, 9]]
+    assert (stats.skipped_inconsistent, stats.samples, stats.mismatched) == (1, 1, 0)
+
+
+def test_a_call_with_an_empty_prompt_is_skipped_as_inconsistent() -> None:
+    # The first token of a sample has no logit to score it, so it could never carry loss.
+    samples, stats = build_samples([call([], [7, 8])])
+    assert samples == []
+    assert stats.skipped_inconsistent == 1
+
+
+def test_an_empty_completion_is_skipped_and_counted() -> None:
+    samples, stats = build_samples([call([5, 6], []), call([5, 6], [7])])
+    assert [s.token_ids for s in samples] == [[5, 6, 7]]
+    assert (stats.skipped_empty, stats.samples) == (1, 1)
+
+
+def test_no_calls_give_no_samples() -> None:
+    samples, stats = build_samples([])
+    assert samples == []
+    assert stats == SampleStats()
+
+
+def test_a_sample_remembers_the_oldest_policy_version_that_sampled_it() -> None:
+    samples, _ = build_samples([call([5], [6], version=4), call([5, 6, 7], [8], version=3), call([9], [1], version=5)])
+    assert [s.oldest_version for s in samples] == [3, 5]
+
+
+def test_stats_add_up_over_trajectories() -> None:
+    _, one = build_samples([call([5], [6]), call([5, 6, 7], [8])])
+    _, two = build_samples([call([5], [6]), call([9], [8], status=502)])
+    total = one + two
+    assert (total.calls, total.samples, total.merged, total.skipped_failed, total.loss_tokens) == (4, 2, 1, 1, 3)
+
+
+# --- pack -----------------------------------------------------------------------------------
+
+
+def sample_of(length: int) -> Sample:
+    return Sample([0] * length, [True] * length, [0.0] * length, 1, 0)
+
+
+def test_pack_fills_micro_batches_first_fit_decreasing() -> None:
+    samples = [sample_of(n) for n in (3, 5, 2, 4)]
+    assert pack(samples, 7) == [[1, 2], [0, 3]]
+
+
+def test_pack_never_exceeds_the_budget_nor_splits_or_loses_a_sample() -> None:
+    lengths = [7, 1, 9, 3, 3, 6, 2, 8, 5, 4, 10, 1]
+    batches = pack([sample_of(n) for n in lengths], 10)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in b) <= 10 for b in batches)
+    assert len(batches) == 6  # 59 tokens need at least 6 micro-batches of 10
+
+
+def test_pack_gives_a_sample_longer_than_the_budget_a_micro_batch_of_its_own() -> None:
+    batches = pack([sample_of(n) for n in (2, 12, 3)], 8)
+    assert [1] in batches
+    assert sorted(batches) == [[0, 2], [1]]
+
+
+def test_pack_of_nothing_is_no_micro_batches_and_a_zero_budget_is_an_error() -> None:
+    assert pack([], 8) == []
+    with pytest.raises(ValueError, match="max_tokens"):
+        pack([sample_of(1)], 0)

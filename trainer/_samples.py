@@ -1,0 +1,170 @@
+"""Training samples from captured calls, built from token ids only, and their packing.
+
+A trajectory is the ordered list of its calls. Consecutive calls become one sample
+when the next prompt starts with everything merged so far (prompts and completions)
+token for token; the new prompt's extra tokens (a tool result, the next user turn,
+chat-template tokens) join with ``loss_mask`` False and the new completion with True.
+Otherwise the sample ends and a new one starts: a *mismatch*. Mismatches are normal,
+not errors: vLLM's completion ids end with the stop token (``<|im_end|>``) while the
+chat template re-renders the assistant turn from text, and may spell it differently
+(reasoning stripped, tool calls re-serialized). They are counted so a user sees when
+an agent's template keeps breaking the merge.
+
+Calls that cannot train are skipped and counted: failed (status != 200), inconsistent
+(logprobs not one per completion token, or an empty prompt: the first token of a
+sample has no logit to score it), and empty completions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+
+
+@dataclass(frozen=True, slots=True)
+class CapturedCall:
+    """One call as the proxy recorded it: the tokens vLLM saw and sampled."""
+
+    prompt_token_ids: Sequence[int]
+    completion_token_ids: Sequence[int]  # includes the stop token when vLLM sampled one
+    logprobs: Sequence[float]  # sampling logprob of each completion token
+    status_code: int = 200
+    version: int = 0  # the policy version that served the call
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One training sequence: prompts and completions of one or more merged calls."""
+
+    token_ids: list[int]
+    loss_mask: list[bool]  # True only on sampled tokens
+    old_logprobs: list[float]  # vLLM's sampling logprob per token; 0.0 where loss_mask is False
+    n_calls: int
+    oldest_version: int  # the oldest policy version that sampled any of its tokens (for staleness)
+
+    @property
+    def loss_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+
+@dataclass(frozen=True, slots=True)
+class SampleStats:
+    """What `build_samples` did with the calls; add them up over trajectories with ``+``."""
+
+    calls: int = 0
+    merged: int = 0  # calls appended to the sample before them
+    mismatched: int = 0  # calls that started a new sample although one was open
+    samples: int = 0
+    loss_tokens: int = 0
+    skipped_failed: int = 0  # status != 200
+    skipped_inconsistent: int = 0  # logprobs length != completion length, or empty prompt
+    skipped_empty: int = 0  # no completion tokens
+
+    def __add__(self, other: SampleStats) -> SampleStats:
+        return SampleStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+
+@dataclass(slots=True)
+class _Open:
+    """The sample being built."""
+
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[bool] = field(default_factory=list)
+    old_logprobs: list[float] = field(default_factory=list)
+    n_calls: int = 0
+    oldest_version: int = 0
+
+    def extends(self, prompt: list[int]) -> bool:
+        n = len(self.token_ids)
+        return len(prompt) >= n and prompt[:n] == self.token_ids
+
+    def append(self, call: CapturedCall, new_prompt: list[int]) -> None:
+        self.token_ids += new_prompt
+        self.loss_mask += [False] * len(new_prompt)
+        self.old_logprobs += [0.0] * len(new_prompt)
+        self.token_ids += call.completion_token_ids
+        self.loss_mask += [True] * len(call.completion_token_ids)
+        self.old_logprobs += [float(x) for x in call.logprobs]
+        self.oldest_version = call.version if self.n_calls == 0 else min(self.oldest_version, call.version)
+        self.n_calls += 1
+
+    def close(self) -> Sample:
+        return Sample(self.token_ids, self.loss_mask, self.old_logprobs, self.n_calls, self.oldest_version)
+
+
+def build_samples(calls: Sequence[CapturedCall]) -> tuple[list[Sample], SampleStats]:
+    """Merge one trajectory's calls, in order, into training samples.
+
+    >>> first = CapturedCall([1, 2], [3, 4], [-0.1, -0.2])
+    >>> second = CapturedCall([1, 2, 3, 4, 5], [6], [-0.3])  # 5: a tool result
+    >>> samples, stats = build_samples([first, second])
+    >>> samples[0].token_ids, samples[0].loss_mask, stats.merged
+    ([1, 2, 3, 4, 5, 6], [False, False, True, True, False, True], 1)
+    """
+    samples: list[Sample] = []
+    failed = inconsistent = empty = merged = mismatched = 0
+    current: _Open | None = None
+    for call in calls:
+        if call.status_code != 200:
+            failed += 1
+            continue
+        if len(call.logprobs) != len(call.completion_token_ids) or not call.prompt_token_ids:
+            inconsistent += 1
+            continue
+        if not call.completion_token_ids:
+            empty += 1
+            continue
+        prompt = list(call.prompt_token_ids)
+        if current is not None and current.extends(prompt):
+            current.append(call, prompt[len(current.token_ids) :])
+            merged += 1
+            continue
+        if current is not None:
+            samples.append(current.close())
+            mismatched += 1
+        current = _Open()
+        current.append(call, prompt)
+    if current is not None:
+        samples.append(current.close())
+
+    stats = SampleStats(
+        calls=len(calls),
+        merged=merged,
+        mismatched=mismatched,
+        samples=len(samples),
+        loss_tokens=sum(s.loss_tokens for s in samples),
+        skipped_failed=failed,
+        skipped_inconsistent=inconsistent,
+        skipped_empty=empty,
+    )
+    return samples, stats
+
+
+def pack(samples: Sequence[Sample], max_tokens: int) -> list[list[int]]:
+    """Group sample indices into micro-batches of at most ``max_tokens`` tokens each.
+
+    First-fit decreasing: longest samples first, each into the first micro-batch with
+    room. A sample is never split; one longer than ``max_tokens`` gets a micro-batch of
+    its own (the forward then exceeds the budget; the caller decides whether to allow
+    that). Indices within a micro-batch are ascending; the result is deterministic.
+
+    >>> lengths = [3, 5, 2, 4]
+    >>> pack([Sample([0] * n, [True] * n, [0.0] * n, 1, 0) for n in lengths], 7)
+    [[1, 2], [0, 3]]
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+    order = sorted(range(len(samples)), key=lambda i: -len(samples[i].token_ids))  # stable: ties keep input order
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        n = len(samples[i].token_ids)
+        for b, free in enumerate(room):
+            if n <= free:
+                bins[b].append(i)
+                room[b] -= n
+                break
+        else:
+            bins.append([i])
+            room.append(max_tokens - n)
+    return [sorted(b) for b in bins]
