@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -13,12 +15,14 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
-from proxy import _data_routes, _openai_routes
+from proxy import _admin_routes, _data_routes, _openai_routes
 from proxy._deps import Services, ServicesDep
 from proxy._forward import Forwarder, error_response
 from proxy._keying import Keyer
 from proxy._policies import PolicyRegistry
+from proxy._publisher import Publisher
 from proxy._settings import Settings
+from proxy._training import JobScheduler
 from proxy._upstream import Upstream
 from proxy.errors import InvalidRequest, NotFound, ProxyError, UpstreamError, error_body
 from proxy.store import Store
@@ -48,10 +52,22 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
             registry.active_version = await store.ensure_policy(settings.policy, registry.base_model)
         keyer = Keyer(store, group_size=settings.group_size, thread_ttl_s=settings.thread_ttl_s)
         forwarder = Forwarder(upstream, store, keyer, registry)
-        app.state.services = Services(settings, store, upstream, registry, keyer, forwarder)
+        scheduler = JobScheduler(
+            store, policy=settings.policy, batch_groups=settings.batch_groups, min_group_size=settings.min_group_size
+        )
+        replicas = [upstream, *(Upstream(url.rstrip("/"), client) for url in settings.replicas)]
+        publisher = Publisher(
+            store, registry, replicas, keep_versions=settings.keep_versions, unload_grace_s=settings.unload_grace_s
+        )
+        await publisher.sync_once()
+        publishing = asyncio.create_task(publisher.run(), name="tracetrain-publisher")
+        app.state.services = Services(settings, store, upstream, registry, keyer, forwarder, scheduler, publisher)
         try:
             yield
         finally:
+            publishing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await publishing
             await client.aclose()
             await store.close()  # writes every queued record first
 
@@ -63,6 +79,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
     )
     app.include_router(_openai_routes.router)
     app.include_router(_data_routes.router)
+    app.include_router(_admin_routes.router)
     _add_health_routes(app)
     _add_error_handlers(app)
     return app

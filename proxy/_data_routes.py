@@ -35,8 +35,15 @@ _REWARD_BODY = {
 
 @router.post("/v1/rewards", openapi_extra=_REWARD_BODY)
 async def post_rewards(request: Request, services: ServicesDep) -> dict[str, Any]:
-    """Record a reward, or a batch (`{"rewards": [...]}`) atomically: one unknown id rejects all."""
-    return await _data.post_rewards(services.store, await request.body())
+    """Record a reward, or a batch (`{"rewards": [...]}`) atomically: one unknown id rejects all.
+
+    When enough groups become ready, a training job is queued.
+    """
+    result = await _data.post_rewards(services.store, await request.body())
+    job = await services.scheduler.maybe_create_job()
+    if job is not None:
+        services.keyer.forget_groups(job["group_ids"])
+    return result
 
 
 @router.get("/v1/trajectories")

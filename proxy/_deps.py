@@ -15,9 +15,11 @@ from pydantic import SecretStr
 from proxy._forward import Forwarder
 from proxy._keying import Keyer
 from proxy._policies import PolicyRegistry
-from proxy._settings import Settings
+from proxy._publisher import Publisher
+from proxy._settings import Settings, is_loopback
+from proxy._training import JobScheduler
 from proxy._upstream import Upstream
-from proxy.errors import AuthenticationFailed
+from proxy.errors import AuthenticationFailed, PermissionDenied
 from proxy.store import Store
 
 
@@ -29,6 +31,8 @@ class Services:
     registry: PolicyRegistry
     keyer: Keyer
     forwarder: Forwarder
+    scheduler: JobScheduler
+    publisher: Publisher
 
 
 def get_services(request: Request) -> Services:
@@ -71,3 +75,12 @@ def require_reward_key(request: Request, services: ServicesDep) -> None:
         _check(request, settings.reward_keys, "reward key")
     else:
         _check(request, settings.api_keys, "key")
+
+
+def require_admin(request: Request, services: ServicesDep) -> None:
+    """The admin token when configured; without one, admin actions are for loopback binds only."""
+    settings = services.settings
+    if settings.admin_token is not None:
+        _check(request, (settings.admin_token,), "admin token")
+    elif not is_loopback(settings.host):
+        raise PermissionDenied("Admin actions need TRACETRAIN_ADMIN_TOKEN when the proxy listens beyond loopback.")

@@ -121,7 +121,8 @@ class Forwarder:
 
     async def _complete(self, call: _Call, payload: bytes) -> Response:
         try:
-            upstream = await self._upstream.post(_PATHS[call.endpoint], payload)
+            with self._registry.serving(call.route.version):
+                upstream = await self._upstream.post(_PATHS[call.endpoint], payload)
             if upstream.status_code != 200:
                 raise UpstreamHTTPError(upstream.status_code, upstream.content)
             data = orjson.loads(upstream.content)
@@ -154,6 +155,7 @@ class Forwarder:
         assembler = StreamCapture(call.endpoint, call.asked, call.route.public_name)
         ttft: float | None = None
         finished = False
+        self._registry.in_flight[call.route.version] += 1  # released in `finally`, with the upstream
         try:
             async for data in _sse_data(upstream.aiter_bytes()):
                 if ttft is None:
@@ -178,6 +180,7 @@ class Forwarder:
             )
             raise
         finally:
+            self._registry.in_flight[call.route.version] -= 1
             with anyio.CancelScope(shield=True):
                 await upstream.aclose()
         await self._store.record_call(

@@ -8,6 +8,9 @@ a live name is never reloaded, so the prefix cache never serves an old policy.
 from __future__ import annotations
 
 import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +37,17 @@ class PolicyRegistry:
         self.base_model = base_model
         self.active_version = 0
         self.loaded_versions: set[int] = {0}
+        self.in_flight: Counter[int] = Counter()  # version -> requests now being served by it
         self._created = int(time.time())
+
+    @contextmanager
+    def serving(self, version: int) -> Iterator[None]:
+        """Count a request on ``version`` while it runs, so the version is not unloaded under it."""
+        self.in_flight[version] += 1
+        try:
+            yield
+        finally:
+            self.in_flight[version] -= 1
 
     def resolve(self, model: str) -> Route:
         name, sep, pinned = model.partition("@")

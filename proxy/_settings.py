@@ -59,12 +59,23 @@ class Settings(BaseSettings):
     # How long an unkeyed trajectory stays open for threading (seconds since its last call).
     thread_ttl_s: float = Field(default=1800.0, gt=0)
 
+    # Training: a job is created when this many groups are ready; adapters beyond the newest
+    # keep_versions are unloaded from vLLM (they stay on disk for a rollback).
+    batch_groups: int = Field(default=4, ge=1)
+    keep_versions: int = Field(default=3, ge=1)
+    # A version that left the window stays loaded this long: other proxy replicas may still
+    # have requests running on it.
+    unload_grace_s: float = Field(default=30.0, ge=0)
+    # Further vLLM servers (base URLs ending in /v1) that must load every adapter too, when
+    # `upstream` is a load balancer in front of several.
+    replicas: Annotated[tuple[str, ...], NoDecode] = ()
+
     # Credentials. Inference keys authorize /v1 generation calls, reward keys /v1/rewards.
     api_keys: Secrets = ()
     reward_keys: Secrets = ()
     admin_token: SecretStr | None = None
 
-    @field_validator("api_keys", "reward_keys", mode="before")
+    @field_validator("api_keys", "reward_keys", "replicas", mode="before")
     @classmethod
     def _split_keys(cls, value: object) -> object:
         if isinstance(value, str):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 import orjson
 
@@ -36,14 +38,30 @@ class Upstream:
                 raise UpstreamHTTPError(response.status_code, content)
         return response
 
-    async def base_model(self) -> str:
-        """The base model the upstream serves: the first model of /v1/models that is no adapter."""
+    async def load_lora(self, name: str, path: str) -> None:
+        """vLLM's runtime LoRA loading (needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)."""
+        await self._lora("/load_lora_adapter", {"lora_name": name, "lora_path": path})
+
+    async def unload_lora(self, name: str) -> None:
+        await self._lora("/unload_lora_adapter", {"lora_name": name})
+
+    async def _lora(self, path: str, body: dict[str, str]) -> None:
+        async with upstream_errors(self.base_url):
+            response = await self._client.post(self.base_url + path, content=orjson.dumps(body), headers=_JSON)
+        if response.status_code != 200:
+            raise UpstreamHTTPError(response.status_code, response.content)
+
+    async def models(self) -> list[dict[str, Any]]:
+        """The upstream's ``/v1/models`` entries (the base model and loaded adapters)."""
         async with upstream_errors(self.base_url):
             response = await self._client.get(self.base_url + "/models", timeout=5.0)
         if response.status_code != 200:
             raise UpstreamHTTPError(response.status_code, response.content)
-        models = orjson.loads(response.content).get("data") or []
-        for model in models:
+        return list(orjson.loads(response.content).get("data") or [])
+
+    async def base_model(self) -> str:
+        """The base model the upstream serves: the first model of /v1/models that is no adapter."""
+        for model in await self.models():
             if not model.get("parent"):
                 return str(model["id"])
         raise UpstreamNotReady(f"the upstream at {self.base_url} lists no base model")

@@ -41,6 +41,8 @@ G = SQLModel.metadata.tables["groups"]
 C = SQLModel.metadata.tables["calls"]
 R = SQLModel.metadata.tables["rewards"]
 P = SQLModel.metadata.tables["policies"]
+J = SQLModel.metadata.tables["training_jobs"]
+A = SQLModel.metadata.tables["adapters"]
 
 SQLITE_PRAGMAS = ("journal_mode=WAL", "synchronous=NORMAL", "busy_timeout=10000", "foreign_keys=OFF")
 _MAX_BATCH = 512
@@ -82,6 +84,20 @@ def _on_connect_sqlite(dbapi_connection: DBAPIConnection, _record: ConnectionPoo
     cursor.close()
 
 
+async def connect(url: str) -> AsyncEngine:
+    """An async engine on the store (tables created if missing): the proxy's and the trainer's."""
+    if url.startswith("sqlite"):
+        path = url.split(":///", 1)[-1]
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+    engine = create_async_engine(url, json_serializer=_dumps, json_deserializer=orjson.loads)
+    if engine.dialect.name == "sqlite":
+        event.listen(engine.sync_engine, "connect", _on_connect_sqlite)
+    async with engine.begin() as conn:
+        await conn.run_sync(SQLModel.metadata.create_all)
+    return engine
+
+
 class Store:
     """Async access to the tables; one instance per process, built in the app's lifespan."""
 
@@ -94,16 +110,7 @@ class Store:
     @classmethod
     async def open(cls, url: str) -> Store:
         """Connect, create missing tables and start the group-commit writer."""
-        if url.startswith("sqlite"):
-            path = url.split(":///", 1)[-1]
-            if path and path != ":memory:":
-                Path(path).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_async_engine(url, json_serializer=_dumps, json_deserializer=orjson.loads)
-        if engine.dialect.name == "sqlite":
-            event.listen(engine.sync_engine, "connect", _on_connect_sqlite)
-        async with engine.begin() as conn:
-            await conn.run_sync(SQLModel.metadata.create_all)
-        store = cls(engine)
+        store = cls(await connect(url))
         store._writer = asyncio.create_task(store._write_loop(), name="tracetrain-store-writer")
         return store
 

@@ -1,0 +1,113 @@
+"""Adapters the trainer records are loaded into vLLM, served as policy@N, rolled back, unloaded."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+from conftest import RunningProxy
+from fake_vllm import FakeVLLM, Reply
+
+TASK = [{"role": "user", "content": "Capital of Peru?"}]
+
+
+def record_trained_adapter(proxy: RunningProxy, version: int, tmp_path: Path, job_id: int | None = None) -> Path:
+    """What the trainer does after a step: write the adapter directory and record it."""
+    path = tmp_path / "adapters" / "agent" / str(version)
+    path.mkdir(parents=True)
+    proxy.rows(
+        "INSERT INTO adapters (policy, version, path, job_id, state, metrics, created_at) "
+        "VALUES ('agent', ?, ?, ?, 'trained', '{}', ?)",
+        version, str(path), job_id, time.time(),
+    )  # fmt: skip
+    return path
+
+
+def wait_for(condition: Callable[[], Any], timeout: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := condition():
+            return value
+        time.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+def adapters(proxy: RunningProxy) -> dict[str, Any]:
+    return httpx.get(f"{proxy.url}/admin/adapters").json()
+
+
+def test_trained_adapter_is_loaded_then_serves_the_policy(proxy: RunningProxy, fake: FakeVLLM, tmp_path: Path) -> None:
+    path = record_trained_adapter(proxy, 1, tmp_path)
+    wait_for(lambda: adapters(proxy)["active_version"] == 1)
+    assert fake.loras == {"agent@1": str(path)}
+    raw = proxy.client().chat.completions.with_raw_response.create(model="agent", messages=TASK)
+    assert raw.headers["x-policy-version"] == "1" and raw.parse().model == "agent@1"
+    assert fake.requests[-1]["model"] == "agent@1"
+    assert proxy.rows("SELECT version, served_model FROM calls")[-1][:] == (1, "agent@1")
+    assert [m.id for m in proxy.client().models.list().data] == ["agent", "agent@0", "agent@1"]
+    assert proxy.client().chat.completions.create(model="agent@0", messages=TASK).model == "agent@0"
+    listed = adapters(proxy)["data"][0]
+    assert (listed["version"], listed["state"]) == (1, "published") and listed["published_at"]
+
+
+def test_a_failed_load_keeps_the_old_version_and_fails_the_job(
+    proxy: RunningProxy, fake: FakeVLLM, tmp_path: Path
+) -> None:
+    proxy.rows("INSERT INTO training_jobs (id, policy, state, group_ids, metrics, progress, created_at) "
+               "VALUES (7, 'agent', 'succeeded', '[]', '{}', 1.0, ?)", time.time())  # fmt: skip
+    fake.fail_next_load = "No adapter found for <path>"
+    record_trained_adapter(proxy, 1, tmp_path, job_id=7)
+    failed = wait_for(lambda: [a for a in adapters(proxy)["data"] if a["state"] == "failed"])
+    assert "No adapter found" in failed[0]["error"]
+    assert adapters(proxy)["active_version"] == 0
+    job = httpx.get(f"{proxy.url}/admin/jobs").json()["data"][0]
+    assert job["state"] == "failed" and "publishing failed" in job["error"]
+    assert proxy.client().chat.completions.create(model="agent", messages=TASK).model == "agent@0"
+
+
+def test_rollback_and_forward_to_any_version_on_disk(start_proxy, fake: FakeVLLM, tmp_path: Path) -> None:
+    proxy = start_proxy(keep_versions=1, unload_grace_s=0)
+    for version in (1, 2):
+        record_trained_adapter(proxy, version, tmp_path)
+        wait_for(lambda v=version: adapters(proxy)["active_version"] == v)
+    wait_for(lambda: "agent@1" not in fake.loras)  # outside the window of one
+    rolled = httpx.post(f"{proxy.url}/admin/adapters/1/activate").json()
+    assert rolled["active_version"] == 1 and "agent@1" in fake.loras
+    assert proxy.client().chat.completions.create(model="agent", messages=TASK).model == "agent@1"
+    httpx.post(f"{proxy.url}/admin/adapters/0/activate").raise_for_status()
+    assert proxy.client().chat.completions.create(model="agent", messages=TASK).model == "agent@0"
+    missing = httpx.post(f"{proxy.url}/admin/adapters/9/activate")
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+
+
+def test_a_request_in_flight_finishes_on_its_version(start_proxy, fake: FakeVLLM, tmp_path: Path) -> None:
+    proxy = start_proxy(keep_versions=1, unload_grace_s=0)
+    record_trained_adapter(proxy, 1, tmp_path)
+    wait_for(lambda: adapters(proxy)["active_version"] == 1)
+    fake.token_delay_s = 0.15
+    fake.script(Reply(content=" ".join(f"w{i}" for i in range(20))))
+    stream = proxy.client().chat.completions.create(model="agent", messages=TASK, stream=True)
+    first = next(iter(stream))
+    assert first.model == "agent@1"
+    record_trained_adapter(proxy, 2, tmp_path)
+    wait_for(lambda: adapters(proxy)["active_version"] == 2)
+    fake.token_delay_s = 0.0
+    assert proxy.client().chat.completions.create(model="agent", messages=TASK).model == "agent@2"
+    assert "agent@1" in fake.loras, "unloaded while a request was still running on it"
+    rest = list(stream)
+    assert all(chunk.model == "agent@1" for chunk in rest)
+    wait_for(lambda: "agent@1" not in fake.loras)
+    versions = [row["version"] for row in proxy.rows("SELECT version FROM calls ORDER BY started_at")]
+    assert versions == [1, 2]
+
+
+def test_a_restarted_vllm_gets_the_published_adapters_again(
+    proxy: RunningProxy, fake: FakeVLLM, tmp_path: Path
+) -> None:
+    record_trained_adapter(proxy, 1, tmp_path)
+    wait_for(lambda: "agent@1" in fake.loras)
+    fake.loras.clear()  # vLLM restarted: adapters are gone
+    wait_for(lambda: "agent@1" in fake.loras, timeout=15)

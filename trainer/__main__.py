@@ -1,0 +1,69 @@
+"""``python -m trainer``: the trainer worker (``tracetrain serve`` starts it as a child process).
+
+It claims queued training jobs of one policy from the store, trains a GRPO step on the
+LoRA and records the adapter; the proxy publishes it. Run it beside the proxy, or on a
+GPU machine of its own against the same Postgres database.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from trainer._config import TrainConfig
+from trainer._worker import Worker, WorkerSettings
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m trainer",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--database-url", required=True, help="the proxy's store (SQLAlchemy async URL)")
+    p.add_argument("--data-dir", type=Path, required=True, help="adapters go to DATA_DIR/adapters/POLICY/N/")
+    p.add_argument("--policy", default="agent", help="the policy whose jobs to run")
+    p.add_argument("--base-model", type=Path, required=True, help="the HF model directory vLLM serves")
+    p.add_argument("--init-adapter", type=Path, help="a LoRA directory to start from (e.g. an SFT warm start)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--config", type=Path, help="a JSON file of TrainConfig fields (loss, learning_rate, lora_r...)")
+    p.add_argument("--once", action="store_true", help="run the queued jobs, then exit")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = TrainConfig.model_validate_json(args.config.read_text()) if args.config else TrainConfig()
+    except (OSError, ValidationError) as exc:
+        raise SystemExit(f"python -m trainer: bad --config: {exc}") from None
+    if not (args.base_model / "config.json").is_file():
+        raise SystemExit(f"python -m trainer: {args.base_model} is not a Hugging Face model directory")
+    settings = WorkerSettings(
+        database_url=args.database_url, data_dir=args.data_dir, policy=args.policy, base_model=args.base_model,
+        config=config, init_adapter=args.init_adapter, device=args.device,
+    )  # fmt: skip
+
+    async def run() -> None:
+        worker = await Worker.open(settings)
+        try:
+            await worker.run(once=args.once)
+        finally:
+            await worker.close()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
