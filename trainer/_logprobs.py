@@ -1,0 +1,124 @@
+"""Log-probs of packed samples, scored in chunks so a batch's vocabulary logits never exist whole.
+
+A micro-batch is one row: its samples' token ids end to end, with ``position_ids``
+restarting at 0 for each sample. transformers 5's ``masking_utils`` reads each restart
+as a sequence boundary and builds a block-diagonal causal mask, so attention never
+crosses samples and no padding is spent. It does so only when the decoder gets no
+``attention_mask`` *and no cache*: the decoder's default ``use_cache=True`` creates an
+empty ``DynamicCache``, which switches the detection off and lets every token attend to
+the samples before it. Hence ``use_cache=False`` below; ``tests/test_trainer_learner.py``
+pins that a sample scored beside another equals it scored alone (sdpa and eager).
+
+Scoring runs the decoder body once, then ``lm_head`` + ``log_softmax`` + gather on the
+hidden states of the scored positions only (in training: the sampled tokens; a prompt's
+positions never reach ``lm_head``), ``chunk_tokens`` rows at a time. With grad, each chunk
+runs under ``torch.utils.checkpoint``: its (C, V) logits are freed after the forward and
+rebuilt in the backward, so neither pass holds more than one chunk's logits.
+The logits are taken to be ``lm_head(hidden)``; models that scale or soft-cap them
+(Gemma 2's ``final_logit_softcapping``, Cohere's ``logit_scale``) are refused by the learner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+from transformers import PreTrainedModel
+
+from trainer._samples import Sample
+
+
+@dataclass(frozen=True, slots=True)
+class PackedRow:
+    """Several samples as one row, and which of its tokens are scored."""
+
+    input_ids: Tensor  # (1, T) long: the members' tokens end to end
+    position_ids: Tensor  # (1, T) long: 0, 1, ... restarting at each member
+    score_at: Tensor  # (P,) long: row position of the hidden state that predicts each scored token
+    targets: Tensor  # (P,) long: the scored tokens
+    seq: Tensor  # (P,) long in [0, len(members)): the member each scored token belongs to
+    offset: Tensor  # (P,) long: each scored token's index within its own sample
+    members: tuple[int, ...]  # indices into the caller's samples, in row order
+
+
+def pack_row(samples: Sequence[Sample], members: Sequence[int], *, loss_only: bool, device: torch.device) -> PackedRow:
+    """Lay ``samples[i] for i in members`` end to end in one row.
+
+    Scored tokens: the sampled ones (``loss_mask``) when ``loss_only``, else every token
+    but each sample's first, which has no prefix to predict it from.
+    """
+    ids: list[int] = []
+    positions: list[int] = []
+    score_at: list[int] = []
+    targets: list[int] = []
+    seq: list[int] = []
+    offset: list[int] = []
+    for k, i in enumerate(members):
+        sample = samples[i]
+        start = len(ids)
+        ids += sample.token_ids
+        positions += range(len(sample.token_ids))
+        for t in range(1, len(sample.token_ids)):
+            if sample.loss_mask[t] or not loss_only:
+                score_at.append(start + t - 1)
+                targets.append(sample.token_ids[t])
+                seq.append(k)
+                offset.append(t)
+
+    def longs(values: list[int]) -> Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    return PackedRow(
+        input_ids=longs(ids)[None],  # (1, T)
+        position_ids=longs(positions)[None],  # (1, T)
+        score_at=longs(score_at),  # (P,)
+        targets=longs(targets),  # (P,)
+        seq=longs(seq),  # (P,)
+        offset=longs(offset),  # (P,)
+        members=tuple(members),
+    )
+
+
+def hidden_states(model: PreTrainedModel, row: PackedRow) -> Tensor:
+    """The decoder body's final (normed) hidden states of the row's scoring positions: (P, H)."""
+    decoder = model.get_decoder()  # type: ignore[no-untyped-call]  # unannotated upstream
+    out = decoder(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False)  # see module docstring
+    hidden: Tensor = out.last_hidden_state[0]  # (T, H)
+    return hidden[row.score_at]  # (P, H)
+
+
+def _score_chunk(lm_head: nn.Module, hidden: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    logp_all = lm_head(hidden).float().log_softmax(-1)  # (C, V)
+    logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)  # (C,)
+    # Computed after everything the backward needs, so checkpoint's recompute (which stops
+    # early once it has rebuilt the saved tensors) does not redo it.
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)  # (C,) nats, of the full next-token distribution
+    return logp, entropy
+
+
+def chunked_logprobs(hidden: Tensor, targets: Tensor, lm_head: nn.Module, chunk_tokens: int) -> tuple[Tensor, Tensor]:
+    """Log-prob of each target under ``log_softmax(lm_head(hidden))`` and that distribution's entropy.
+
+    ``hidden`` (P, H), ``targets`` (P,) -> ``logp`` (P,) float32 (with grad when ``hidden``
+    has one) and ``entropy`` (P,) float32 (never with grad).
+    """
+    logps: list[Tensor] = []
+    entropies: list[Tensor] = []
+    with_grad = torch.is_grad_enabled() and hidden.requires_grad
+    for lo in range(0, hidden.shape[0], chunk_tokens):
+        h = hidden[lo : lo + chunk_tokens]  # (C, H)
+        t = targets[lo : lo + chunk_tokens]  # (C,)
+        if with_grad:
+            logp, entropy = checkpoint(_score_chunk, lm_head, h, t, use_reentrant=False)
+        else:
+            logp, entropy = _score_chunk(lm_head, h, t)
+        logps.append(logp)
+        entropies.append(entropy)
+    if not logps:
+        empty = hidden.new_zeros(0, dtype=torch.float32)  # (0,)
+        return empty, empty
+    return torch.cat(logps), torch.cat(entropies)
