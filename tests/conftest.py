@@ -51,6 +51,14 @@ class RunningProxy:
             return list(conn.execute(sql, params))
 
 
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Llama with its BPE tokenizer and ChatML template, built once per session."""
+    from tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.getbasetemp() / "tiny-llama")
+
+
 @pytest.fixture
 def fake() -> Iterator[FakeVLLM]:
     fake = FakeVLLM(emit_eos=True)  # like vLLM: a natural stop ends token_ids with <|im_end|>

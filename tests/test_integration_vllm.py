@@ -17,7 +17,6 @@ from typing import Any
 import httpx
 import pytest
 from conftest import RunningProxy
-from tiny_model import build_tiny_model
 
 from proxy._vllm_process import VLLMLaunch, VLLMProcess
 
@@ -34,8 +33,8 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
+def tiny_model(tiny_model_dir: Path) -> Path:
+    return tiny_model_dir
 
 
 @pytest.fixture(scope="module")

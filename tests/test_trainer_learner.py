@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_model import build_tiny_model
 from torch import Tensor
 from transformers import AutoModelForCausalLM
 
@@ -24,10 +23,6 @@ from trainer._samples import Sample
 
 VOCAB = 1000  # the tiny model has 1026 tokens; random ids stay below the special ones
 
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.getbasetemp() / "tiny-llama")
 
 
 def sample(n: int, prompt: int, seed: int) -> Sample:

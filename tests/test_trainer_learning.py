@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_model import build_tiny_model
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from trainer._advantages import group_advantages
@@ -36,11 +35,6 @@ PROMPTS = (
 GROUP = 8  # samples per prompt
 NEW_TOKENS = 16
 STEPS = 20
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.getbasetemp() / "tiny-llama")
 
 
 class Sampler:
