@@ -74,8 +74,13 @@ async def fetch(url: str, query: Any) -> list[Any]:
 
 
 def settings_for(tmp_path: Path, model: Path, **overrides: Any) -> WorkerSettings:
-    options: dict[str, Any] = {"database_url": f"sqlite+aiosqlite:///{tmp_path / 'store.db'}",
-                               "data_dir": tmp_path, "policy": "agent", "base_model": model, "config": CONFIG}  # fmt: skip
+    options: dict[str, Any] = {
+        "database_url": f"sqlite+aiosqlite:///{tmp_path / 'store.db'}",
+        "data_dir": tmp_path,
+        "policy": "agent",
+        "base_model": model,
+        "config": CONFIG,
+    }
     return WorkerSettings(**{**options, **overrides})
 
 
