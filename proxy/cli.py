@@ -24,6 +24,12 @@ the policy's LoRA with GRPO.
 """
 
 
+def _default(field: str) -> str:
+    from proxy._settings import Settings
+
+    return f" (default {Settings.model_fields[field].default})"
+
+
 def _serve_parser(sub: Any) -> None:
     p = sub.add_parser(
         "serve",
@@ -33,7 +39,6 @@ def _serve_parser(sub: Any) -> None:
             "OPENAI_BASE_URL and model name --policy. Every flag can also be set as an environment variable "
             "TRACETRAIN_<FLAG> (e.g. TRACETRAIN_API_KEYS=key1,key2)."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
         "--upstream",
@@ -49,22 +54,44 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument(
         "--host", default=None, help="address to listen on (default 127.0.0.1; any other address needs --api-keys)"
     )
-    p.add_argument("--port", type=int, default=None, help="port to listen on (default 8100)")
+    p.add_argument("--port", type=int, default=None, help=f"port to listen on{_default('port')}")
     p.add_argument(
-        "--data-dir", type=Path, default=None, help="where the database and adapters live (default ./.tracetrain)"
+        "--data-dir", type=Path, default=None, help=f"where the database and adapters live{_default('data_dir')}"
     )
     p.add_argument(
         "--database-url",
         metavar="URL",
         help="SQLAlchemy async URL, e.g. postgresql+asyncpg://user@host/db (default: SQLite in the data directory)",
     )
-    p.add_argument("--policy", metavar="NAME", help="the model name agents use (default agent)")
-    p.add_argument("--group-size", type=int, help="most trajectories in a group derived from a task prompt")
-    p.add_argument("--min-group-size", type=int, help="fewest rewarded trajectories for a group to train")
+    p.add_argument("--policy", metavar="NAME", help=f"the model name agents use{_default('policy')}")
+    p.add_argument(
+        "--group-size",
+        type=int,
+        help=f"most trajectories in a group derived from a task prompt{_default('group_size')}",
+    )
+    p.add_argument(
+        "--min-group-size",
+        type=int,
+        help=f"fewest rewarded trajectories for a group to train{_default('min_group_size')}",
+    )
+    p.add_argument(
+        "--batch-groups", type=int, help=f"ready groups that trigger a training step{_default('batch_groups')}"
+    )
+    p.add_argument(
+        "--keep-versions",
+        type=int,
+        help=f"adapter versions kept loaded in vLLM; older ones stay on disk for rollback{_default('keep_versions')}",
+    )
+    p.add_argument(
+        "--replica",
+        action="append",
+        metavar="URL",
+        help="another vLLM (base URL ending in /v1) that must load every adapter too; repeatable",
+    )
     p.add_argument("--api-keys", metavar="K1,K2", help="inference keys agents must send as Bearer tokens")
     p.add_argument("--reward-keys", metavar="K1,K2", help="keys reward services must send to POST /v1/rewards")
     p.add_argument("--no-train", action="store_true", help="serve and capture only; start no trainer")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default info)")
 
 
 def _settings_from(args: argparse.Namespace) -> Any:
@@ -82,6 +109,9 @@ def _settings_from(args: argparse.Namespace) -> Any:
         "min_group_size": args.min_group_size,
         "api_keys": args.api_keys,
         "reward_keys": args.reward_keys,
+        "batch_groups": args.batch_groups,
+        "keep_versions": args.keep_versions,
+        "replicas": tuple(args.replica) if args.replica else None,
     }
     try:
         return Settings(**{k: v for k, v in flags.items() if v is not None})
