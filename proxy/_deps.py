@@ -35,7 +35,7 @@ class Services:
     publisher: Publisher
 
 
-def get_services(request: Request) -> Services:
+async def get_services(request: Request) -> Services:
     services: Services = request.app.state.services
     return services
 
@@ -64,11 +64,11 @@ def _check(request: Request, keys: tuple[SecretStr, ...], what: str) -> None:
         raise AuthenticationFailed(f"Invalid {what}.")
 
 
-def require_inference_key(request: Request, services: ServicesDep) -> None:
+async def require_inference_key(request: Request, services: ServicesDep) -> None:
     _check(request, services.settings.api_keys, "inference key")
 
 
-def require_reward_key(request: Request, services: ServicesDep) -> None:
+async def require_reward_key(request: Request, services: ServicesDep) -> None:
     """Reward keys when configured; otherwise the inference rule (so a loopback default just works)."""
     settings = services.settings
     if settings.reward_keys:
@@ -77,7 +77,7 @@ def require_reward_key(request: Request, services: ServicesDep) -> None:
         _check(request, settings.api_keys, "key")
 
 
-def require_admin(request: Request, services: ServicesDep) -> None:
+async def require_admin(request: Request, services: ServicesDep) -> None:
     """The admin token when configured; without one, admin actions are for loopback binds only."""
     settings = services.settings
     if settings.admin_token is not None:

@@ -20,6 +20,7 @@ import httpx
 import orjson
 from pydantic import BaseModel, ValidationError
 from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from proxy._capture import (
     Asked,
@@ -144,49 +145,8 @@ class Forwarder:
         except ProxyError as exc:
             await self._store.record_call(self._write(call, None, None, exc.status_code, exc.message, None))
             return error_response(exc, call.headers())
-        return StreamingResponse(
-            self._relay(call, upstream),
-            media_type="text/event-stream",
-            headers={**call.headers(), "Cache-Control": "no-cache"},
-        )
-
-    async def _relay(self, call: _Call, upstream: httpx.Response) -> AsyncIterator[bytes]:
-        """Forward each SSE event as it arrives; commit the record before ``[DONE]``."""
-        assembler = StreamCapture(call.endpoint, call.asked, call.route.public_name)
-        ttft: float | None = None
-        finished = False
-        self._registry.in_flight[call.route.version] += 1  # released in `finally`, with the upstream
-        try:
-            async for data in _sse_data(upstream.aiter_bytes()):
-                if ttft is None:
-                    ttft = (time.perf_counter() - call.t0) * 1000
-                if data == b"[DONE]":
-                    finished = True
-                    break
-                chunk = assembler.add(orjson.loads(data))
-                if chunk is not None:
-                    yield b"data: " + orjson.dumps(chunk) + b"\n\n"
-            if not finished:
-                raise UpstreamError("the upstream closed the stream before it finished")
-        except (UpstreamError, httpx.TransportError, orjson.JSONDecodeError) as exc:
-            message = exc.message if isinstance(exc, ProxyError) else f"the upstream stream broke: {exc!r}"
-            await self._store.record_call(self._write(call, assembler.capture, None, 502, message, ttft))
-            yield b"data: " + orjson.dumps(error_body(message, "upstream_error", None, 502)) + b"\n\n"
-            return
-        except BaseException:
-            # The client went away (cancellation): keep what was sampled, nobody awaits the commit.
-            self._store.record_call_nowait(
-                self._write(call, assembler.capture, None, 499, "the client disconnected mid-stream", ttft)
-            )
-            raise
-        finally:
-            self._registry.in_flight[call.route.version] -= 1
-            with anyio.CancelScope(shield=True):
-                await upstream.aclose()
-        await self._store.record_call(
-            self._write(call, assembler.capture, assembler.capture.as_response(), 200, None, ttft)
-        )
-        yield _DONE
+        relay = _Relay(self, call, upstream)
+        return _RelayResponse(relay, headers={**call.headers(), "Cache-Control": "no-cache"})
 
     def _write(
         self,
@@ -261,3 +221,72 @@ async def _sse_data(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
             for line in event.split(b"\n"):
                 if line.startswith(b"data:"):
                     yield line[5:].strip()
+
+
+class _Relay:
+    """One stream in flight: forwards events as they arrive and records the call exactly once.
+
+    ``close()`` runs whatever happened (finished, broken, or the client gone before the
+    first byte, when the event generator never even starts): the record is written and
+    the upstream response closed.
+    """
+
+    def __init__(self, forwarder: Forwarder, call: _Call, upstream: httpx.Response) -> None:
+        self._forwarder = forwarder
+        self._call = call
+        self._upstream = upstream
+        self._assembler = StreamCapture(call.endpoint, call.asked, call.route.public_name)
+        self._ttft: float | None = None
+        self._recorded = False
+        forwarder._registry.in_flight[call.route.version] += 1
+
+    async def events(self) -> AsyncIterator[bytes]:
+        """Forward each SSE event as it arrives; commit the record before ``[DONE]``."""
+        call, forwarder = self._call, self._forwarder
+        finished = False
+        try:
+            async for data in _sse_data(self._upstream.aiter_bytes()):
+                if self._ttft is None:
+                    self._ttft = (time.perf_counter() - call.t0) * 1000
+                if data == b"[DONE]":
+                    finished = True
+                    break
+                chunk = self._assembler.add(orjson.loads(data))
+                if chunk is not None:
+                    yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+            if not finished:
+                raise UpstreamError("the upstream closed the stream before it finished")
+        except (UpstreamError, httpx.TransportError, orjson.JSONDecodeError) as exc:
+            message = exc.message if isinstance(exc, ProxyError) else f"the upstream stream broke: {exc!r}"
+            self._recorded = True
+            await forwarder._store.record_call(self._record(502, message))
+            yield b"data: " + orjson.dumps(error_body(message, "upstream_error", None, 502)) + b"\n\n"
+            return
+        self._recorded = True
+        await forwarder._store.record_call(self._record(200, None, self._assembler.capture.as_response()))
+        yield _DONE
+
+    async def close(self) -> None:
+        if not self._recorded:  # the client went away: keep what was sampled; nobody awaits the commit
+            self._recorded = True
+            self._forwarder._store.record_call_nowait(self._record(499, "the client disconnected mid-stream"))
+        self._forwarder._registry.in_flight[self._call.route.version] -= 1
+        with anyio.CancelScope(shield=True):
+            await self._upstream.aclose()
+
+    def _record(self, status: int, error: str | None, response: dict[str, Any] | None = None) -> CallWrite:
+        return self._forwarder._write(self._call, self._assembler.capture, response, status, error, self._ttft)
+
+
+class _RelayResponse(StreamingResponse):
+    """A streaming response that closes its relay however the response ends."""
+
+    def __init__(self, relay: _Relay, headers: dict[str, str]) -> None:
+        super().__init__(relay.events(), media_type="text/event-stream", headers=headers)
+        self._relay = relay
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._relay.close()

@@ -1,6 +1,6 @@
 """The store: SQLModel tables over SQLite (WAL, aiosqlite) or Postgres (asyncpg).
 
-Captured calls are written by one background task that commits in groups: every
+Captured calls are written by one background writer (a thread on SQLite) that commits in groups: every
 call that finished while the previous commit ran is written in the next single
 transaction. ``record_call`` returns once its transaction committed, so the proxy can
 send a response's last byte only after its record is durable, while a burst of 64
@@ -14,19 +14,20 @@ crash of the proxy process (not necessarily a power cut; set ``synchronous=FULL`
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+import queue
+import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
-from sqlalchemy import bindparam, event, func, insert, select, update
+from sqlalchemy import Connection, Engine, bindparam, create_engine, event, func, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine.interfaces import DBAPIConnection
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import ConnectionPoolEntry
 from sqlmodel import SQLModel
 
@@ -46,6 +47,7 @@ A = SQLModel.metadata.tables["adapters"]
 
 SQLITE_PRAGMAS = ("journal_mode=WAL", "synchronous=NORMAL", "busy_timeout=10000", "foreign_keys=OFF")
 _MAX_BATCH = 512
+_R = TypeVar("_R")
 _WRITE_ATTEMPTS = 3
 
 
@@ -62,6 +64,9 @@ class CallWrite:
     tail_hash: str | None
     created_at: float
     version: int
+
+
+_Pending = tuple[CallWrite, "asyncio.Future[None] | None"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,30 +103,124 @@ async def connect(url: str) -> AsyncEngine:
     return engine
 
 
-class Store:
-    """Async access to the tables; one instance per process, built in the app's lifespan."""
+def _write_batch(conn: Connection, dialect: str, writes: Sequence[CallWrite]) -> None:
+    """One transaction's worth of captured calls, with their groups and trajectories."""
+    groups: dict[str, dict[str, Any]] = {}
+    trajectories: dict[str, dict[str, Any]] = {}
+    updates: dict[str, dict[str, Any]] = {}
+    for w in writes:
+        groups.setdefault(
+            w.group_id,
+            {
+                "id": w.group_id,
+                "policy": w.policy,
+                "task_key": w.task_key,
+                "state": "open",
+                "created_at": w.created_at,
+            },
+        )
+        trajectories.setdefault(
+            w.trajectory_id,
+            {
+                "id": w.trajectory_id,
+                "group_id": w.group_id,
+                "policy": w.policy,
+                "keyed_by": w.keyed_by,
+                "created_at": w.created_at,
+                "updated_at": w.created_at,
+                "n_calls": 0,
+                "last_version": 0,
+                "metrics": {},
+            },
+        )
+        previous = updates.get(w.trajectory_id)
+        updates[w.trajectory_id] = {
+            "b_id": w.trajectory_id,
+            "b_n": (previous["b_n"] if previous else 0) + 1,
+            "b_t": time.time(),
+            "b_v": w.version,
+            "b_tail": w.tail_hash,
+        }
+    conn.execute(insert_ignore(dialect, G, ["id"]), list(groups.values()))
+    conn.execute(insert_ignore(dialect, T, ["id"]), list(trajectories.values()))
+    conn.execute(insert(C), [w.call for w in writes])
+    conn.execute(
+        update(T)
+        .where(T.c.id == bindparam("b_id"))
+        .values(
+            n_calls=T.c.n_calls + bindparam("b_n"),
+            updated_at=bindparam("b_t"),
+            last_version=bindparam("b_v"),
+            tail_hash=bindparam("b_tail"),
+        ),
+        list(updates.values()),
+    )
 
-    def __init__(self, engine: AsyncEngine) -> None:
+
+def insert_ignore(dialect: str, table: Any, keys: list[str]) -> Any:
+    """INSERT ... ON CONFLICT DO NOTHING in the store's dialect."""
+    module = postgresql if dialect == "postgresql" else sqlite
+    return module.insert(table).on_conflict_do_nothing(index_elements=keys)
+
+
+def _settle(done: asyncio.Future[None], error: Exception | None) -> None:
+    if done.done():
+        return
+    if error is None:
+        done.set_result(None)
+    else:
+        done.set_exception(StoreUnavailable(f"could not record the call: {error}"))
+
+
+class Store:
+    """Access to the tables; one instance per process, built in the app's lifespan.
+
+    On SQLite the group-commit writer is a thread with its own connection, and the few
+    lookups on the request path read synchronously (an indexed SQLite read takes tens of
+    microseconds; a hop to aiosqlite's thread and back costs ten times that). On Postgres
+    both go through the async engine. ``engine`` (async) serves everything else.
+    """
+
+    def __init__(self, engine: AsyncEngine, sync_engine: Engine | None = None) -> None:
         self.engine = engine
         self._dialect = engine.dialect.name
-        self._queue: asyncio.Queue[tuple[CallWrite, asyncio.Future[None] | None]] = asyncio.Queue()
-        self._writer: asyncio.Task[None] | None = None
+        self._sync = sync_engine
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pending: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
+        self._writer: threading.Thread | asyncio.Task[None] | None = None
 
     @classmethod
     async def open(cls, url: str) -> Store:
         """Connect, create missing tables and start the group-commit writer."""
-        store = cls(await connect(url))
-        store._writer = asyncio.create_task(store._write_loop(), name="tracetrain-store-writer")
+        engine = await connect(url)
+        sync_engine = None
+        if engine.dialect.name == "sqlite":
+            sync_engine = create_engine(
+                engine.url.set(drivername="sqlite"),
+                json_serializer=_dumps,
+                json_deserializer=orjson.loads,
+                connect_args={"check_same_thread": False},
+            )
+            event.listen(sync_engine, "connect", _on_connect_sqlite)
+        store = cls(engine, sync_engine)
+        store._loop = asyncio.get_running_loop()
+        if sync_engine is not None:
+            store._writer = threading.Thread(target=store._write_thread, name="tracetrain-store-writer", daemon=True)
+            store._writer.start()
+        else:
+            store._writer = asyncio.create_task(store._write_task(), name="tracetrain-store-writer")
         return store
 
     async def close(self) -> None:
         """Write everything still queued, then release the connections."""
-        if self._writer is not None:
-            await self._queue.join()
-            self._writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._writer
-            self._writer = None
+        self._pending.put(None)
+        if isinstance(self._writer, threading.Thread):
+            await asyncio.to_thread(self._writer.join)
+        elif self._writer is not None:
+            await self._writer
+        self._writer = None
+        if self._sync is not None:
+            self._sync.dispose()
         await self.engine.dispose()
 
     # -- captured calls ---------------------------------------------------------------
@@ -129,100 +228,89 @@ class Store:
     async def record_call(self, write: CallWrite) -> None:
         """Queue a call and return once the transaction holding it committed."""
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait((write, done))
+        self._pending.put((write, done))
         await done
 
     def record_call_nowait(self, write: CallWrite) -> None:
         """Queue a call without waiting (its client is gone; nobody waits for the answer)."""
-        self._queue.put_nowait((write, None))
+        self._pending.put((write, None))
 
-    async def _write_loop(self) -> None:
-        while True:
-            batch = [await self._queue.get()]
-            while len(batch) < _MAX_BATCH and not self._queue.empty():
-                batch.append(self._queue.get_nowait())
-            error: BaseException | None = None
+    def _next_batch(self, first: _Pending) -> tuple[list[_Pending], bool]:
+        """``first`` and whatever else is queued, up to a limit; True once close() was asked."""
+        batch = [first]
+        while len(batch) < _MAX_BATCH:
+            try:
+                item = self._pending.get_nowait()
+            except queue.Empty:
+                return batch, False
+            if item is None:
+                return batch, True
+            batch.append(item)
+        return batch, False
+
+    def _write_thread(self) -> None:
+        assert self._sync is not None and self._loop is not None
+        closing = False
+        while not closing:
+            first = self._pending.get()
+            if first is None:
+                return
+            batch, closing = self._next_batch(first)
+            error: Exception | None = None
             for attempt in range(_WRITE_ATTEMPTS):
                 try:
-                    async with self.engine.begin() as conn:
-                        await self._write_batch(conn, [write for write, _ in batch])
+                    with self._sync.begin() as conn:
+                        _write_batch(conn, self._dialect, [write for write, _ in batch])
                     error = None
                     break
                 except Exception as exc:  # the database is down or locked: retry, then fail the callers
                     error = exc
                     log.warning("writing %d calls failed (attempt %d): %s", len(batch), attempt + 1, exc)
+                    time.sleep(0.05 * 2**attempt)
+            for _, done in batch:
+                if done is not None:
+                    self._loop.call_soon_threadsafe(_settle, done, error)
+
+    async def _write_task(self) -> None:
+        closing = False
+        while not closing:
+            first = await asyncio.to_thread(self._pending.get)
+            if first is None:
+                return
+            batch, closing = self._next_batch(first)
+            error: Exception | None = None
+            for attempt in range(_WRITE_ATTEMPTS):
+                try:
+                    async with self.engine.begin() as conn:
+                        await conn.run_sync(_write_batch, self._dialect, [write for write, _ in batch])
+                    error = None
+                    break
+                except Exception as exc:  # the database is down: retry, then fail the callers
+                    error = exc
+                    log.warning("writing %d calls failed (attempt %d): %s", len(batch), attempt + 1, exc)
                     await asyncio.sleep(0.05 * 2**attempt)
             for _, done in batch:
-                if done is not None and not done.done():
-                    if error is None:
-                        done.set_result(None)
-                    else:
-                        done.set_exception(StoreUnavailable(f"could not record the call: {error}"))
-                self._queue.task_done()
+                if done is not None:
+                    _settle(done, error)
 
-    async def _write_batch(self, conn: AsyncConnection, writes: Sequence[CallWrite]) -> None:
-        groups: dict[str, dict[str, Any]] = {}
-        trajectories: dict[str, dict[str, Any]] = {}
-        updates: dict[str, dict[str, Any]] = {}
-        for w in writes:
-            groups.setdefault(
-                w.group_id,
-                {
-                    "id": w.group_id,
-                    "policy": w.policy,
-                    "task_key": w.task_key,
-                    "state": "open",
-                    "created_at": w.created_at,
-                },
-            )
-            trajectories.setdefault(
-                w.trajectory_id,
-                {
-                    "id": w.trajectory_id,
-                    "group_id": w.group_id,
-                    "policy": w.policy,
-                    "keyed_by": w.keyed_by,
-                    "created_at": w.created_at,
-                    "updated_at": w.created_at,
-                    "n_calls": 0,
-                    "last_version": 0,
-                    "metrics": {},
-                },
-            )
-            previous = updates.get(w.trajectory_id)
-            updates[w.trajectory_id] = {
-                "b_id": w.trajectory_id,
-                "b_n": (previous["b_n"] if previous else 0) + 1,
-                "b_t": time.time(),
-                "b_v": w.version,
-                "b_tail": w.tail_hash,
-            }
-        await conn.execute(self._insert_ignore(G, ["id"]), list(groups.values()))
-        await conn.execute(self._insert_ignore(T, ["id"]), list(trajectories.values()))
-        await conn.execute(insert(C), [w.call for w in writes])
-        await conn.execute(
-            update(T)
-            .where(T.c.id == bindparam("b_id"))
-            .values(
-                n_calls=T.c.n_calls + bindparam("b_n"),
-                updated_at=bindparam("b_t"),
-                last_version=bindparam("b_v"),
-                tail_hash=bindparam("b_tail"),
-            ),
-            list(updates.values()),
-        )
-
-    def _insert_ignore(self, table: Any, keys: list[str]) -> Any:
-        dialect = postgresql if self._dialect == "postgresql" else sqlite
-        return dialect.insert(table).on_conflict_do_nothing(index_elements=keys)
+    async def _read(self, query: Callable[[Connection], _R]) -> _R:
+        """A short read: synchronous on SQLite, through the async engine elsewhere."""
+        if self._sync is not None:
+            with self._sync.connect() as conn:
+                return query(conn)
+        async with self.engine.connect() as conn:
+            return await conn.run_sync(query)
 
     # -- lookups for keying -------------------------------------------------------------
 
     async def trajectory_group(self, trajectory_id: str) -> tuple[str, str] | None:
         """(group_id, policy) of a stored trajectory, or None."""
-        async with self.engine.connect() as conn:
-            row = (await conn.execute(select(T.c.group_id, T.c.policy).where(T.c.id == trajectory_id))).first()
-        return (row[0], row[1]) if row else None
+
+        def query(conn: Connection) -> tuple[str, str] | None:
+            row = conn.execute(select(T.c.group_id, T.c.policy).where(T.c.id == trajectory_id)).first()
+            return (row[0], row[1]) if row else None
+
+        return await self._read(query)
 
     async def find_open_thread(self, tail_hashes: Sequence[str], since: float) -> tuple[str, str, str] | None:
         """The unkeyed trajectory whose last request plus reply hashes to one of ``tail_hashes``.
@@ -232,32 +320,32 @@ class Store:
         """
         if not tail_hashes:
             return None
-        async with self.engine.connect() as conn:
-            rows = (
-                await conn.execute(
-                    select(T.c.id, T.c.group_id, T.c.tail_hash).where(
-                        T.c.tail_hash.in_(list(tail_hashes)), T.c.updated_at >= since, T.c.reward.is_(None)
-                    )
-                )
-            ).all()
-        by_hash = {row[2]: (row[0], row[1], row[2]) for row in rows}
+
+        def query(conn: Connection) -> list[Any]:
+            found = select(T.c.id, T.c.group_id, T.c.tail_hash).where(
+                T.c.tail_hash.in_(list(tail_hashes)), T.c.updated_at >= since, T.c.reward.is_(None)
+            )
+            return list(conn.execute(found).all())
+
+        by_hash = {row[2]: (row[0], row[1], row[2]) for row in await self._read(query)}
         return next((by_hash[h] for h in tail_hashes if h in by_hash), None)
 
     async def open_group_for_task(self, policy: str, task_key: str) -> tuple[str, int] | None:
         """The newest open group derived from ``task_key`` and how many trajectories it has."""
-        async with self.engine.connect() as conn:
-            row = (
-                await conn.execute(
-                    select(G.c.id)
-                    .where(G.c.policy == policy, G.c.task_key == task_key, G.c.state == "open")
-                    .order_by(G.c.created_at.desc())
-                    .limit(1)
-                )
+
+        def query(conn: Connection) -> tuple[str, int] | None:
+            row = conn.execute(
+                select(G.c.id)
+                .where(G.c.policy == policy, G.c.task_key == task_key, G.c.state == "open")
+                .order_by(G.c.created_at.desc())
+                .limit(1)
             ).first()
             if row is None:
                 return None
-            size = (await conn.execute(select(func.count()).where(T.c.group_id == row[0]))).scalar_one()
-        return row[0], int(size)
+            size = conn.execute(select(func.count()).where(T.c.group_id == row[0])).scalar_one()
+            return str(row[0]), int(size)
+
+        return await self._read(query)
 
     # -- policies ---------------------------------------------------------------------------
 
@@ -266,7 +354,7 @@ class Store:
         now = time.time()
         async with self.engine.begin() as conn:
             await conn.execute(
-                self._insert_ignore(P, ["name"]),
+                insert_ignore(self._dialect, P, ["name"]),
                 [{"name": name, "base_model": base_model, "active_version": 0, "created_at": now, "updated_at": now}],
             )
             row = (await conn.execute(select(P.c.active_version).where(P.c.name == name))).one()

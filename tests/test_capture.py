@@ -8,6 +8,7 @@ import time
 
 import httpx
 import orjson
+import pytest
 from conftest import RunningProxy
 from fake_vllm import EOS_TOKEN_ID, FakeVLLM, Reply, ToolCall
 
@@ -252,3 +253,65 @@ def test_concurrent_threads_with_sync_client_share_one_group(proxy: RunningProxy
     for t in threads:
         t.join()
     assert len(set(ids)) == 1
+
+
+async def test_a_stream_cancelled_before_its_first_event_is_recorded_and_closed(proxy: RunningProxy) -> None:
+    """The ASGI server may cancel a response before its body generator ever starts."""
+    from proxy._forward import _Relay, _RelayResponse
+
+    closed: list[bool] = []
+
+    class Upstream:
+        async def aiter_bytes(self):  # pragma: no cover - never iterated
+            yield b""
+
+        async def aclose(self) -> None:
+            closed.append(True)
+
+    class Store:
+        def __init__(self) -> None:
+            self.written: list = []
+
+        def record_call_nowait(self, write) -> None:
+            self.written.append(write)
+
+    from proxy._capture import Asked
+    from proxy._forward import _Call
+    from proxy._keying import Conversation, Key
+    from proxy._policies import PolicyRegistry, Route
+
+    class Forwarder:
+        _store = Store()
+        _registry = PolicyRegistry("agent", "base")
+
+        def _write(self, call, capture, response, status, error, ttft):
+            return (status, error)
+
+    body = {"model": "agent", "messages": QUESTION, "stream": True}
+    call = _Call(
+        "chat.completions",
+        body,
+        Route("agent", 0, "base"),
+        Key("t", "g", "header", None),
+        Conversation("agent", body["messages"]),
+        Asked(False, False, False),
+        time.time(),
+        time.perf_counter(),
+    )
+    forwarder = Forwarder()
+    response = _RelayResponse(_Relay(forwarder, call, Upstream()), headers={})  # type: ignore[arg-type]
+    assert forwarder._registry.in_flight[0] == 1
+
+    async def receive() -> dict:
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        raise OSError("the client is gone")
+
+    from starlette.requests import ClientDisconnect
+
+    with pytest.raises(ClientDisconnect):  # the send of the response start fails: nothing was streamed
+        await response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+    assert closed == [True]
+    assert forwarder._store.written == [(499, "the client disconnected mid-stream")]
+    assert forwarder._registry.in_flight[0] == 0
