@@ -29,6 +29,9 @@ from proxy.store import Store
 
 log = logging.getLogger("tracetrain.proxy")
 
+# Upstream requests are spread over this many httpx clients (see proxy._upstream).
+_UPSTREAM_POOLS = 8
+
 
 def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
     """Build the proxy. ``transport`` replaces the network for tests (``httpx.MockTransport``)."""
@@ -36,12 +39,15 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store = await Store.open(settings.resolved_database_url)
-        client = httpx.AsyncClient(
-            transport=transport,
-            timeout=httpx.Timeout(settings.upstream_timeout_s, connect=5.0),
-            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
-        )
-        upstream = Upstream(settings.upstream, client)
+        clients = [
+            httpx.AsyncClient(
+                transport=transport,
+                timeout=httpx.Timeout(settings.upstream_timeout_s, connect=5.0),
+                limits=httpx.Limits(max_connections=256, max_keepalive_connections=32),
+            )
+            for _ in range(_UPSTREAM_POOLS)
+        ]
+        upstream = Upstream(settings.upstream, clients)
         registry = PolicyRegistry(settings.policy, settings.served_model)
         if registry.base_model is None:
             try:
@@ -55,7 +61,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         scheduler = JobScheduler(
             store, policy=settings.policy, batch_groups=settings.batch_groups, min_group_size=settings.min_group_size
         )
-        replicas = [upstream, *(Upstream(url.rstrip("/"), client) for url in settings.replicas)]
+        replicas = [upstream, *(Upstream(url.rstrip("/"), clients[:1]) for url in settings.replicas)]
         publisher = Publisher(
             store, registry, replicas, keep_versions=settings.keep_versions, unload_grace_s=settings.unload_grace_s
         )
@@ -68,7 +74,8 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
             publishing.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await publishing
-            await client.aclose()
+            for client in clients:
+                await client.aclose()
             await store.close()  # writes every queued record first
 
     app = FastAPI(

@@ -1,7 +1,16 @@
-"""The upstream OpenAI-compatible server (vLLM), reached over one pooled httpx client."""
+"""The upstream OpenAI-compatible server (vLLM), reached over pooled httpx clients.
+
+httpcore's pool looks at every one of its connections each time it assigns a request
+(``_assign_requests_to_connections``): with 64 connections in one pool that scan was the
+largest single cost of the proxy under load. Requests are therefore spread round-robin
+over several clients, each with a small pool; the total concurrency towards vLLM is not
+capped any lower.
+"""
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -13,9 +22,14 @@ _JSON = {"content-type": "application/json"}
 
 
 class Upstream:
-    def __init__(self, base_url: str, client: httpx.AsyncClient) -> None:
+    def __init__(self, base_url: str, clients: Sequence[httpx.AsyncClient]) -> None:
         self.base_url = base_url
-        self._client = client
+        self._clients = list(clients)
+        self._next = itertools.cycle(self._clients)
+
+    @property
+    def _client(self) -> httpx.AsyncClient:
+        return next(self._next)
 
     async def post(self, path: str, body: bytes) -> httpx.Response:
         """POST and read the whole answer (any status)."""
@@ -27,9 +41,10 @@ class Upstream:
 
         An error status is read whole and raised as ``UpstreamHTTPError``.
         """
-        request = self._client.build_request("POST", self.base_url + path, content=body, headers=_JSON)
+        client = self._client
+        request = client.build_request("POST", self.base_url + path, content=body, headers=_JSON)
         async with upstream_errors(self.base_url):
-            response = await self._client.send(request, stream=True)
+            response = await client.send(request, stream=True)
             if response.status_code != 200:
                 try:
                     content = await response.aread()

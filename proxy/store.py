@@ -175,10 +175,11 @@ def _settle(done: asyncio.Future[None], error: Exception | None) -> None:
 class Store:
     """Access to the tables; one instance per process, built in the app's lifespan.
 
-    On SQLite the group-commit writer is a thread with its own connection, and the few
-    lookups on the request path read synchronously (an indexed SQLite read takes tens of
-    microseconds; a hop to aiosqlite's thread and back costs ten times that). On Postgres
-    both go through the async engine. ``engine`` (async) serves everything else.
+    The group-commit writer is a thread. On SQLite it commits through its own connection,
+    and the few lookups on the request path read synchronously (an indexed SQLite read
+    takes tens of microseconds; a hop to aiosqlite's thread and back costs ten times that).
+    On Postgres the writer hands each commit to the async engine on the event loop, and
+    reads go through it too. ``engine`` (async) serves everything else.
     """
 
     def __init__(self, engine: AsyncEngine, sync_engine: Engine | None = None) -> None:
@@ -187,7 +188,7 @@ class Store:
         self._sync = sync_engine
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
-        self._writer: threading.Thread | asyncio.Task[None] | None = None
+        self._writer: threading.Thread | None = None
 
     @classmethod
     async def open(cls, url: str) -> Store:
@@ -204,21 +205,16 @@ class Store:
             event.listen(sync_engine, "connect", _on_connect_sqlite)
         store = cls(engine, sync_engine)
         store._loop = asyncio.get_running_loop()
-        if sync_engine is not None:
-            store._writer = threading.Thread(target=store._write_thread, name="tracetrain-store-writer", daemon=True)
-            store._writer.start()
-        else:
-            store._writer = asyncio.create_task(store._write_task(), name="tracetrain-store-writer")
+        store._writer = threading.Thread(target=store._write_thread, name="tracetrain-store-writer", daemon=True)
+        store._writer.start()
         return store
 
     async def close(self) -> None:
         """Write everything still queued, then release the connections."""
         self._pending.put(None)
-        if isinstance(self._writer, threading.Thread):
+        if self._writer is not None:
             await asyncio.to_thread(self._writer.join)
-        elif self._writer is not None:
-            await self._writer
-        self._writer = None
+            self._writer = None
         if self._sync is not None:
             self._sync.dispose()
         await self.engine.dispose()
@@ -249,7 +245,9 @@ class Store:
         return batch, False
 
     def _write_thread(self) -> None:
-        assert self._sync is not None and self._loop is not None
+        """Commit whatever is queued, in groups, until close(); retry, then fail the callers."""
+        assert self._loop is not None
+        commit = self._commit_sqlite if self._sync is not None else self._commit_on_loop
         closing = False
         while not closing:
             first = self._pending.get()
@@ -259,11 +257,10 @@ class Store:
             error: Exception | None = None
             for attempt in range(_WRITE_ATTEMPTS):
                 try:
-                    with self._sync.begin() as conn:
-                        _write_batch(conn, self._dialect, [write for write, _ in batch])
+                    commit([write for write, _ in batch])
                     error = None
                     break
-                except Exception as exc:  # the database is down or locked: retry, then fail the callers
+                except Exception as exc:  # the database is down or locked
                     error = exc
                     log.warning("writing %d calls failed (attempt %d): %s", len(batch), attempt + 1, exc)
                     time.sleep(0.05 * 2**attempt)
@@ -271,27 +268,20 @@ class Store:
                 if done is not None:
                     self._loop.call_soon_threadsafe(_settle, done, error)
 
-    async def _write_task(self) -> None:
-        closing = False
-        while not closing:
-            first = await asyncio.to_thread(self._pending.get)
-            if first is None:
-                return
-            batch, closing = self._next_batch(first)
-            error: Exception | None = None
-            for attempt in range(_WRITE_ATTEMPTS):
-                try:
-                    async with self.engine.begin() as conn:
-                        await conn.run_sync(_write_batch, self._dialect, [write for write, _ in batch])
-                    error = None
-                    break
-                except Exception as exc:  # the database is down: retry, then fail the callers
-                    error = exc
-                    log.warning("writing %d calls failed (attempt %d): %s", len(batch), attempt + 1, exc)
-                    await asyncio.sleep(0.05 * 2**attempt)
-            for _, done in batch:
-                if done is not None:
-                    _settle(done, error)
+    def _commit_sqlite(self, writes: list[CallWrite]) -> None:
+        assert self._sync is not None
+        with self._sync.begin() as conn:
+            _write_batch(conn, self._dialect, writes)
+
+    def _commit_on_loop(self, writes: list[CallWrite]) -> None:
+        """Postgres: the async engine belongs to the event loop, so the commit runs there."""
+
+        async def commit() -> None:
+            async with self.engine.begin() as conn:
+                await conn.run_sync(_write_batch, self._dialect, writes)
+
+        assert self._loop is not None
+        asyncio.run_coroutine_threadsafe(commit(), self._loop).result()
 
     async def _read(self, query: Callable[[Connection], _R]) -> _R:
         """A short read: synchronous on SQLite, through the async engine elsewhere."""

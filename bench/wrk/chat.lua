@@ -1,0 +1,57 @@
+-- POST one chat completion per request, each with a fresh X-Trajectory-Id.
+--
+--   wrk -s bench/wrk/chat.lua URL -- MODEL MODE TAG
+--
+-- MODEL is the model name the target serves ("agent" for the proxies, the base
+-- model's name for the upstream itself), MODE is "stream" or "plain", TAG a prefix
+-- unique to this run: ids are TAG-<thread>-<n>, so no two requests share one.
+-- done() prints one machine-readable line, BENCH_RESULT key=value ..., that
+-- bench/proxy_overhead.py parses; "sent" counts request() calls, including requests
+-- still in flight when wrk stopped (it runs one over per run: one call is never written).
+
+local threads = {}
+local next_thread = 1
+
+function setup(thread)
+   thread:set("thread_no", next_thread)
+   next_thread = next_thread + 1
+   table.insert(threads, thread)
+end
+
+function init(args)
+   local model = args[1] or "agent"
+   local stream = args[2] == "stream"
+   local tag = args[3] or "bench"
+   id_prefix = string.format("%s-%d-", tag, thread_no)
+   sent = 0
+   body = string.format(
+      '{"model":"%s","messages":[{"role":"user","content":"%s"}],"max_tokens":16%s}',
+      model,
+      "Write one short sentence about proxies, trajectories and rewards for this benchmark.",
+      stream and ',"stream":true' or ""
+   )
+   path = "/v1/chat/completions"
+end
+
+function request()
+   sent = sent + 1
+   local headers = {
+      ["Content-Type"] = "application/json",
+      ["X-Trajectory-Id"] = id_prefix .. sent,
+   }
+   return wrk.format("POST", path, headers, body)
+end
+
+function done(summary, latency, requests)
+   local sent_total = 0
+   for _, thread in ipairs(threads) do
+      sent_total = sent_total + thread:get("sent")
+   end
+   local e = summary.errors
+   io.write(string.format(
+      "BENCH_RESULT sent=%d completed=%d duration_us=%d connect=%d read=%d write=%d status=%d timeout=%d "
+         .. "p50_us=%.0f p90_us=%.0f p99_us=%.0f mean_us=%.1f max_us=%.0f\n",
+      sent_total, summary.requests, summary.duration, e.connect, e.read, e.write, e.status, e.timeout,
+      latency:percentile(50), latency:percentile(90), latency:percentile(99), latency.mean, latency.max
+   ))
+end
