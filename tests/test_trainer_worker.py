@@ -152,3 +152,19 @@ def test_samples_from_versions_beyond_the_staleness_limit_are_skipped() -> None:
     batch = build_batch(trajectories, TrainConfig(max_staleness=2), trained_version=4)
     assert len(batch.samples) == 1 and batch.metrics["skipped_stale_samples"] == 1
     assert batch.advantages == [pytest.approx(1.0)]
+
+
+def test_worker_command_line_builds_its_config_from_flags(tmp_path: Path, tiny_model_dir: Path) -> None:
+    import subprocess
+    import sys
+
+    url = f"sqlite+aiosqlite:///{tmp_path / 'store.db'}"
+    asyncio.run(seed_store(url, {"g1": [1.0, 0.0]}))
+    command = [sys.executable, "-m", "trainer", "--database-url", url, "--data-dir", str(tmp_path),
+               "--base-model", str(tiny_model_dir), "--once", "--loss", "cispo", "--lora-r", "8",
+               "--learning-rate", "0.001", "--log-level", "warning"]  # fmt: skip
+    subprocess.run(command, check=True, timeout=120)
+    saved = (tmp_path / "adapters" / "agent" / "1" / "trainer_config.json").read_text()
+    assert '"loss": "cispo"' in saved and '"lora_r": 8' in saved
+    bad = subprocess.run([*command[:-4], "--lora-r", "0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "lora_r" in bad.stderr

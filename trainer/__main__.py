@@ -25,27 +25,38 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m trainer",
         description=__doc__.split("\n\n")[1] if __doc__ else None,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--database-url", required=True, help="the proxy's store (SQLAlchemy async URL)")
     p.add_argument("--data-dir", type=Path, required=True, help="adapters go to DATA_DIR/adapters/POLICY/N/")
-    p.add_argument("--policy", default="agent", help="the policy whose jobs to run")
+    p.add_argument("--policy", default="agent", help="the policy whose jobs to run (default agent)")
     p.add_argument("--base-model", type=Path, required=True, help="the HF model directory vLLM serves")
     p.add_argument("--init-adapter", type=Path, help="a LoRA directory to start from (e.g. an SFT warm start)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    p.add_argument("--config", type=Path, help="a JSON file of TrainConfig fields (loss, learning_rate, lora_r...)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
+    p.add_argument("--config", type=Path, help="a JSON file of TrainConfig fields; the flags below override it")
+    p.add_argument("--loss", choices=["grpo", "dr_grpo", "gspo", "cispo"], help="the objective (default grpo)")
+    p.add_argument("--learning-rate", type=float, help="AdamW learning rate (default 3e-4)")
+    p.add_argument("--lora-r", type=int, help="LoRA rank (default 16); vLLM's --max-lora-rank must be at least this")
+    p.add_argument(
+        "--max-staleness",
+        type=int,
+        help="skip samples served by a version more than this many versions old (default 2)",
+    )
+    p.add_argument("--kl-coef", type=float, help="weight of the KL to the base model (default 0: off)")
     p.add_argument("--once", action="store_true", help="run the queued jobs, then exit")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default info)")
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    flags = {"loss": args.loss, "learning_rate": args.learning_rate, "lora_r": args.lora_r,
+             "max_staleness": args.max_staleness, "kl_coef": args.kl_coef}  # fmt: skip
     try:
-        config = TrainConfig.model_validate_json(args.config.read_text()) if args.config else TrainConfig()
+        base = TrainConfig.model_validate_json(args.config.read_text()).to_dict() if args.config else {}
+        config = TrainConfig.from_dict({**base, **{k: v for k, v in flags.items() if v is not None}})
     except (OSError, ValidationError) as exc:
-        raise SystemExit(f"python -m trainer: bad --config: {exc}") from None
+        raise SystemExit(f"python -m trainer: bad training configuration: {exc}") from None
     if not (args.base_model / "config.json").is_file():
         raise SystemExit(f"python -m trainer: {args.base_model} is not a Hugging Face model directory")
     settings = WorkerSettings(
