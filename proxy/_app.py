@@ -54,8 +54,8 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
                 registry.base_model = await upstream.base_model()
             except UpstreamError as exc:
                 log.warning("upstream not answering yet (%s); will ask again on the first call", exc.message)
-        if registry.base_model is not None:
-            registry.active_version = await store.ensure_policy(settings.policy, registry.base_model)
+        # The policy row holds the alias; it must exist even while vLLM is still starting.
+        registry.active_version = await store.ensure_policy(settings.policy, registry.base_model or "")
         keyer = Keyer(store, group_size=settings.group_size, thread_ttl_s=settings.thread_ttl_s)
         forwarder = Forwarder(upstream, store, keyer, registry)
         scheduler = JobScheduler(

@@ -111,3 +111,16 @@ def test_a_restarted_vllm_gets_the_published_adapters_again(
     wait_for(lambda: "agent@1" in fake.loras)
     fake.loras.clear()  # vLLM restarted: adapters are gone
     wait_for(lambda: "agent@1" in fake.loras, timeout=15)
+
+
+def test_the_policy_alias_is_stored_even_when_vllm_is_down_at_start(start_proxy, fake: FakeVLLM) -> None:
+    """A flip updates the policy's row: it must exist before vLLM ever answered."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    proxy = start_proxy(upstream=f"http://127.0.0.1:{dead}/v1")
+    assert [(r["name"], r["active_version"]) for r in proxy.rows("SELECT name, active_version FROM policies")] == [
+        ("agent", 0)
+    ]
