@@ -128,11 +128,11 @@ class Forwarder:
                 raise UpstreamHTTPError(upstream.status_code, upstream.content)
             data = orjson.loads(upstream.content)
         except ProxyError as exc:
-            await self._store.record_call(self._write(call, None, None, exc.status_code, exc.message, None))
+            await self._store.record_call(_call_write(call, None, None, exc.status_code, exc.message, None))
             return error_response(exc, call.headers())
         capture = capture_response(data, call.endpoint)
         stored = without_token_fields(data)
-        await self._store.record_call(self._write(call, capture, stored, 200, None, None))
+        await self._store.record_call(_call_write(call, capture, stored, 200, None, None))
         return Response(
             orjson.dumps(strip_response(data, call.asked, call.route.public_name)),
             headers=call.headers(),
@@ -143,69 +143,69 @@ class Forwarder:
         try:
             upstream = await self._upstream.open_stream(_PATHS[call.endpoint], payload)
         except ProxyError as exc:
-            await self._store.record_call(self._write(call, None, None, exc.status_code, exc.message, None))
+            await self._store.record_call(_call_write(call, None, None, exc.status_code, exc.message, None))
             return error_response(exc, call.headers())
-        relay = _Relay(self, call, upstream)
+        relay = _Relay(self._store, self._registry, call, upstream)
         return _RelayResponse(relay, headers={**call.headers(), "Cache-Control": "no-cache"})
 
-    def _write(
-        self,
-        call: _Call,
-        capture: Capture | None,
-        response: dict[str, Any] | None,
-        status: int,
-        error: str | None,
-        ttft_ms: float | None,
-    ) -> CallWrite:
-        first = capture.first if capture else None
-        usage = (capture.usage if capture else None) or {}
-        tail = None
-        if call.key.keyed_by in ("thread", "new") and first is not None and status == 200:
-            tail = call.conversation.tail_after(first.message())
-        others = (
-            [
-                {"token_ids": c.token_ids, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
-                for i, c in sorted(capture.choices.items())[1:]
-            ]
-            if capture
-            else []
-        )
-        row = {
-            "id": f"call-{uuid.uuid4().hex}",
-            "trajectory_id": call.key.trajectory_id,
-            "group_id": call.key.group_id,
-            "policy": call.route.policy,
-            "endpoint": call.endpoint,
-            "model": str(call.body.get("model")),
-            "served_model": call.route.served_model,
-            "version": call.route.version,
-            "stream": bool(call.body.get("stream")),
-            "request": call.body,
-            "response": response,
-            "prompt_token_ids": capture.prompt_ids() if capture else [],
-            "completion_token_ids": first.token_ids if first else [],
-            "logprobs": first.logprobs if first else [],
-            "other_choices": others,
-            "finish_reason": first.finish_reason if first else None,
-            "prompt_tokens": int(usage.get("prompt_tokens") or 0),
-            "completion_tokens": int(usage.get("completion_tokens") or 0),
-            "status_code": status,
-            "error": error,
-            "latency_ms": (time.perf_counter() - call.t0) * 1000,
-            "ttft_ms": ttft_ms,
-            "started_at": call.started_at,
-        }
-        return CallWrite(
-            row,
-            call.key.trajectory_id,
-            call.key.group_id,
-            call.route.policy,
-            call.key.keyed_by,
-            call.key.task_key,
-            tail,
-            call.started_at,
-            call.route.version,
-        )
+
+def _call_write(
+    call: _Call,
+    capture: Capture | None,
+    response: dict[str, Any] | None,
+    status: int,
+    error: str | None,
+    ttft_ms: float | None,
+) -> CallWrite:
+    first = capture.first if capture else None
+    usage = (capture.usage if capture else None) or {}
+    tail = None
+    if call.key.keyed_by in ("thread", "new") and first is not None and status == 200:
+        tail = call.conversation.tail_after(first.message())
+    others = (
+        [
+            {"token_ids": c.token_ids, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
+            for i, c in sorted(capture.choices.items())[1:]
+        ]
+        if capture
+        else []
+    )
+    row = {
+        "id": f"call-{uuid.uuid4().hex}",
+        "trajectory_id": call.key.trajectory_id,
+        "group_id": call.key.group_id,
+        "policy": call.route.policy,
+        "endpoint": call.endpoint,
+        "model": str(call.body.get("model")),
+        "served_model": call.route.served_model,
+        "version": call.route.version,
+        "stream": bool(call.body.get("stream")),
+        "request": call.body,
+        "response": response,
+        "prompt_token_ids": capture.prompt_ids() if capture else [],
+        "completion_token_ids": first.token_ids if first else [],
+        "logprobs": first.logprobs if first else [],
+        "other_choices": others,
+        "finish_reason": first.finish_reason if first else None,
+        "prompt_tokens": int(usage.get("prompt_tokens") or 0),
+        "completion_tokens": int(usage.get("completion_tokens") or 0),
+        "status_code": status,
+        "error": error,
+        "latency_ms": (time.perf_counter() - call.t0) * 1000,
+        "ttft_ms": ttft_ms,
+        "started_at": call.started_at,
+    }
+    return CallWrite(
+        row,
+        call.key.trajectory_id,
+        call.key.group_id,
+        call.route.policy,
+        call.key.keyed_by,
+        call.key.task_key,
+        tail,
+        call.started_at,
+        call.route.version,
+    )
 
 
 async def _sse_data(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -231,18 +231,19 @@ class _Relay:
     the upstream response closed.
     """
 
-    def __init__(self, forwarder: Forwarder, call: _Call, upstream: httpx.Response) -> None:
-        self._forwarder = forwarder
+    def __init__(self, store: Store, registry: PolicyRegistry, call: _Call, upstream: httpx.Response) -> None:
+        self._store = store
+        self._registry = registry
         self._call = call
         self._upstream = upstream
         self._assembler = StreamCapture(call.endpoint, call.asked, call.route.public_name)
         self._ttft: float | None = None
         self._recorded = False
-        forwarder._registry.in_flight[call.route.version] += 1
+        registry.in_flight[call.route.version] += 1
 
     async def events(self) -> AsyncIterator[bytes]:
         """Forward each SSE event as it arrives; commit the record before ``[DONE]``."""
-        call, forwarder = self._call, self._forwarder
+        call = self._call
         finished = False
         try:
             async for data in _sse_data(self._upstream.aiter_bytes()):
@@ -259,23 +260,23 @@ class _Relay:
         except (UpstreamError, httpx.TransportError, orjson.JSONDecodeError) as exc:
             message = exc.message if isinstance(exc, ProxyError) else f"the upstream stream broke: {exc!r}"
             self._recorded = True
-            await forwarder._store.record_call(self._record(502, message))
+            await self._store.record_call(self._record(502, message))
             yield b"data: " + orjson.dumps(error_body(message, "upstream_error", None, 502)) + b"\n\n"
             return
         self._recorded = True
-        await forwarder._store.record_call(self._record(200, None, self._assembler.capture.as_response()))
+        await self._store.record_call(self._record(200, None, self._assembler.capture.as_response()))
         yield _DONE
 
     async def close(self) -> None:
         if not self._recorded:  # the client went away: keep what was sampled; nobody awaits the commit
             self._recorded = True
-            self._forwarder._store.record_call_nowait(self._record(499, "the client disconnected mid-stream"))
-        self._forwarder._registry.in_flight[self._call.route.version] -= 1
+            self._store.record_call_nowait(self._record(499, "the client disconnected mid-stream"))
+        self._registry.in_flight[self._call.route.version] -= 1
         with anyio.CancelScope(shield=True):
             await self._upstream.aclose()
 
     def _record(self, status: int, error: str | None, response: dict[str, Any] | None = None) -> CallWrite:
-        return self._forwarder._write(self._call, self._assembler.capture, response, status, error, self._ttft)
+        return _call_write(self._call, self._assembler.capture, response, status, error, self._ttft)
 
 
 class _RelayResponse(StreamingResponse):

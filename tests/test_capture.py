@@ -255,37 +255,25 @@ def test_concurrent_threads_with_sync_client_share_one_group(proxy: RunningProxy
     assert len(set(ids)) == 1
 
 
-async def test_a_stream_cancelled_before_its_first_event_is_recorded_and_closed(proxy: RunningProxy) -> None:
+async def test_a_stream_cancelled_before_its_first_event_is_recorded_and_closed() -> None:
     """The ASGI server may cancel a response before its body generator ever starts."""
-    from proxy._forward import _Relay, _RelayResponse
+    from starlette.requests import ClientDisconnect
+
+    from proxy._capture import Asked
+    from proxy._forward import _Call, _Relay, _RelayResponse
+    from proxy._keying import Conversation, Key
+    from proxy._policies import PolicyRegistry, Route
 
     closed: list[bool] = []
+    written: list = []
 
     class Upstream:
-        async def aiter_bytes(self):  # pragma: no cover - never iterated
-            yield b""
-
         async def aclose(self) -> None:
             closed.append(True)
 
     class Store:
-        def __init__(self) -> None:
-            self.written: list = []
-
         def record_call_nowait(self, write) -> None:
-            self.written.append(write)
-
-    from proxy._capture import Asked
-    from proxy._forward import _Call
-    from proxy._keying import Conversation, Key
-    from proxy._policies import PolicyRegistry, Route
-
-    class Forwarder:
-        _store = Store()
-        _registry = PolicyRegistry("agent", "base")
-
-        def _write(self, call, capture, response, status, error, ttft):
-            return (status, error)
+            written.append(write)
 
     body = {"model": "agent", "messages": QUESTION, "stream": True}
     call = _Call(
@@ -298,9 +286,9 @@ async def test_a_stream_cancelled_before_its_first_event_is_recorded_and_closed(
         time.time(),
         time.perf_counter(),
     )
-    forwarder = Forwarder()
-    response = _RelayResponse(_Relay(forwarder, call, Upstream()), headers={})  # type: ignore[arg-type]
-    assert forwarder._registry.in_flight[0] == 1
+    registry = PolicyRegistry("agent", "base")
+    response = _RelayResponse(_Relay(Store(), registry, call, Upstream()), headers={})  # type: ignore[arg-type]
+    assert registry.in_flight[0] == 1
 
     async def receive() -> dict:
         return {"type": "http.disconnect"}
@@ -308,10 +296,8 @@ async def test_a_stream_cancelled_before_its_first_event_is_recorded_and_closed(
     async def send(message: dict) -> None:
         raise OSError("the client is gone")
 
-    from starlette.requests import ClientDisconnect
-
-    with pytest.raises(ClientDisconnect):  # the send of the response start fails: nothing was streamed
+    with pytest.raises(ClientDisconnect):  # the response start cannot be sent: nothing was streamed
         await response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
     assert closed == [True]
-    assert forwarder._store.written == [(499, "the client disconnected mid-stream")]
-    assert forwarder._registry.in_flight[0] == 0
+    assert [(w.call["status_code"], w.call["error"]) for w in written] == [(499, "the client disconnected mid-stream")]
+    assert registry.in_flight[0] == 0
