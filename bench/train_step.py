@@ -138,6 +138,8 @@ def prepare(work: Path, opts: argparse.Namespace) -> None:
     n, p, c = opts.samples, opts.prompt, opts.completion
     rng = torch.Generator().manual_seed(opts.seed)
     input_ids = torch.randint(0, vocab, (n, p + c), generator=rng)  # (N, P+C)
+    group = max(1, opts.group_size)
+    input_ids[:, :p] = input_ids[::group, :p].repeat_interleave(group, 0)[:n]  # (N, P) each group shares a prompt
     advantages = (torch.randint(0, 2, (n,), generator=rng) * 2 - 1).float()  # (N,) +-1
     learner = Learner(model_dir, _train_config(opts.micro_batch_tokens))
     samples = [Sample(row, [False] * p + [True] * c, [0.0] * (p + c), 1, 0) for row in input_ids.tolist()]
@@ -353,7 +355,8 @@ def _cpu_busy_s() -> float:
 def _child(work: Path, opts: argparse.Namespace, role: str, name: str, extra: list[str]) -> dict[str, Any] | None:
     argv = [sys.executable, __file__, "--role", role, "--role-name", name, "--work", str(work),
             "--samples", str(opts.samples), "--prompt", str(opts.prompt), "--completion", str(opts.completion),
-            "--steps", str(opts.steps), "--seed", str(opts.seed), *extra]  # fmt: skip
+            "--steps", str(opts.steps), "--seed", str(opts.seed), "--group-size", str(opts.group_size),
+            *extra]  # fmt: skip
     if opts.model_dir:
         argv += ["--model-dir", opts.model_dir]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
@@ -423,7 +426,8 @@ def report(opts: argparse.Namespace, results: list[dict[str, Any]], numerics: di
     by_name = {r["name"]: r for r in results}
     ours = by_name["ours"]
     tokens = opts.samples * (opts.prompt + opts.completion)
-    print(f"\nbatch: {opts.samples} x ({opts.prompt} prompt + {opts.completion} completion) = {tokens} tokens, "
+    shared = f" in groups of {opts.group_size} sharing a prompt" if opts.group_size > 1 else ""
+    print(f"\nbatch: {opts.samples} x ({opts.prompt} prompt + {opts.completion} completion) = {tokens} tokens{shared}, "
           f"{'random SmolLM2-135M-shaped Llama' if not opts.model_dir else opts.model_dir}, LoRA r={LORA_R} "
           f"alpha={LORA_ALPHA} on 7 projections, float32, {THREADS} threads; median of {opts.steps} steps after 1 "
           "warm-up; each contender in its own process.")  # fmt: skip
@@ -487,6 +491,12 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=8, help="samples in the batch (>= 2: TRL's num_generations)")
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per sample")
     parser.add_argument("--completion", type=int, default=128, help="completion (sampled) tokens per sample")
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        default=1,
+        help="samples per GRPO group; a group's samples share their prompt tokens (default 1: none do)",
+    )
     parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps per contender, after 1 warm-up")
     parser.add_argument("--micro-batch-tokens", type=int, default=512,
                         help="our packing budget; on a CPU sdpa pays T x T per packed row, so keep it near the "

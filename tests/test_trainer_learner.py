@@ -24,7 +24,6 @@ from trainer._samples import Sample
 VOCAB = 1000  # the tiny model has 1026 tokens; random ids stay below the special ones
 
 
-
 def sample(n: int, prompt: int, seed: int) -> Sample:
     """n random tokens, the first `prompt` of them a prompt; old logprobs filled in by `with_old_logprobs`."""
     ids = torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -89,6 +88,69 @@ def test_a_sample_packed_beside_others_scores_as_it_does_alone(tiny_model_dir: P
     with torch.no_grad():
         crossed = chunked_logprobs(hidden_states(model, row), row.targets, lm_head, 1024)[0][-22:]
     assert (crossed - alone).abs().max() > 1e-2
+
+
+def group(prompt_len: int, completions: list[int], seed: int) -> list[Sample]:
+    """A GRPO group: samples that share a prompt and differ after it."""
+    prompt = sample(prompt_len, prompt_len, seed=seed).token_ids
+    out = []
+    for k, n in enumerate(completions):
+        rest = sample(n, 0, seed=seed * 100 + k).token_ids
+        out.append(Sample(prompt + rest, [False] * prompt_len + [True] * n, [0.0] * (prompt_len + n), 1, 0))
+    return out
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_a_group_sharing_its_prompt_scores_each_sample_as_alone(tiny_model_dir: Path, attn: str) -> None:
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32, attn_implementation=attn)
+    model.eval()
+    lm_head = model.get_output_embeddings()
+    samples = group(12, [6, 9, 4], seed=5)
+    row = pack_row(samples, [0, 1, 2], loss_only=False, device=torch.device("cpu"))
+    assert row.input_ids.shape[1] == 12 + 6 + 9 + 4  # the prompt once
+    assert row.attention_mask is not None
+    with torch.no_grad():
+        logp, _ = chunked_logprobs(hidden_states(model, row), row.targets, lm_head, 7)
+    for k, s in enumerate(samples):
+        expected = reference_logprobs(model, s.token_ids)[0]
+        torch.testing.assert_close(logp[row.seq == k], expected, rtol=0, atol=1e-5)
+
+
+def test_a_shared_prompt_gives_the_lora_the_same_gradient_as_separate_rows(tiny_model_dir: Path) -> None:
+    learner = Learner(tiny_model_dir, TrainConfig(lora_r=8, dtype="float32"))
+    samples = group(10, [5, 7, 6, 3], seed=9)
+
+    def lora_grads(rows: list[list[int]]) -> list[Tensor]:
+        learner.model.zero_grad(set_to_none=True)
+        lm_head = learner.model.get_output_embeddings()
+        for members in rows:
+            row = pack_row(samples, members, loss_only=True, device=torch.device("cpu"))
+            logp, _ = chunked_logprobs(hidden_states(learner.model, row), row.targets, lm_head, 1024)
+            (logp * (row.seq.float() + 1)).sum().backward()  # a different weight per sample
+        return [p.grad.clone() for p in learner.model.parameters() if p.requires_grad and p.grad is not None]
+
+    for p in learner.model.parameters():  # a LoRA with B != 0, so every LoRA matrix gets a gradient
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.05)
+    shared = lora_grads([[0, 1, 2, 3]])
+    separate = [g for members in ([0], [1], [2], [3]) for g in [lora_grads([members])]]
+    # Each separate run weights its only sample by 1; rescale to the shared run's weights 1..4.
+    weighted = [sum((k + 1) * parts[k] for k in range(4)) for parts in zip(*separate, strict=True)]
+    assert len(shared) == len(weighted) > 0
+    for got, want in zip(shared, weighted, strict=True):  # equal up to float32 summation order
+        assert float((got - want).norm() / want.norm()) < 1e-5
+
+
+def test_micro_batches_group_samples_by_their_prompt() -> None:
+    from trainer._samples import pack_shared
+
+    a = group(8, [3, 4], seed=1)
+    b = group(6, [5, 2, 4], seed=2)
+    lone = [sample(9, 4, seed=3)]
+    samples = [a[0], b[0], lone[0], a[1], b[1], b[2]]
+    rows = pack_shared(samples, 64)
+    assert sorted(map(sorted, rows)) == [[0, 3], [1, 4, 5], [2]]
+    assert pack_shared(samples, 12)[:2] == [[0], [3]]  # a prompt + both rests exceeds 12: split
 
 
 def test_learner_logprobs_of_a_packed_batch_equal_each_sample_alone(tiny_model_dir: Path) -> None:

@@ -34,7 +34,7 @@ from trainer._adapters import load_optimizer_state, write_adapter_dir
 from trainer._config import TrainConfig, TrainDType
 from trainer._logprobs import PackedRow, chunked_logprobs, hidden_states, pack_row
 from trainer._losses import policy_loss
-from trainer._samples import Sample, pack
+from trainer._samples import Sample, pack_shared
 
 PeakMemoryKind = Literal["cuda_max_allocated", "process_max_rss"]
 
@@ -167,7 +167,7 @@ class Learner:
             torch.cuda.reset_peak_memory_stats(self.device)
         samples = [item.sample for item in items]
         loss_tokens = sum(s.loss_tokens for s in samples)
-        micro_batches = pack(samples, self.cfg.micro_batch_tokens)
+        micro_batches = pack_shared(samples, self.cfg.micro_batch_tokens)
 
         self.model.train()
         totals = dict.fromkeys(("loss", "clipped", "ratio", "kl", "entropy"), 0.0)
@@ -237,7 +237,7 @@ class Learner:
         self.model.eval()
         try:
             out = [torch.zeros(len(s.token_ids)) for s in samples]
-            for members in pack(samples, self.cfg.micro_batch_tokens):
+            for members in pack_shared(samples, self.cfg.micro_batch_tokens):
                 row = pack_row(samples, members, loss_only=False, device=self.device)
                 if row.targets.numel() == 0:  # only one-token samples: nothing to score
                     continue

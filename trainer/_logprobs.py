@@ -1,6 +1,8 @@
 """Log-probs of packed samples, scored in chunks so a batch's vocabulary logits never exist whole.
 
-A micro-batch is one row: its samples' token ids end to end, with ``position_ids``
+A micro-batch is one row. When its samples share a prefix (a GRPO group's prompt),
+the prefix is laid once and an explicit mask lets each sample see it and itself (see
+``pack_row``). Otherwise the samples' token ids go end to end, with ``position_ids``
 restarting at 0 for each sample. transformers 5's ``masking_utils`` reads each restart
 as a sequence boundary and builds a block-diagonal causal mask, so attention never
 crosses samples and no padding is spent. It does so only when the decoder gets no
@@ -28,15 +30,19 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
-from trainer._samples import Sample
+from trainer._samples import Sample, common_prefix
 
 
 @dataclass(frozen=True, slots=True)
 class PackedRow:
     """Several samples as one row, and which of its tokens are scored."""
 
-    input_ids: Tensor  # (1, T) long: the members' tokens end to end
-    position_ids: Tensor  # (1, T) long: 0, 1, ... restarting at each member
+    input_ids: Tensor  # (1, T) long: the shared prefix once, then each member's rest
+    position_ids: Tensor  # (1, T) long: each member's own positions
+    # (1, 1, T, T) bool, True = may attend: each member sees the shared prefix and its own
+    # tokens, causally. None when nothing is shared (transformers then derives the
+    # block-diagonal mask from the position restarts).
+    attention_mask: Tensor | None
     score_at: Tensor  # (P,) long: row position of the hidden state that predicts each scored token
     targets: Tensor  # (P,) long: the scored tokens
     seq: Tensor  # (P,) long in [0, len(members)): the member each scored token belongs to
@@ -45,13 +51,25 @@ class PackedRow:
 
 
 def pack_row(samples: Sequence[Sample], members: Sequence[int], *, loss_only: bool, device: torch.device) -> PackedRow:
-    """Lay ``samples[i] for i in members`` end to end in one row.
+    """Lay ``samples[i] for i in members`` in one row, their common prefix only once.
+
+    The samples of a GRPO group share their prompt: the row holds it once, then each
+    member's remaining tokens, positioned as if they followed the prefix directly, and
+    attention lets every member see the prefix and its own tokens only. Without a common
+    prefix the members are simply laid end to end.
 
     Scored tokens: the sampled ones (``loss_mask``) when ``loss_only``, else every token
-    but each sample's first, which has no prefix to predict it from.
+    but each sample's first, which has no prefix to predict it from. A scored token's
+    ``score_at`` is the row position whose hidden state predicts it: for a member's first
+    token after the prefix, that is the prefix's last position, shared by all members.
     """
-    ids: list[int] = []
-    positions: list[int] = []
+    token_lists = [samples[i].token_ids for i in members]
+    shared = 0
+    if len(token_lists) > 1:
+        shared = min(common_prefix(token_lists[0], other) for other in token_lists[1:])
+    ids: list[int] = list(token_lists[0][:shared])
+    positions: list[int] = list(range(shared))
+    starts: list[int] = []  # row position of each member's first token after the prefix
     score_at: list[int] = []
     targets: list[int] = []
     seq: list[int] = []
@@ -59,11 +77,12 @@ def pack_row(samples: Sequence[Sample], members: Sequence[int], *, loss_only: bo
     for k, i in enumerate(members):
         sample = samples[i]
         start = len(ids)
-        ids += sample.token_ids
-        positions += range(len(sample.token_ids))
+        starts.append(start)
+        ids += sample.token_ids[shared:]
+        positions += range(shared, len(sample.token_ids))
         for t in range(1, len(sample.token_ids)):
             if sample.loss_mask[t] or not loss_only:
-                score_at.append(start + t - 1)
+                score_at.append(t - 1 if t <= shared else start + t - shared - 1)
                 targets.append(sample.token_ids[t])
                 seq.append(k)
                 offset.append(t)
@@ -71,9 +90,19 @@ def pack_row(samples: Sequence[Sample], members: Sequence[int], *, loss_only: bo
     def longs(values: list[int]) -> Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
 
+    mask = None
+    if shared:
+        n = len(ids)
+        mask = torch.zeros(n, n, dtype=torch.bool, device=device)  # (T, T)
+        mask[:, :shared] = True  # everyone sees the prefix ...
+        for start, end in zip(starts, [*starts[1:], n], strict=True):
+            mask[start:end, start:end] = True  # ... and its own tokens
+        mask &= torch.ones(n, n, dtype=torch.bool, device=device).tril()  # (T, T) causally
+        mask = mask[None, None]  # (1, 1, T, T)
     return PackedRow(
         input_ids=longs(ids)[None],  # (1, T)
         position_ids=longs(positions)[None],  # (1, T)
+        attention_mask=mask,
         score_at=longs(score_at),  # (P,)
         targets=longs(targets),  # (P,)
         seq=longs(seq),  # (P,)
@@ -85,7 +114,13 @@ def pack_row(samples: Sequence[Sample], members: Sequence[int], *, loss_only: bo
 def hidden_states(model: PreTrainedModel, row: PackedRow) -> Tensor:
     """The decoder body's final (normed) hidden states of the row's scoring positions: (P, H)."""
     decoder = model.get_decoder()  # type: ignore[no-untyped-call]  # unannotated upstream
-    out = decoder(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False)  # see module docstring
+    mask = row.attention_mask
+    if mask is not None and model.config._attn_implementation == "eager":
+        # eager attention adds its mask to the scores: 0 where allowed, a large negative elsewhere
+        mask = torch.zeros(mask.shape, dtype=model.dtype, device=mask.device).masked_fill(
+            ~mask, torch.finfo(model.dtype).min
+        )  # (1, 1, T, T)
+    out = decoder(input_ids=row.input_ids, position_ids=row.position_ids, attention_mask=mask, use_cache=False)
     hidden: Tensor = out.last_hidden_state[0]  # (T, H)
     return hidden[row.score_at]  # (P, H)
 
