@@ -27,7 +27,6 @@ async def train_now(services: ServicesDep) -> dict[str, Any]:
             "No group is ready: a group is ready when all its trajectories are rewarded and it has at least "
             f"{services.settings.min_group_size} of them (see GET /v1/groups?state=ready)."
         )
-    services.keyer.forget_groups(job["group_ids"])
     return {"object": "training_job", **job}
 
 

@@ -59,7 +59,11 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         keyer = Keyer(store, group_size=settings.group_size, thread_ttl_s=settings.thread_ttl_s)
         forwarder = Forwarder(upstream, store, keyer, registry)
         scheduler = JobScheduler(
-            store, policy=settings.policy, batch_groups=settings.batch_groups, min_group_size=settings.min_group_size
+            store,
+            keyer,
+            policy=settings.policy,
+            batch_groups=settings.batch_groups,
+            min_group_size=settings.min_group_size,
         )
         replicas = [upstream, *(Upstream(url.rstrip("/"), clients[:1]) for url in settings.replicas)]
         publisher = Publisher(
@@ -116,9 +120,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_request: Request, exc: RequestValidationError) -> Response:
-        first = exc.errors()[0]
-        param = ".".join(str(part) for part in first["loc"] if part not in ("query", "path", "body"))
-        return error_response(InvalidRequest(f"Invalid value for '{param}': {first['msg']}.", param=param))
+        return error_response(InvalidRequest.from_validation(exc.errors()))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:

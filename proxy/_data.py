@@ -27,13 +27,8 @@ async def post_rewards(store: Store, raw: bytes) -> dict[str, Any]:
         else:
             items = [RewardPost.model_validate(body)]
     except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(part) for part in first["loc"])
-        raise InvalidRequest(
-            f"Invalid value for '{param}': {first['msg']}. A reward is a finite JSON number; "
-            "metrics map names to finite numbers. Nothing was recorded.",
-            param=param,
-        ) from exc
+        hint = "A reward is a finite JSON number; metrics map names to finite numbers. Nothing was recorded."
+        raise InvalidRequest.from_validation(exc.errors(), hint) from exc
     rows = await store.add_rewards(RewardIn(r.trajectory_id, r.reward, dict(r.metrics)) for r in items)
     return {"object": "list", "data": [reward_view(row) for row in rows]}
 

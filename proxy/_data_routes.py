@@ -40,9 +40,7 @@ async def post_rewards(request: Request, services: ServicesDep) -> dict[str, Any
     When enough groups become ready, a training job is queued.
     """
     result = await _data.post_rewards(services.store, await request.body())
-    job = await services.scheduler.maybe_create_job()
-    if job is not None:
-        services.keyer.forget_groups(job["group_ids"])
+    await services.scheduler.maybe_create_job()
     return result
 
 

@@ -82,9 +82,7 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
     try:
         _MODELS[endpoint].model_validate(body)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(part) for part in first["loc"])
-        raise InvalidRequest(f"Invalid value for '{param}': {first['msg']}.", param=param) from exc
+        raise InvalidRequest.from_validation(exc.errors()) from exc
     return body
 
 

@@ -15,14 +15,16 @@ from typing import Any
 
 from sqlalchemy import and_, func, insert, select, update
 
+from proxy._keying import Keyer
 from proxy.store import G, J, Store, T
 
 
 class JobScheduler:
     """Creates training jobs from ready groups; one instance per proxy process."""
 
-    def __init__(self, store: Store, *, policy: str, batch_groups: int, min_group_size: int) -> None:
+    def __init__(self, store: Store, keyer: Keyer, *, policy: str, batch_groups: int, min_group_size: int) -> None:
         self._store = store
+        self._keyer = keyer
         self._policy = policy
         self._batch_groups = batch_groups
         self._min_group_size = min_group_size
@@ -56,6 +58,7 @@ class JobScheduler:
                 job_id = await self._create(groups, now)
             except _TakenMeanwhile:
                 return None
+            self._keyer.forget_groups(groups)  # new attempts at these tasks open new groups
             return {"id": job_id, "policy": self._policy, "state": "queued", "group_ids": groups, "created_at": now}
 
     async def _create(self, groups: list[str], now: float) -> int:

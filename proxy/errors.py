@@ -19,7 +19,7 @@ Upstream httpx errors are translated in one place, ``upstream_errors()``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -48,6 +48,14 @@ class ProxyError(Exception):
 class InvalidRequest(ProxyError):
     status_code = 400
     type = "invalid_request_error"
+
+    @classmethod
+    def from_validation(cls, errors: Sequence[Mapping[str, Any]], hint: str = "") -> InvalidRequest:
+        """The first of pydantic's (or FastAPI's) validation errors, naming the parameter."""
+        first = errors[0]
+        param = ".".join(str(part) for part in first["loc"] if part not in ("query", "path", "body"))
+        message = f"Invalid value for '{param}': {first['msg']}." + (f" {hint}" if hint else "")
+        return cls(message, param=param)
 
 
 class AuthenticationFailed(ProxyError):
