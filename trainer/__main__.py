@@ -67,6 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     async def run() -> None:
         worker = await Worker.open(settings)
         try:
+            await worker.prepare()
             await worker.run(once=args.once)
         finally:
             await worker.close()

@@ -30,6 +30,9 @@ from trainer._learner import Learner, TrainItem
 
 log = logging.getLogger("tracetrain.trainer")
 
+# The line the worker logs once it can train; `tracetrain serve` waits for it in the log.
+READY_LINE = "trainer worker ready"
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerSettings:
@@ -58,6 +61,33 @@ class Worker:
     @classmethod
     async def open(cls, settings: WorkerSettings) -> Worker:
         return cls(settings, await connect(settings.database_url))
+
+    async def prepare(self) -> None:
+        """Requeue the jobs a dead worker of this host left running, and load the model now.
+
+        Loading before the first job makes the first step as fast as the others, and lets
+        ``tracetrain serve`` say the trainer is ready when it is (it waits for ``READY_LINE``).
+        """
+        await self._requeue_orphans()
+        await asyncio.to_thread(self._learner_at, await self._version_to_train_on())
+        log.info("%s: policy %s, base model %s, device %s", READY_LINE, self.settings.policy,
+                 self.settings.base_model, self.settings.device)  # fmt: skip
+
+    async def _requeue_orphans(self) -> None:
+        host = socket.gethostname()
+        async with self._engine.begin() as conn:
+            running = (
+                await conn.execute(select(J.c.id, J.c.worker).where(J.c.policy == self.settings.policy,
+                                                                     J.c.state == "running"))
+            ).all()  # fmt: skip
+            for job_id, worker in running:
+                worker_host, _, pid = str(worker).rpartition(":")
+                if worker_host == host and pid.isdigit() and not _alive(int(pid)):
+                    await conn.execute(
+                        update(J).where(J.c.id == job_id, J.c.state == "running")
+                        .values(state="queued", worker=None, started_at=None, progress=0.0)
+                    )  # fmt: skip
+                    log.warning("job %s: its worker %s is gone; queued again", job_id, worker)
 
     async def close(self) -> None:
         await self._engine.dispose()
@@ -102,10 +132,10 @@ class Worker:
         await self._finish(job, "succeeded", metrics, version, None)
 
     async def _train(self, job: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
-        active = await self._active_version()
-        learner = await asyncio.to_thread(self._learner_at, active)
+        base = await self._version_to_train_on()
+        learner = await asyncio.to_thread(self._learner_at, base)
         trajectories = await load_trajectories(self._engine, job["group_ids"])
-        batch = build_batch(trajectories, self.settings.config, trained_version=active)
+        batch = build_batch(trajectories, self.settings.config, trained_version=base)
         if not batch.samples:
             log.warning("job %s: nothing to learn from (%s)", job["id"], batch.metrics)
             return {**batch.metrics, "skipped": "no sample carries a signal"}, None
@@ -115,7 +145,7 @@ class Worker:
         ]
         result = await asyncio.to_thread(learner.step, items)
         version = await self._next_version()
-        metrics = {**batch.metrics, **result.to_dict(), "version": version, "trained_from": active}
+        metrics = {**batch.metrics, **result.to_dict(), "version": version, "trained_from": base}
         out_dir = self.settings.adapters_dir / str(version)
         await asyncio.to_thread(learner.save, out_dir, metrics)
         self._learner_version = version
@@ -140,10 +170,24 @@ class Worker:
         self._learner_version = version
         return self._learner
 
-    async def _active_version(self) -> int:
+    async def _version_to_train_on(self) -> int:
+        """The newest version not yet published if there is one, else the one the policy serves.
+
+        A job queued while the previous step's adapter is still being published continues
+        from that adapter instead of from the older version still serving. After a rollback
+        no newer adapter is pending, so training continues from the version rolled back to.
+        """
+        policy = self.settings.policy
         async with self._engine.connect() as conn:
-            active = (await conn.execute(select(P.c.active_version).where(P.c.name == self.settings.policy))).scalar()
-        return int(active or 0)
+            active = int((await conn.execute(select(P.c.active_version).where(P.c.name == policy))).scalar() or 0)
+            pending = (
+                await conn.execute(
+                    select(func.max(A.c.version)).where(
+                        A.c.policy == policy, A.c.state.in_(("trained", "loading")), A.c.version > active
+                    )
+                )
+            ).scalar()
+        return int(pending) if pending is not None else active
 
     async def _next_version(self) -> int:
         async with self._engine.connect() as conn:
@@ -172,3 +216,13 @@ class Worker:
                 .where(G.c.id.in_(job["group_ids"]))
                 .values(state="trained" if state == "succeeded" else "failed")
             )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,98 @@
+"""The demo's agent: an ordinary OpenAI-client program that knows nothing of tracetrain.
+
+Like any OpenAI app it reads OPENAI_BASE_URL and OPENAI_API_KEY from the environment.
+It asks for a country's capital, then for that answer as JSON, and checks the reply
+itself: if it is not valid JSON it says so and lets the model try once more.
+The only tracetrain-specific thing is two headers naming the attempt's trajectory
+and its group (the attempts at one question), so that GRPO compares them; an app
+that cannot set headers would use the path prefix /g/GROUP/t/TRAJECTORY/v1 instead.
+
+    OPENAI_BASE_URL=http://127.0.0.1:8100/v1 python -m tracetrain_demo.agent --split train --rounds 3
+
+Each round asks --questions questions --attempts times each, all at once. Finished
+attempts are printed as JSON lines, and, with --done-url, reported to the reward
+service (the way an app would report that a task ended).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+
+from tracetrain_demo.task import FORMAT, MAX_TURNS, RETRY, Scenario, json_answer, scenarios
+
+
+def attempt(client: openai.OpenAI, model: str, scenario: Scenario, trajectory_id: str, group_id: str,
+            *, temperature: float, max_tokens: int) -> dict[str, object]:  # fmt: skip
+    """One episode: ask, ask for the answer as JSON, check it, ask again once if it is not valid JSON."""
+    headers = {"X-Trajectory-Id": trajectory_id, "X-Group-Id": group_id}
+    messages: list[dict[str, str]] = []
+    reply, served_by = "", ""
+    for turn, say in enumerate((scenario.question, FORMAT, RETRY)[:MAX_TURNS]):
+        if turn == 2 and json_answer(reply) is not None:
+            break
+        messages.append({"role": "user", "content": say})
+        completion = client.chat.completions.create(
+            model=model, messages=messages, temperature=temperature, max_tokens=max_tokens,  # type: ignore[arg-type]
+            extra_headers=headers,
+        )  # fmt: skip
+        reply, served_by = completion.choices[0].message.content or "", completion.model
+        messages.append({"role": "assistant", "content": reply})
+    turns = sum(m["role"] == "assistant" for m in messages)
+    return {"trajectory_id": trajectory_id, "group_id": group_id, "country": scenario.country, "reply": reply,
+            "turns": turns, "served_by": served_by}  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tracetrain_demo.agent", description=__doc__.split("\n\n")[0])
+    p.add_argument("--split", choices=["train", "held-out"], default="train", help="which questions (default train)")
+    p.add_argument("--model", default="agent", help="the model name to ask for (default agent)")
+    p.add_argument("--questions", type=int, default=8, help="questions per round (default 8; held-out: all)")
+    p.add_argument("--attempts", type=int, default=8, help="attempts per question, one group (default 8)")
+    p.add_argument("--rounds", type=int, default=1, help="rounds to run; 0 runs until killed (default 1)")
+    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7)")
+    p.add_argument("--max-tokens", type=int, default=32, help="most tokens per reply (default 32)")
+    p.add_argument("--tag", default="demo", help="prefix of trajectory and group ids (default demo)")
+    p.add_argument("--done-url", help="POST {trajectory_id} here when an attempt ends (the reward service)")
+    p.add_argument("--seed", type=int, default=0, help="order of the training questions (default 0)")
+    args = p.parse_args(argv)
+
+    train, held_out = scenarios()
+    client = openai.OpenAI(max_retries=2, timeout=300.0)  # OPENAI_BASE_URL and OPENAI_API_KEY from the environment
+    order = random.Random(args.seed)
+    pool = list(train)
+    round_number = 0
+    with ThreadPoolExecutor(max_workers=64) as threads, httpx.Client(timeout=30.0) as reporter:
+        while args.rounds == 0 or round_number < args.rounds:
+            round_number += 1
+            if args.split == "held-out":
+                questions = held_out
+            else:
+                if len(pool) < args.questions:
+                    pool = list(train)
+                order.shuffle(pool)
+                questions, pool = pool[: args.questions], pool[args.questions :]
+            jobs = []
+            for scenario in questions:
+                group = f"{args.tag}-{uuid.uuid4().hex[:8]}"
+                for k in range(args.attempts):
+                    jobs.append(threads.submit(attempt, client, args.model, scenario, f"{group}-{k}", group,
+                                               temperature=args.temperature, max_tokens=args.max_tokens))  # fmt: skip
+            for job in jobs:
+                episode = job.result()
+                print(json.dumps(episode), flush=True)
+                if args.done_url:
+                    reporter.post(args.done_url, json={"trajectory_id": episode["trajectory_id"]}).raise_for_status()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""The demo's reward service: its own process, scoring finished trajectories.
+
+It stands for whatever judges an agent's work in a real deployment (a test suite, a
+user's thumbs-up, a checker). The agent reports an ended attempt with
+`POST /finished {"trajectory_id": ...}`; the service reads the trajectory back from
+the proxy (`GET /v1/trajectories/{id}`), scores the final reply with the task's
+checker, and posts the reward with the `tracetrain` SDK (`POST /v1/rewards`).
+
+    python -m tracetrain_demo.reward_service --proxy http://127.0.0.1:8100 --port 8190
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from tracetrain import Client, Trajectory
+from tracetrain_demo.task import Score, by_country, country_of, score
+
+log = logging.getLogger("tracetrain_demo.rewards")
+
+
+def score_trajectory(trajectory: Trajectory) -> Score:
+    """Score a captured attempt from what the proxy recorded: its last call's conversation and reply."""
+    last = trajectory.calls[-1]
+    messages = last.request["messages"]
+    country = country_of(messages[0]["content"])
+    scenario = by_country().get(country or "")
+    if scenario is None:
+        raise ValueError(f"trajectory {trajectory.id} does not ask a known question")
+    reply = (last.response or {}).get("choices", [{}])[0].get("message", {}).get("content") or ""
+    turns = sum(m["role"] == "assistant" for m in messages) + 1
+    return score(scenario, reply, turns)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    client: Client
+
+    def do_POST(self) -> None:
+        if self.path != "/finished":
+            self.send_error(HTTPStatus.NOT_FOUND)
+            return
+        try:
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+            trajectory = self.client.get_trajectory(str(body["trajectory_id"]))
+            result = score_trajectory(trajectory)
+            self.client.post_reward(trajectory.id, result.reward, metrics=result.metrics())
+        except Exception as exc:  # one bad report must not stop the service
+            log.warning("could not score %r: %s", self.path, exc)
+            self.send_error(HTTPStatus.BAD_REQUEST, str(exc)[:200])
+            return
+        self.send_response(HTTPStatus.NO_CONTENT)
+        self.end_headers()
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass  # one line per attempt would drown the demo's output
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tracetrain_demo.reward_service", description=__doc__.split("\n\n")[0])
+    p.add_argument("--proxy", required=True, help="the tracetrain server's root URL, e.g. http://127.0.0.1:8100")
+    p.add_argument("--port", type=int, default=8190, help="where the agent reports ended attempts (default 8190)")
+    p.add_argument("--reward-key", help="the proxy's reward key, if it requires one")
+    args = p.parse_args(argv)
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _Handler.client = Client(args.proxy, api_key=args.reward_key)
+    server = ThreadingHTTPServer(("127.0.0.1", args.port), _Handler)
+    log.info("reward service on http://127.0.0.1:%d/finished, posting to %s", args.port, args.proxy)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
