@@ -30,7 +30,20 @@ def test_help_explains_serve(capsys) -> None:
     except SystemExit as exc:
         assert exc.code == 0
     out = capsys.readouterr().out
-    for flag in ("--upstream", "--host", "--port", "--data-dir", "--no-train", "--database-url", "OPENAI_BASE_URL"):
+    for flag in (
+        "--upstream",
+        "--host",
+        "--port",
+        "--data-dir",
+        "--no-train",
+        "--database-url",
+        "OPENAI_BASE_URL",
+        "--model",
+        "--device",
+        "--vllm-arg",
+        "--trainer-arg",
+        "smollm2-135m-instruct",
+    ):
         assert flag in out
 
 
@@ -94,14 +107,4 @@ def test_demo_has_its_own_help(capsys) -> None:
         assert exc.code == 0
     out = capsys.readouterr().out
     for flag in ("--minutes", "--steps", "--url", "held-out"):
-        assert flag in out
-
-
-def test_serve_help_explains_the_supervised_children(capsys) -> None:
-    try:
-        main(["serve", "--help"])
-    except SystemExit as exc:
-        assert exc.code == 0
-    out = capsys.readouterr().out
-    for flag in ("--model", "--device", "--vllm-arg", "--trainer-arg", "smollm2-135m-instruct"):
         assert flag in out
