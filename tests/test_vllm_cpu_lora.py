@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import sys
 from collections.abc import Callable, Iterator
 from importlib.metadata import entry_points
 from types import ModuleType
@@ -71,6 +72,10 @@ def cases(seed: int, count: int = 8) -> Iterator[tuple[int, int, int, torch.Gene
         rank = int(torch.randint(1, 17, (1,), generator=gen))
         width = int(torch.randint(8, 97, (1,), generator=gen))
         yield tokens, rank, width, gen
+
+
+def test_comparisons_are_against_vllms_own_ops() -> None:
+    assert {op.__module__ for op in VLLM_OPS.values()} == {"vllm.lora.ops.torch_ops.lora_ops"}
 
 
 @pytest.mark.parametrize("pattern", PATTERNS)
@@ -212,8 +217,6 @@ class _ListHandler(logging.Handler):
 
 def modules_holding_vllm_ops() -> list[str]:
     """Every loaded vllm module that still binds one of vLLM's original bgmv ops."""
-    import sys
-
     originals = set(map(id, VLLM_OPS.values()))
     held = []
     for module_name, module in list(sys.modules.items()):
