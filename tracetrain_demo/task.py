@@ -25,6 +25,7 @@ a fixed seed, into the ones the agent trains on and held-out ones only ever meas
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import unicodedata
@@ -108,6 +109,7 @@ def scenarios() -> tuple[list[Scenario], list[Scenario]]:
     return everything[HELD_OUT_COUNT:], everything[:HELD_OUT_COUNT]
 
 
+@functools.cache  # read-only; scored once per attempt by the reward service and the demo
 def by_country() -> dict[str, Scenario]:
     train, held_out = scenarios()
     return {s.country: s for s in train + held_out}
