@@ -7,21 +7,28 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import httpx
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
-from proxy import _admin_routes, _data_routes, _openai_routes
+from proxy import _admin_routes, _dashboard_routes, _data_routes, _judge_routes, _openai_routes
+from proxy._admin_auth import AdminAuth
 from proxy._deps import Services, ServicesDep
 from proxy._forward import Forwarder, error_response
+from proxy._judging import JudgeService
 from proxy._keying import Keyer
+from proxy._langfuse import start_langfuse
+from proxy._metrics import Metrics
 from proxy._policies import PolicyRegistry
 from proxy._publisher import Publisher
-from proxy._settings import Settings
+from proxy._settings import Settings, is_loopback
+from proxy._token_texts import TokenTexts
 from proxy._training import JobScheduler
 from proxy._upstream import Upstream
 from proxy.errors import InvalidRequest, NotFound, ProxyError, UpstreamError, error_body
@@ -35,6 +42,8 @@ _UPSTREAM_POOLS = 8
 
 def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
     """Build the proxy. ``transport`` replaces the network for tests (``httpx.MockTransport``)."""
+
+    metrics = Metrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -57,7 +66,8 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         # The policy row holds the alias; it must exist even while vLLM is still starting.
         registry.active_version = await store.ensure_policy(settings.policy, registry.base_model or "")
         keyer = Keyer(store, group_size=settings.group_size, thread_ttl_s=settings.thread_ttl_s)
-        forwarder = Forwarder(upstream, store, keyer, registry)
+        langfuse = start_langfuse(settings)  # None unless --langfuse
+        forwarder = Forwarder(upstream, store, keyer, registry, metrics, langfuse)
         scheduler = JobScheduler(
             store,
             keyer,
@@ -71,13 +81,26 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         )
         await publisher.sync_once()
         publishing = asyncio.create_task(publisher.run(), name="tracetrain-publisher")
-        app.state.services = Services(settings, store, upstream, registry, keyer, forwarder, scheduler, publisher)
+        def judged(rewards: list[dict[str, Any]]) -> None:
+            metrics.rewards_recorded([r["source"] for r in rewards])
+            if langfuse is not None:
+                langfuse.rewards_recorded(rewards)
+
+        app.state.judging = judging = JudgeService(settings, store, registry, scheduler, on_rewards=judged)
+        judging.start()  # scans for complete groups unless rewards are external only
+        app.state.services = Services(
+            settings, store, upstream, registry, keyer, forwarder, scheduler, publisher, metrics, TokenTexts(upstream),
+            langfuse=langfuse,
+        )
         try:
             yield
         finally:
+            await judging.close()
             publishing.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await publishing
+            if langfuse is not None:
+                await langfuse.aclose()  # sends what is still queued, within its time limit
             for client in clients:
                 await client.aclose()
             await store.close()  # writes every queued record first
@@ -91,6 +114,9 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
     app.include_router(_openai_routes.router)
     app.include_router(_data_routes.router)
     app.include_router(_admin_routes.router)
+    app.include_router(_judge_routes.router)
+    app.include_router(_dashboard_routes.router)
+    app.state.admin_auth = AdminAuth(settings.admin_token, loopback=is_loopback(settings.host))
     _add_health_routes(app)
     _add_error_handlers(app)
     return app
@@ -101,6 +127,13 @@ def _add_health_routes(app: FastAPI) -> None:
     async def healthz() -> dict[str, str]:
         """Liveness: the proxy answers."""
         return {"status": "ok"}
+
+    @app.get("/metrics", tags=["health"], response_class=Response)
+    async def metrics(services: ServicesDep) -> Response:
+        """Prometheus exposition: requests, latency, tokens, captures, rewards, training steps, versions."""
+        langfuse = services.langfuse.stats() if services.langfuse is not None else None
+        body = await services.metrics.render(services.store, len(services.registry.loaded_versions), langfuse)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/readyz", tags=["health"])
     async def readyz(services: ServicesDep) -> Response:

@@ -10,7 +10,7 @@ from sqlalchemy import and_, case, func, or_, select
 
 from proxy._data_wire import RewardBatch, RewardPost, call_view, group_view, reward_view, trajectory_view
 from proxy.errors import InvalidRequest, TrajectoryNotFound
-from proxy.store import C, G, RewardIn, Store, T
+from proxy.store import C, G, R, RewardIn, Store, T
 
 GROUP_STATES = ("open", "ready", "training", "trained", "failed")
 
@@ -40,9 +40,24 @@ def _page(rows: list[Any], limit: int, cursor_of: Any) -> tuple[list[Any], bool,
 
 
 async def list_trajectories(
-    store: Store, *, group_id: str | None, policy: str | None, rewarded: bool | None, limit: int, after: str | None
+    store: Store,
+    *,
+    group_id: str | None,
+    policy: str | None,
+    rewarded: bool | None,
+    limit: int,
+    after: str | None,
+    version: int | None = None,
+    created_after: float | None = None,
+    created_before: float | None = None,
 ) -> dict[str, Any]:
     query = select(T).order_by(T.c.pk.desc()).limit(limit + 1)
+    if version is not None:
+        query = query.where(T.c.last_version == version)
+    if created_after is not None:
+        query = query.where(T.c.created_at >= created_after)
+    if created_before is not None:
+        query = query.where(T.c.created_at < created_before)
     if group_id is not None:
         query = query.where(T.c.group_id == group_id)
     if policy is not None:
@@ -67,7 +82,13 @@ async def get_trajectory(store: Store, trajectory_id: str) -> dict[str, Any]:
         calls = (
             await conn.execute(select(C).where(C.c.trajectory_id == trajectory_id).order_by(C.c.started_at, C.c.pk))
         ).all()
-    return {**trajectory_view(row), "calls": [call_view(c) for c in calls]}
+        # Every reward it got, oldest first: posted ones and the judge's, each with its source and explanation.
+        rewards = (await conn.execute(select(R).where(R.c.trajectory_id == trajectory_id).order_by(R.c.pk))).all()
+    return {
+        **trajectory_view(row),
+        "rewards": [reward_view(dict(r._mapping)) for r in rewards],
+        "calls": [call_view(c) for c in calls],
+    }
 
 
 async def list_groups(

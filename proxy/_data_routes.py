@@ -9,6 +9,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from proxy import _data
 from proxy._data_wire import RewardPost
 from proxy._deps import ServicesDep, require_reward_key
+from proxy._judging import refuse_external_rewards
 
 router = APIRouter(dependencies=[Depends(require_reward_key)], tags=["data"])
 
@@ -37,9 +38,14 @@ _REWARD_BODY = {
 async def post_rewards(request: Request, services: ServicesDep) -> dict[str, Any]:
     """Record a reward, or a batch (`{"rewards": [...]}`) atomically: one unknown id rejects all.
 
-    When enough groups become ready, a training job is queued.
+    When enough groups become ready, a training job is queued. With `--reward-source judge`
+    rewards come from the judge, and a posted one is refused (409).
     """
+    refuse_external_rewards(services.settings)
     result = await _data.post_rewards(services.store, await request.body())
+    services.metrics.rewards_recorded([row["source"] for row in result["data"]])
+    if services.langfuse is not None:
+        services.langfuse.rewards_recorded(result["data"])
     await services.scheduler.maybe_create_job()
     return result
 

@@ -12,14 +12,18 @@ from typing import Annotated
 from fastapi import Depends, Request
 from pydantic import SecretStr
 
+from proxy._admin_auth import Admin, AdminAuth, presented_token
 from proxy._forward import Forwarder
 from proxy._keying import Keyer
+from proxy._langfuse import LangfuseExporter
+from proxy._metrics import Metrics
 from proxy._policies import PolicyRegistry
 from proxy._publisher import Publisher
-from proxy._settings import Settings, is_loopback
+from proxy._settings import Settings
+from proxy._token_texts import TokenTexts
 from proxy._training import JobScheduler
 from proxy._upstream import Upstream
-from proxy.errors import AuthenticationFailed, PermissionDenied
+from proxy.errors import AuthenticationFailed
 from proxy.store import Store
 
 
@@ -33,6 +37,9 @@ class Services:
     forwarder: Forwarder
     scheduler: JobScheduler
     publisher: Publisher
+    metrics: Metrics
+    token_texts: TokenTexts
+    langfuse: LangfuseExporter | None = None  # with --langfuse
 
 
 async def get_services(request: Request) -> Services:
@@ -43,18 +50,10 @@ async def get_services(request: Request) -> Services:
 ServicesDep = Annotated[Services, Depends(get_services)]
 
 
-def _presented_key(request: Request) -> str | None:
-    header = request.headers.get("authorization")
-    if header is None:
-        return None
-    scheme, _, token = header.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else None
-
-
 def _check(request: Request, keys: tuple[SecretStr, ...], what: str) -> None:
     if not keys:
         return
-    presented = _presented_key(request)
+    presented = presented_token(request)
     if presented is None:
         raise AuthenticationFailed(f"Missing {what}: send it as 'Authorization: Bearer <key>'.")
     matched = False
@@ -77,10 +76,10 @@ async def require_reward_key(request: Request, services: ServicesDep) -> None:
         _check(request, settings.api_keys, "key")
 
 
-async def require_admin(request: Request, services: ServicesDep) -> None:
-    """The admin token when configured; without one, admin actions are for loopback binds only."""
-    settings = services.settings
-    if settings.admin_token is not None:
-        _check(request, (settings.admin_token,), "admin token")
-    elif not is_loopback(settings.host):
-        raise PermissionDenied("Admin actions need TRACETRAIN_ADMIN_TOKEN when the proxy listens beyond loopback.")
+async def require_admin(request: Request) -> Admin:
+    """The admin token or a dashboard session (see ``proxy._admin_auth``); 401/403 otherwise."""
+    auth: AdminAuth = request.app.state.admin_auth
+    return auth.admit(request)
+
+
+AdminDep = Annotated[Admin, Depends(require_admin)]

@@ -33,6 +33,8 @@ from proxy._capture import (
     without_token_fields,
 )
 from proxy._keying import Conversation, Key, Keyer, KeyHints
+from proxy._langfuse import LangfuseExporter
+from proxy._metrics import Metrics
 from proxy._openai_wire import ChatCompletionRequest, CompletionRequest
 from proxy._policies import PolicyRegistry, Route
 from proxy._upstream import Upstream
@@ -93,11 +95,38 @@ def error_response(exc: ProxyError, headers: dict[str, str] | None = None) -> Re
 
 
 class Forwarder:
-    def __init__(self, upstream: Upstream, store: Store, keyer: Keyer, registry: PolicyRegistry) -> None:
+    def __init__(
+        self,
+        upstream: Upstream,
+        store: Store,
+        keyer: Keyer,
+        registry: PolicyRegistry,
+        metrics: Metrics,
+        langfuse: LangfuseExporter | None = None,
+    ) -> None:
         self._upstream = upstream
         self._store = store
         self._keyer = keyer
         self._registry = registry
+        self._metrics = metrics
+        self._langfuse = langfuse
+
+    async def record(self, write: CallWrite) -> None:
+        """Commit a call's record (see ``Store.record_call``) and count it."""
+        try:
+            await self._store.record_call(write)
+        except ProxyError:
+            self._metrics.call_not_recorded(write.call)
+            raise
+        self._metrics.call_recorded(write.call)
+        if self._langfuse is not None:
+            self._langfuse.call_recorded(write)
+
+    def record_nowait(self, write: CallWrite) -> None:
+        self._store.record_call_nowait(write)
+        self._metrics.call_recorded(write.call)
+        if self._langfuse is not None:
+            self._langfuse.call_recorded(write)
 
     async def handle(self, endpoint: Endpoint, raw: bytes, hints: KeyHints) -> Response:
         started_at, t0 = time.time(), time.perf_counter()
@@ -126,11 +155,11 @@ class Forwarder:
                 raise UpstreamHTTPError(upstream.status_code, upstream.content)
             data = orjson.loads(upstream.content)
         except ProxyError as exc:
-            await self._store.record_call(_call_write(call, None, None, exc.status_code, exc.message, None))
+            await self.record(_call_write(call, None, None, exc.status_code, exc.message, None))
             return error_response(exc, call.headers())
         capture = capture_response(data, call.endpoint)
         stored = without_token_fields(data)
-        await self._store.record_call(_call_write(call, capture, stored, 200, None, None))
+        await self.record(_call_write(call, capture, stored, 200, None, None))
         return Response(
             orjson.dumps(strip_response(data, call.asked, call.route.public_name)),
             headers=call.headers(),
@@ -141,9 +170,9 @@ class Forwarder:
         try:
             upstream = await self._upstream.open_stream(_PATHS[call.endpoint], payload)
         except ProxyError as exc:
-            await self._store.record_call(_call_write(call, None, None, exc.status_code, exc.message, None))
+            await self.record(_call_write(call, None, None, exc.status_code, exc.message, None))
             return error_response(exc, call.headers())
-        relay = _Relay(self._store, self._registry, call, upstream)
+        relay = _Relay(self, self._registry, call, upstream)
         return _RelayResponse(relay, headers={**call.headers(), "Cache-Control": "no-cache"})
 
 
@@ -229,8 +258,8 @@ class _Relay:
     the upstream response closed.
     """
 
-    def __init__(self, store: Store, registry: PolicyRegistry, call: _Call, upstream: httpx.Response) -> None:
-        self._store = store
+    def __init__(self, forwarder: Forwarder, registry: PolicyRegistry, call: _Call, upstream: httpx.Response) -> None:
+        self._forwarder = forwarder
         self._registry = registry
         self._call = call
         self._upstream = upstream
@@ -258,17 +287,17 @@ class _Relay:
         except (UpstreamError, httpx.TransportError, orjson.JSONDecodeError) as exc:
             message = exc.message if isinstance(exc, ProxyError) else f"the upstream stream broke: {exc!r}"
             self._recorded = True
-            await self._store.record_call(self._record(502, message))
+            await self._forwarder.record(self._record(502, message))
             yield b"data: " + orjson.dumps(error_body(message, "upstream_error", None, 502)) + b"\n\n"
             return
         self._recorded = True
-        await self._store.record_call(self._record(200, None, self._assembler.capture.as_response()))
+        await self._forwarder.record(self._record(200, None, self._assembler.capture.as_response()))
         yield _DONE
 
     async def close(self) -> None:
         if not self._recorded:  # the client went away: keep what was sampled; nobody awaits the commit
             self._recorded = True
-            self._store.record_call_nowait(self._record(499, "the client disconnected mid-stream"))
+            self._forwarder.record_nowait(self._record(499, "the client disconnected mid-stream"))
         self._registry.in_flight[self._call.route.version] -= 1
         with anyio.CancelScope(shield=True):
             await self._upstream.aclose()

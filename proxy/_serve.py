@@ -147,6 +147,14 @@ async def serve(plan: ServePlan) -> None:
             "ready: agents use OPENAI_BASE_URL=http://%s:%d/v1 and model %r; rewards go to POST /v1/rewards",
             settings.host, settings.port, settings.policy,
         )  # fmt: skip
+        token_file = settings.data_dir / "admin-token"
+        from_file = settings.admin_token is not None and token_file.is_file() and (
+            token_file.read_text().strip() == settings.admin_token.get_secret_value()
+        )
+        log.info(
+            "dashboard: http://%s:%d/admin (log in with the admin token %s)", settings.host, settings.port,
+            f"in {token_file}" if from_file else "you set (TRACETRAIN_ADMIN_TOKEN)",
+        )  # fmt: skip
         stopping = asyncio.create_task(stop.wait())
         while not stop.is_set() and not serving.done():
             for keeper in keepers:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 _PLACEHOLDER_SECRETS = frozenset(
@@ -70,10 +70,37 @@ class Settings(BaseSettings):
     # `upstream` is a load balancer in front of several.
     replicas: Annotated[tuple[str, ...], NoDecode] = ()
 
+    # Rewards: POSTed by the user's service ("external"), scored by an LLM judge over each group
+    # ("judge"), or both: external rewards train, the judge's scores are recorded beside them.
+    reward_source: Literal["external", "judge", "both"] = "external"
+    # A litellm model name: openai/gpt-4o-mini, anthropic/claude-..., hosted_vllm/NAME. Unset: the
+    # base model served by `upstream`, with no external key (see proxy._judging).
+    judge_model: str | None = None
+    # Where judge_model is served, when not at its provider's usual URL (an OpenAI-compatible gateway).
+    judge_api_base: str | None = None
+    # What makes a trajectory better than another; "@path" reads a file. Unset: a generic rubric.
+    judge_rubric: str | None = None
+    # A group is judged once it has group_size trajectories and none changed for judge_quiet_s,
+    # or once it has min_group_size and none changed for judge_idle_s.
+    judge_quiet_s: float = Field(default=10.0, gt=0)
+    judge_idle_s: float = Field(default=300.0, gt=0)
+    judge_max_attempts: int = Field(default=3, ge=1, le=10)
+    judge_concurrency: int = Field(default=2, ge=1)
+
     # Credentials. Inference keys authorize /v1 generation calls, reward keys /v1/rewards.
     api_keys: Secrets = ()
     reward_keys: Secrets = ()
     admin_token: SecretStr | None = None
+
+    # Export trajectories, calls and rewards to Langfuse (proxy._langfuse). The keys and the URL are
+    # read from Langfuse's usual variables: LANGFUSE_PUBLIC_KEY, LANGFUSE_SECRET_KEY, LANGFUSE_BASE_URL
+    # (or LANGFUSE_HOST).
+    langfuse: bool = False
+    langfuse_public_key: str | None = Field(default=None, validation_alias="langfuse_public_key")
+    langfuse_secret_key: SecretStr | None = Field(default=None, validation_alias="langfuse_secret_key")
+    langfuse_base_url: str = Field(
+        default="https://cloud.langfuse.com", validation_alias=AliasChoices("langfuse_base_url", "langfuse_host")
+    )
 
     @field_validator("api_keys", "reward_keys", "replicas", mode="before")
     @classmethod
@@ -81,6 +108,20 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return tuple(part.strip() for part in value.split(",") if part.strip())
         return value
+
+    @field_validator("judge_rubric")
+    @classmethod
+    def _rubric_from_file(cls, value: str | None) -> str | None:
+        if value is None or not value.startswith("@"):
+            return value
+        path = Path(value[1:]).expanduser()
+        try:
+            text = path.read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read the judge rubric from {path}: {exc.strerror}") from None
+        if not text:
+            raise ValueError(f"the judge rubric file {path} is empty")
+        return text
 
     @field_validator("upstream")
     @classmethod
@@ -106,6 +147,17 @@ class Settings(BaseSettings):
                 "the model and write trajectories. Set TRACETRAIN_API_KEYS (and TRACETRAIN_REWARD_KEYS, "
                 "TRACETRAIN_ADMIN_TOKEN), or bind to 127.0.0.1."
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_langfuse(self) -> Settings:
+        if self.langfuse and not (self.langfuse_public_key and self.langfuse_secret_key):
+            raise ValueError(
+                "--langfuse needs the project's keys: set LANGFUSE_PUBLIC_KEY and LANGFUSE_SECRET_KEY "
+                "(and LANGFUSE_BASE_URL unless the project is on https://cloud.langfuse.com)"
+            )
+        if self.langfuse and not self.langfuse_base_url.startswith(("http://", "https://")):
+            raise ValueError(f"LANGFUSE_BASE_URL must be an http(s) URL, got {self.langfuse_base_url!r}")
         return self
 
     @property

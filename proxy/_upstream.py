@@ -10,6 +10,7 @@ capped any lower.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -73,6 +74,29 @@ class Upstream:
         if response.status_code != 200:
             raise UpstreamHTTPError(response.status_code, response.content)
         return list(orjson.loads(response.content).get("data") or [])
+
+    @property
+    def root_url(self) -> str:
+        """The server's root, where vLLM serves /health and /detokenize (base_url without /v1)."""
+        return self.base_url.removesuffix("/v1")
+
+    async def health(self) -> float:
+        """Milliseconds vLLM took to answer ``/health``; raises when it does not answer 200."""
+        started = time.perf_counter()
+        async with upstream_errors(self.base_url):
+            response = await self._client.get(self.root_url + "/health", timeout=3.0)
+        if response.status_code != 200:
+            raise UpstreamHTTPError(response.status_code, response.content)
+        return (time.perf_counter() - started) * 1000
+
+    async def detokenize(self, model: str, token_ids: list[int]) -> str:
+        """vLLM's ``POST /detokenize``: the text of ``token_ids`` under ``model``'s tokenizer."""
+        body = orjson.dumps({"model": model, "tokens": token_ids})
+        async with upstream_errors(self.base_url):
+            response = await self._client.post(self.root_url + "/detokenize", content=body, headers=_JSON, timeout=5.0)
+        if response.status_code != 200:
+            raise UpstreamHTTPError(response.status_code, response.content)
+        return str(orjson.loads(response.content)["prompt"])
 
     async def base_model(self) -> str:
         """The base model the upstream serves: the first model of /v1/models that is no adapter."""

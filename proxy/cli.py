@@ -4,6 +4,8 @@ tracetrain serve                                         vLLM + proxy + trainer 
 tracetrain serve --upstream http://127.0.0.1:8000/v1     proxy an existing vLLM
 tracetrain model pull                                    fetch the default model, print its directory
 tracetrain demo                                          the end-to-end demo (starts serve itself)
+tracetrain export --min-reward 0.5 -o best.parquet       captured trajectories as a dataset (JSONL or Parquet)
+tracetrain sft --min-reward 0.8                          a LoRA warm start from the best trajectories (TRL SFT)
 """
 
 from __future__ import annotations
@@ -12,13 +14,17 @@ import argparse
 import asyncio
 import importlib.util
 import logging
+import os
+import secrets
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
+
+from proxy._data_commands import add_export_parser, add_sft_parser, run_export, run_sft
 
 _DESCRIPTION = """\
 tracetrain: point an unmodified agent's OPENAI_BASE_URL at this proxy; every call is
@@ -144,6 +150,38 @@ def _serve_parser(sub: Any) -> None:
     )
     p.add_argument("--api-keys", metavar="K1,K2", help="inference keys agents must send as Bearer tokens")
     p.add_argument("--reward-keys", metavar="K1,K2", help="keys reward services must send to POST /v1/rewards")
+    p.add_argument(
+        "--admin-token",
+        metavar="TOKEN",
+        help="the token of the dashboard (/admin) and the admin API; prefer TRACETRAIN_ADMIN_TOKEN (a flag shows in "
+        "ps). Without one, serve makes one and keeps it in DATA_DIR/admin-token",
+    )
+    p.add_argument(
+        "--reward-source",
+        choices=["external", "judge", "both"],
+        help="where rewards come from: POST /v1/rewards (external), an LLM judge that scores each group's "
+        "trajectories against each other (judge; no reward function needed), or both (posted rewards train, the "
+        f"judge's scores are recorded beside them){_default('reward_source')}",
+    )
+    p.add_argument(
+        "--judge-model",
+        metavar="MODEL",
+        help="the judge, as a litellm model name: openai/gpt-4o-mini (reads OPENAI_API_KEY), anthropic/..., "
+        "hosted_vllm/NAME (default: the base model vLLM serves, no key needed)",
+    )
+    p.add_argument(
+        "--judge-rubric",
+        metavar="TEXT_OR_@FILE",
+        help="what makes one trajectory better than another, as text or @path/to/rubric.md "
+        "(default: a generic rubric for agent tasks)",
+    )
+    p.add_argument(
+        "--langfuse",
+        action="store_true",
+        help="also send each trajectory to Langfuse as a trace (calls as generations, rewards as scores), in the "
+        "background; keys from LANGFUSE_PUBLIC_KEY and LANGFUSE_SECRET_KEY, server from LANGFUSE_BASE_URL "
+        "(default https://cloud.langfuse.com)",
+    )
     p.add_argument("--no-train", action="store_true", help="serve and capture only; start no trainer")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default info)")
 
@@ -163,9 +201,14 @@ def _settings_from(args: argparse.Namespace) -> Any:
         "min_group_size": args.min_group_size,
         "api_keys": args.api_keys,
         "reward_keys": args.reward_keys,
+        "admin_token": args.admin_token,
         "batch_groups": args.batch_groups,
         "keep_versions": args.keep_versions,
         "replicas": tuple(args.replica) if args.replica else None,
+        "reward_source": args.reward_source,
+        "judge_model": args.judge_model,
+        "judge_rubric": args.judge_rubric,
+        "langfuse": args.langfuse or None,  # unset: TRACETRAIN_LANGFUSE decides
     }
     try:
         return Settings(**{k: v for k, v in flags.items() if v is not None})
@@ -181,6 +224,8 @@ def _serve(args: argparse.Namespace) -> int:
     from proxy._vllm_process import VLLMLaunch
 
     settings = _settings_from(args)
+    if settings.admin_token is None:
+        settings = settings.model_copy(update={"admin_token": _admin_token(settings.data_dir)})
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check otherwise
     device = pick_device(args.device)
@@ -215,32 +260,45 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _admin_token(data_dir: Path) -> SecretStr:
+    """The dashboard's token from DATA_DIR/admin-token (owner-only), made on first use: never printed."""
+    path = data_dir / "admin-token"
+    if not path.is_file():
+        data_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+    return SecretStr(path.read_text().strip())
+
+
 def _missing(modules: Sequence[str]) -> list[str]:
     return [name for name in modules if importlib.util.find_spec(name) is None]
 
 
-def _model_dir(model: str, data_dir: Path) -> Path:
+def _model_dir(model: str, data_dir: Path, *, command: str = "serve") -> Path:
     """A local model directory as is; an alias from DATA_DIR/models/, pulled there on first use."""
     path = Path(model)
     if (path / "config.json").is_file():
         return path
     if path.exists() or "/" in model:
-        raise SystemExit(f"tracetrain serve: --model {model} is not a Hugging Face model directory (no config.json)")
+        raise SystemExit(
+            f"tracetrain {command}: --model {model} is not a Hugging Face model directory (no config.json)"
+        )
     pulled = data_dir / "models" / model
     if (pulled / "tracetrain-model.json").is_file():
         return pulled
     if missing := _missing(_TRAIN_MODULES):
         raise SystemExit(
-            f"tracetrain serve: pulling {model} needs the training extra ({', '.join(missing)} not installed): "
+            f"tracetrain {command}: pulling {model} needs the training extra ({', '.join(missing)} not installed): "
             "pip install 'tracetrain[train]'"
         )
-    print(f"tracetrain serve: pulling the model {model} into {pulled} (first use)", file=sys.stderr)
+    print(f"tracetrain {command}: pulling the model {model} into {pulled} (first use)", file=sys.stderr)
     done = subprocess.run(
         [sys.executable, "-m", "trainer.pull", "--alias", model, "--data-dir", str(data_dir)],
         stdout=subprocess.PIPE, text=True, check=False,
     )  # fmt: skip
     if done.returncode != 0:
-        raise SystemExit(f"tracetrain serve: could not pull the model {model} (see above)")
+        raise SystemExit(f"tracetrain {command}: could not pull the model {model} (see above)")
     return Path(done.stdout.strip().splitlines()[-1])
 
 
@@ -316,6 +374,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _serve_parser(sub)
     model_parser = _model_parser(sub)
+    add_export_parser(sub)
+    add_sft_parser(sub)
     sub.add_parser(
         "demo",
         help="the end-to-end demo: an agent learns its task while it runs (make demo)",
@@ -333,6 +393,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _model_pull(args)
         model_parser.print_help()
         return 2
+    if args.command == "export":
+        return run_export(args)
+    if args.command == "sft":
+        return run_sft(args)
     parser.print_help()
     return 2
 

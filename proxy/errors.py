@@ -6,7 +6,9 @@
     ├── PermissionDenied            403 permission_error
     ├── NotFound                    404 not_found_error
     │   ├── ModelNotFound               code model_not_found
-    │   └── TrajectoryNotFound          code trajectory_not_found
+    │   ├── TrajectoryNotFound          code trajectory_not_found
+    │   └── GroupNotFound               code group_not_found
+    ├── Conflict                    409 conflict_error (the request contradicts the server's set-up or state)
     ├── UpstreamError               the upstream failed us
     │   ├── UpstreamUnreachable         502 (connection refused, reset, protocol error)
     │   ├── UpstreamNotReady            503 (the base model is not known yet)
@@ -80,6 +82,15 @@ class ModelNotFound(NotFound):
 
 class TrajectoryNotFound(NotFound):
     code = "trajectory_not_found"
+
+
+class GroupNotFound(NotFound):
+    code = "group_not_found"
+
+
+class Conflict(ProxyError):
+    status_code = 409
+    type = "conflict_error"
 
 
 class UpstreamError(ProxyError):

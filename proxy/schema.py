@@ -159,3 +159,33 @@ class AdapterVersion(SQLModel, table=True):
     metrics: dict[str, Any] = _json(dict)
     created_at: float
     published_at: float | None = None
+
+
+class Judgement(SQLModel, table=True):
+    """One run of the group judge (``proxy._judging``): its scores, or why it failed.
+
+    ``state`` is "ok" or "failed"; an ok row's scores were written as ``rewards`` rows
+    (source "judge") in the same transaction, a failed row wrote nothing else. Rows with
+    the same ``cache_key`` asked the judge model the same thing: a new run reuses an ok
+    row's ``scores`` instead of asking again.
+    """
+
+    __tablename__ = "judgements"
+
+    id: int | None = Field(default=None, primary_key=True)
+    group_id: str = Field(index=True)
+    policy: str = Field(index=True)
+    reward_source: str  # the proxy's --reward-source when it ran: "judge" wrote trajectory rewards
+    trigger: str  # "complete" | "idle" | "admin"
+    state: str = Field(index=True)  # "ok" | "failed"
+    model: str
+    cache_key: str = Field(index=True)
+    cached: bool = False  # the scores came from an earlier run with the same cache_key
+    attempts: int = 0  # requests made to the judge model (0 when cached)
+    n_trajectories: int = 0
+    # [{"trajectory_id", "label", "score", "explanation"}] in label order; empty when failed.
+    scores: list[dict[str, Any]] = _json(list)
+    error: str | None = None
+    usage: dict[str, Any] = _json(dict)  # prompt_tokens, completion_tokens summed over attempts
+    started_at: float
+    finished_at: float

@@ -361,7 +361,11 @@ class FakeVLLM:
         self.loras: dict[str, str] = {}  # loaded adapters: name -> path
         self.fail_next_load: str | None = None  # the engine error the next load fails with
         self.disconnected_streams = 0  # streams cut short because the client went away
+        self.detokenized = 0  # POST /detokenize requests answered
         self._replies: deque[Reply] = deque()
+        # Asked first with each generation body: a Reply answers it, None leaves it to the script.
+        # Lets a test answer one kind of request (a judge's) whatever else is queued.
+        self.reply_for: Callable[[dict[str, Any]], Reply | None] | None = None
         self._fingerprint = f"vllm-{VLLM_VERSION}-{zlib.crc32(base_model.encode()):08x}"
         self.app = Starlette(
             routes=[
@@ -370,6 +374,7 @@ class FakeVLLM:
                 Route("/v1/completions", self._completions, methods=["POST"]),
                 Route("/v1/load_lora_adapter", self._load_lora, methods=["POST"]),
                 Route("/v1/unload_lora_adapter", self._unload_lora, methods=["POST"]),
+                Route("/detokenize", self._detokenize, methods=["POST"]),
                 Route("/health", self._health, methods=["GET"]),
                 Route("/ping", self._health, methods=["GET", "POST"]),
             ],
@@ -400,7 +405,7 @@ class FakeVLLM:
         except (KeyError, TypeError, AttributeError) as exc:
             raise _invalid("messages", "value_error", f"Malformed message: {exc!r}") from exc
         user = next((m.get("content") for m in reversed(messages) if m.get("role") == "user"), "")
-        reply = await self._take_reply(f"echo: {_text(user)}")
+        reply = await self._take_reply(body, f"echo: {_text(user)}")
         limit = next((body[key] for key in ("max_completion_tokens", "max_tokens") if body.get(key) is not None), None)
         job = self._job(request, body, "chat.completion", model, tokenize(prompt), reply, limit)
         role = "assistant" if add_generation_prompt or not messages else str(messages[-1].get("role"))
@@ -428,7 +433,7 @@ class FakeVLLM:
             raise _VLLMError("fake_vllm serves one prompt per request.", "BadRequestError", 400, "prompt")
         prompt_ids = tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         model = self._served_model(body.get("model"))
-        reply = await self._take_reply(f"echo: {detokenize(prompt_ids)}")
+        reply = await self._take_reply(body, f"echo: {detokenize(prompt_ids)}")
         job = self._job(request, body, "text_completion", model, prompt_ids, reply, body.get("max_tokens", 16))
         k = min(int(body["logprobs"]), MAX_LOGPROBS) if body.get("logprobs") is not None else None
         if body.get("stream"):
@@ -449,8 +454,10 @@ class FakeVLLM:
             param="model",
         )
 
-    async def _take_reply(self, echo: str) -> Reply:
-        reply = self._replies.popleft() if self._replies else Reply(content=echo)
+    async def _take_reply(self, body: dict[str, Any], echo: str) -> Reply:
+        reply = self.reply_for(body) if self.reply_for is not None else None
+        if reply is None:
+            reply = self._replies.popleft() if self._replies else Reply(content=echo)
         if reply.delay_s:
             await asyncio.sleep(reply.delay_s)
         if reply.status != 200:
@@ -731,6 +738,16 @@ class FakeVLLM:
             raise _VLLMError(f"The lora adapter '{name}' cannot be found.", "NotFoundError", 404)
         del self.loras[name]
         return Response(f"Success: LoRA adapter '{name}' removed successfully.")
+
+    async def _detokenize(self, request: Request) -> Response:
+        body = await _json_body(request)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and t >= 0 for t in tokens):
+            raise _invalid("tokens")
+        if body.get("model") is not None:
+            self._served_model(body["model"])
+        self.detokenized += 1
+        return _json({"prompt": detokenize(tokens)})
 
     async def _health(self, request: Request) -> Response:
         return Response()

@@ -271,8 +271,8 @@ async def test_a_stream_cancelled_before_its_first_event_is_recorded_and_closed(
         async def aclose(self) -> None:
             closed.append(True)
 
-    class Store:
-        def record_call_nowait(self, write) -> None:
+    class Forwarder:
+        def record_nowait(self, write) -> None:
             written.append(write)
 
     body = {"model": "agent", "messages": QUESTION, "stream": True}
@@ -287,7 +287,7 @@ async def test_a_stream_cancelled_before_its_first_event_is_recorded_and_closed(
         time.perf_counter(),
     )
     registry = PolicyRegistry("agent", "base")
-    response = _RelayResponse(_Relay(Store(), registry, call, Upstream()), headers={})  # type: ignore[arg-type]
+    response = _RelayResponse(_Relay(Forwarder(), registry, call, Upstream()), headers={})  # type: ignore[arg-type]
     assert registry.in_flight[0] == 1
 
     async def receive() -> dict:

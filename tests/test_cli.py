@@ -108,3 +108,31 @@ def test_demo_has_its_own_help(capsys) -> None:
     out = capsys.readouterr().out
     for flag in ("--minutes", "--steps", "--url", "held-out"):
         assert flag in out
+
+
+def test_help_explains_export(capsys) -> None:
+    try:
+        main(["export", "--help"])
+    except SystemExit as exc:
+        assert exc.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--format", "jsonl", "parquet", "--min-reward", "--policy", "--data-dir", "--database-url",
+                 "--output", "prompt_token_ids", "load_dataset", "pyarrow"):  # fmt: skip
+        assert flag in out, flag
+
+
+def test_help_explains_sft(capsys) -> None:
+    try:
+        main(["sft", "--help"])
+    except SystemExit as exc:
+        assert exc.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--min-reward", "--policy", "--model", "--data-dir", "--output", "--epochs", "--learning-rate",
+                 "--lora-rank", "SFTTrainer", "--init-adapter", "status 2", "tracetrain[train]"):  # fmt: skip
+        assert flag in " ".join(out.split()), flag
+
+
+def test_top_level_help_lists_export_and_sft(capsys) -> None:
+    assert main([]) == 2
+    out = capsys.readouterr().out
+    assert "export" in out and "sft" in out

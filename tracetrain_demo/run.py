@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -65,6 +66,8 @@ class Report:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     started = time.monotonic()
+    # The serve child takes its admin token from here; the agent's environment does not carry it (_env).
+    os.environ.setdefault("TRACETRAIN_ADMIN_TOKEN", secrets.token_urlsafe(32))
     data_dir: Path = args.data_dir
     run_dir = data_dir / "demo"
     children: list[ChildProcess] = []
@@ -292,16 +295,19 @@ def _plot(report: Report, path: Path) -> Path:
     return path
 
 
-def _jobs(url: str) -> list[dict[str, Any]]:
-    response = httpx.get(f"{url}/admin/jobs", params={"limit": 200}, timeout=30)
+def _admin_get(url: str, path: str, **params: Any) -> dict[str, Any]:
+    token = os.environ["TRACETRAIN_ADMIN_TOKEN"]
+    response = httpx.get(f"{url}{path}", params=params, headers={"Authorization": f"Bearer {token}"}, timeout=30)
     response.raise_for_status()
-    return list(response.json()["data"])
+    return dict(response.json())
+
+
+def _jobs(url: str) -> list[dict[str, Any]]:
+    return list(_admin_get(url, "/admin/jobs", limit=200)["data"])
 
 
 def _active_version(url: str) -> int:
-    response = httpx.get(f"{url}/admin/adapters", timeout=30)
-    response.raise_for_status()
-    return int(response.json()["active_version"])
+    return int(_admin_get(url, "/admin/adapters")["active_version"])
 
 
 def _score(episode: dict[str, Any]) -> Score:
@@ -315,7 +321,8 @@ def _start(children: list[ChildProcess], child: ChildProcess) -> None:
 
 def _env(url: str) -> dict[str, str]:
     # The agent is configured the way any OpenAI app is: through the environment.
-    return {**os.environ, "OPENAI_BASE_URL": f"{url}/v1", "OPENAI_API_KEY": os.environ.get("OPENAI_API_KEY", "demo")}
+    env = {k: v for k, v in os.environ.items() if k != "TRACETRAIN_ADMIN_TOKEN"}
+    return {**env, "OPENAI_BASE_URL": f"{url}/v1", "OPENAI_API_KEY": os.environ.get("OPENAI_API_KEY", "demo")}
 
 
 def _free_port() -> int:

@@ -1,0 +1,43 @@
+"""The judge's admin API: judge a group now, and the judgements with their scores or failures."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query, Request
+
+from proxy._deps import require_admin
+from proxy._judging import JudgeService
+
+router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], tags=["admin"])
+
+
+async def get_judging(request: Request) -> JudgeService:
+    judging: JudgeService = request.app.state.judging
+    return judging
+
+
+JudgingDep = Annotated[JudgeService, Depends(get_judging)]
+
+
+@router.post("/groups/{group_id}/judge")
+async def judge_group(group_id: str, judging: JudgingDep) -> dict[str, Any]:
+    """Ask the judge to score the group's trajectories now.
+
+    Returns the judgement: `state` "ok" with a score and explanation per trajectory, or
+    "failed" with the reason (nothing else was written). An unchanged group is answered
+    from the cache. With `--reward-source judge` the scores become the rewards; otherwise
+    they are recorded beside the external ones.
+    """
+    return await judging.judge_group(group_id)
+
+
+@router.get("/judgements")
+async def list_judgements(
+    judging: JudgingDep,
+    group_id: str | None = None,
+    state: Annotated[str | None, Query(description="ok or failed")] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+) -> dict[str, Any]:
+    """Judgements, newest first: scores and explanations, or why the judge failed."""
+    return await judging.list_judgements(group_id=group_id, state=state, limit=limit)
