@@ -19,6 +19,7 @@ from starlette.responses import Response
 
 from proxy import _admin_routes, _dashboard_routes, _data_routes, _judge_routes, _openai_routes
 from proxy._admin_auth import AdminAuth
+from proxy._dashboard_routes import PageResponse
 from proxy._deps import Services, ServicesDep
 from proxy._forward import Forwarder, error_response
 from proxy._judging import JudgeService
@@ -150,6 +151,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ProxyError)
     async def proxy_error(_request: Request, exc: ProxyError) -> Response:
         return error_response(exc)
+
+    @app.exception_handler(PageResponse)
+    async def page_response(_request: Request, exc: PageResponse) -> Response:
+        return exc.response  # a dashboard page's refusal or error page, already rendered
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_request: Request, exc: RequestValidationError) -> Response:

@@ -13,8 +13,9 @@ import base64
 import hashlib
 import math
 import time
+from collections.abc import Awaitable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 from urllib.parse import quote, urlencode
 
 from fastapi import APIRouter, Form, Request
@@ -25,9 +26,10 @@ from proxy import _admin
 from proxy._admin_auth import COOKIE, SESSION_S, Admin, AdminAuth, cookie_is_secure
 from proxy._deps import Services, ServicesDep
 from proxy._svg import line_chart
-from proxy.errors import AuthenticationFailed, InvalidRequest, NotFound, ProxyError
+from proxy.errors import AuthenticationFailed, ProxyError
 
 router = APIRouter(prefix="/admin", include_in_schema=False)
+_T = TypeVar("_T")
 
 _HERE = Path(__file__).parent / "templates"
 _CSS = (_HERE / "dashboard.css").read_text()
@@ -86,7 +88,9 @@ def _login_page(request: Request, status: int, error: str | None = None, next_ur
     return response
 
 
-class _Denied(Exception):
+class PageResponse(Exception):
+    """Ends a page early with this response (the app answers it as is): refusals and error pages."""
+
     def __init__(self, response: Response) -> None:
         self.response = response
 
@@ -96,9 +100,21 @@ def _admit(request: Request, csrf: str | None = None) -> Admin:
     try:
         return _auth(request).admit(request, csrf)
     except AuthenticationFailed:
-        raise _Denied(_login_page(request, 401, next_url=_safe_next(request.url.path))) from None
+        raise PageResponse(_login_page(request, 401, next_url=_safe_next(request.url.path))) from None
     except ProxyError as exc:
-        raise _Denied(_render(request, "error.html", exc.status_code, title="Not allowed", error=exc.message)) from None
+        raise PageResponse(_error_page(request, exc, "Not allowed")) from None
+
+
+def _error_page(request: Request, exc: ProxyError, title: str) -> Response:
+    return _render(request, "error.html", exc.status_code, title=title, error=exc.message)
+
+
+async def _or_error_page(request: Request, result: Awaitable[_T], title: str) -> _T:
+    """The service's result; its error (an unknown id, a bad filter) as an HTML page."""
+    try:
+        return await result
+    except ProxyError as exc:
+        raise PageResponse(_error_page(request, exc, title)) from None
 
 
 def _safe_next(path: str) -> str:
@@ -152,10 +168,7 @@ async def login(
 
 @router.post("/ui/logout")
 async def logout(request: Request, csrf_token: Annotated[str, Form()] = "") -> Response:
-    try:
-        _admit(request, csrf_token)
-    except _Denied as denied:
-        return denied.response
+    _admit(request, csrf_token)
     response = RedirectResponse("/admin/ui/login", status_code=303)
     response.delete_cookie(COOKIE, path="/admin", httponly=True, samesite="strict")
     return response
@@ -166,10 +179,7 @@ async def logout(request: Request, csrf_token: Annotated[str, Form()] = "") -> R
 
 @router.get("")
 async def overview(request: Request, services: ServicesDep) -> Response:
-    try:
-        admin = _admit(request)
-    except _Denied as denied:
-        return denied.response
+    admin = _admit(request)
     jobs = (await _admin.list_jobs(services, 500))["data"]
     latest = await _admin.list_trajectories(
         services, policy=None, group_id=None, rewarded=None, limit=8, after=None
@@ -196,13 +206,9 @@ async def trajectories(request: Request, services: ServicesDep) -> Response:
         "created_after": time.time() - seconds if seconds else None,
         "created_before": None,
     }
-    try:
-        admin = _admit(request)
-        page = await _admin.list_trajectories(services, **filters, limit=50, after=q.get("after") or None)
-    except _Denied as denied:
-        return denied.response
-    except InvalidRequest as exc:
-        return _render(request, "error.html", 400, title="Bad filter", error=exc.message)
+    admin = _admit(request)
+    listing = _admin.list_trajectories(services, **filters, limit=50, after=q.get("after") or None)
+    page = await _or_error_page(request, listing, "Bad filter")
     shown = {k: v for k, v in {**q, "after": page["next_cursor"]}.items() if v}
     return _page(
         request, services, admin, "trajectories.html", "Trajectories", page=page,
@@ -213,13 +219,8 @@ async def trajectories(request: Request, services: ServicesDep) -> Response:
 
 @router.get("/ui/trajectories/{trajectory_id}")
 async def trajectory(trajectory_id: str, request: Request, services: ServicesDep) -> Response:
-    try:
-        admin = _admit(request)
-        detail = await _admin.trajectory_detail(services, trajectory_id)
-    except _Denied as denied:
-        return denied.response
-    except NotFound as exc:
-        return _render(request, "error.html", 404, title="Not found", error=exc.message)
+    admin = _admit(request)
+    detail = await _or_error_page(request, _admin.trajectory_detail(services, trajectory_id), "Not found")
     for call in detail["calls"]:
         call["tokens"] = _token_rows(call)
         call["reply"] = _admin.reply_message(call)
@@ -247,13 +248,9 @@ def _token_rows(call: dict[str, Any]) -> list[dict[str, Any]]:
 async def groups(request: Request, services: ServicesDep) -> Response:
     q = request.query_params
     state = q.get("state") or None
-    try:
-        admin = _admit(request)
-        page = await _admin.list_groups(services, policy=None, state=state, limit=50, after=q.get("after") or None)
-    except _Denied as denied:
-        return denied.response
-    except InvalidRequest as exc:
-        return _render(request, "error.html", 400, title="Bad filter", error=exc.message)
+    admin = _admit(request)
+    listing = _admin.list_groups(services, policy=None, state=state, limit=50, after=q.get("after") or None)
+    page = await _or_error_page(request, listing, "Bad filter")
     shown = {k: v for k, v in {"state": state, "after": page["next_cursor"]}.items() if v}
     return _page(
         request, services, admin, "groups.html", "Groups", page=page, state=state or "",
@@ -263,13 +260,10 @@ async def groups(request: Request, services: ServicesDep) -> Response:
 
 @router.get("/ui/groups/{group_id}")
 async def group(group_id: str, request: Request, services: ServicesDep) -> Response:
-    try:
-        admin = _admit(request)
-        detail = await _admin.group_detail(services, request.app.state.judging, group_id)
-    except _Denied as denied:
-        return denied.response
-    except NotFound as exc:
-        return _render(request, "error.html", 404, title="Not found", error=exc.message)
+    admin = _admit(request)
+    detail = await _or_error_page(
+        request, _admin.group_detail(services, request.app.state.judging, group_id), "Not found"
+    )
     return _page(request, services, admin, "group.html", "Groups", g=detail)
 
 
@@ -277,24 +271,15 @@ async def group(group_id: str, request: Request, services: ServicesDep) -> Respo
 async def judge_group(
     group_id: str, request: Request, services: ServicesDep, csrf_token: Annotated[str, Form()] = ""
 ) -> Response:
-    try:
-        _admit(request, csrf_token)
-    except _Denied as denied:
-        return denied.response
-    try:
-        judgement = await request.app.state.judging.judge_group(group_id)
-    except ProxyError as exc:
-        return _render(request, "error.html", exc.status_code, title="Not judged", error=exc.message)
+    _admit(request, csrf_token)
+    judgement = await _or_error_page(request, request.app.state.judging.judge_group(group_id), "Not judged")
     notice = "judged" if judgement["state"] == "ok" else "judge_failed"
     return RedirectResponse(f"/admin/ui/groups/{quote(group_id, safe='')}?notice={notice}", status_code=303)
 
 
 @router.get("/ui/training")
 async def training(request: Request, services: ServicesDep) -> Response:
-    try:
-        admin = _admit(request)
-    except _Denied as denied:
-        return denied.response
+    admin = _admit(request)
     jobs = (await _admin.list_jobs(services, 500))["data"]
     curves = _admin.curves(jobs)
     running = next((j for j in jobs if j["state"] == "running"), None)
@@ -308,10 +293,7 @@ async def training(request: Request, services: ServicesDep) -> Response:
 
 @router.get("/ui/adapters")
 async def adapters(request: Request, services: ServicesDep) -> Response:
-    try:
-        admin = _admit(request)
-    except _Denied as denied:
-        return denied.response
+    admin = _admit(request)
     return await _adapters_page(request, services, admin)
 
 
@@ -335,10 +317,7 @@ async def _adapters_page(
 async def activate(
     version: int, request: Request, services: ServicesDep, csrf_token: Annotated[str, Form()] = ""
 ) -> Response:
-    try:
-        admin = _admit(request, csrf_token)
-    except _Denied as denied:
-        return denied.response
+    admin = _admit(request, csrf_token)
     try:
         active = await services.publisher.activate(version)
     except ProxyError as exc:
@@ -348,10 +327,7 @@ async def activate(
 
 @router.post("/ui/train")
 async def train_now(request: Request, services: ServicesDep, csrf_token: Annotated[str, Form()] = "") -> Response:
-    try:
-        admin = _admit(request, csrf_token)
-    except _Denied as denied:
-        return denied.response
+    admin = _admit(request, csrf_token)
     job = await services.scheduler.maybe_create_job(force=True)
     if job is None:
         return await _adapters_page(

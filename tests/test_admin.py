@@ -263,6 +263,8 @@ def test_judge_now_from_a_group_page_shows_scores_explanations_and_failures(
     assert [(m["id"], m["reward"], m["judge_score"]) for m in group["members"]] == [("j1", 0.0, 1.0), ("j2", 1.0, 0.0)]
     assert [j["state"] for j in group["judgements"]] == ["ok", "failed"]
     assert "Checked the capital." in httpx.get(f"{proxy.url}/admin/ui/groups/jg").text
+    metrics = httpx.get(f"{proxy.url}/metrics").text
+    assert metric(metrics, 'tracetrain_rewards_total{source="judge"}') == 2
 
 
 def test_group_advantages_match_the_trainer() -> None:

@@ -20,6 +20,7 @@ import pytest
 import respx
 from conftest import RunningProxy
 from fake_vllm import FakeVLLM, Reply
+from test_publishing import wait_for as publishing_wait_for
 
 from proxy import Settings
 from proxy._judge import (
@@ -257,12 +258,7 @@ def attempt(proxy: RunningProxy, trajectory_id: str, task: str = "What is the ca
 
 
 def wait_for(condition: Callable[[], Any], timeout_s: float = 15.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := condition():
-            return value
-        time.sleep(0.05)
-    raise AssertionError("timed out")
+    return publishing_wait_for(condition, timeout=timeout_s)
 
 
 def judgements(proxy: RunningProxy, **params: Any) -> list[dict[str, Any]]:
