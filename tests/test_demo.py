@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from http.server import ThreadingHTTPServer
+from pathlib import Path
 
 import httpx
 import pytest
@@ -116,3 +117,15 @@ def test_the_agent_reads_only_the_environment_and_reports_each_attempt(
     assert all(t.n_calls == 3 for t in trajectories)  # question, JSON, retry
     assert len({t.group_id for t in trajectories}) == 2
     sdk.close()
+
+
+def test_the_demo_uses_the_admin_token_serve_uses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tracetrain_demo.run import _admin_token
+
+    monkeypatch.delenv("TRACETRAIN_ADMIN_TOKEN", raising=False)
+    with pytest.raises(SystemExit, match="set TRACETRAIN_ADMIN_TOKEN"):
+        _admin_token(tmp_path)
+    (tmp_path / "admin-token").write_text("made-by-serve-" + "x" * 20 + "\n")  # as `tracetrain serve` writes it
+    assert _admin_token(tmp_path) == "made-by-serve-" + "x" * 20
+    monkeypatch.setenv("TRACETRAIN_ADMIN_TOKEN", "from-the-environment-" + "y" * 10)
+    assert _admin_token(tmp_path) == "from-the-environment-" + "y" * 10

@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import os
-import secrets
 import shutil
 import socket
 import subprocess
@@ -66,13 +65,12 @@ class Report:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     started = time.monotonic()
-    # The serve child takes its admin token from here; the agent's environment does not carry it (_env).
-    os.environ.setdefault("TRACETRAIN_ADMIN_TOKEN", secrets.token_urlsafe(32))
     data_dir: Path = args.data_dir
     run_dir = data_dir / "demo"
     children: list[ChildProcess] = []
     try:
         url = args.url or _start_serve(args, data_dir, run_dir, children)
+        args.admin_token = _admin_token(run_dir)
         rewards_port = _free_port()
         _start(children, ChildProcess("reward service", [sys.executable, "-m", "tracetrain_demo.reward_service",
                "--proxy", url, "--port", str(rewards_port)], _env(url), run_dir / "logs" / "rewards.log"))  # fmt: skip
@@ -80,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report.before = _held_out(url, run_dir, "agent@0", args, children)
         _say(f"held-out success of agent@0 (the base model): {report.before:.0%}")
         _train(url, run_dir, rewards_port, args, report, children)
-        version = _active_version(url)
+        version = _active_version(url, args.admin_token)
         report.after_version = version
         report.after = _held_out(url, run_dir, f"agent@{version}", args, children)
         report.seconds = time.monotonic() - started
@@ -146,7 +144,22 @@ def _start_serve(args: argparse.Namespace, data_dir: Path, run_dir: Path, childr
         asyncio.run(ready())
     url = f"http://127.0.0.1:{args.port}"
     _say(f"tracetrain serve is ready: {url}/v1")
+    if "TRACETRAIN_ADMIN_TOKEN" not in os.environ:
+        _say(f"watch it at {url}/admin (log in with the admin token in {run_dir / 'admin-token'})")
     return url
+
+
+def _admin_token(run_dir: Path) -> str:
+    """The admin token serve uses: TRACETRAIN_ADMIN_TOKEN, else the one it made in DATA_DIR/demo/admin-token."""
+    if token := os.environ.get("TRACETRAIN_ADMIN_TOKEN"):
+        return token
+    path = run_dir / "admin-token"
+    if not path.is_file():
+        raise SystemExit(
+            f"tracetrain demo: no admin token for the dashboard API: set TRACETRAIN_ADMIN_TOKEN to the one the "
+            f"tracetrain serve at --url uses (or run that serve with --data-dir {run_dir})"
+        )
+    return path.read_text().strip()
 
 
 _HEADER = f"{'version':>7} {'reward':>7} {'success':>8} {'loss':>8} {'train s':>8} {'step s':>7}"
@@ -204,7 +217,7 @@ def _train(url: str, run_dir: Path, rewards_port: int, args: argparse.Namespace,
     with tqdm(total=args.steps, desc="training steps", unit="step") as bar:
         bar.write(_HEADER)
         while len(report.steps) < args.steps and time.monotonic() < deadline:
-            jobs = _jobs(url)
+            jobs = _jobs(url, args.admin_token)
             if agent is not None and agent.returncode is not None:
                 if agent.returncode != 0:
                     raise SystemExit(f"tracetrain demo: the agent failed:\n{agent.log_tail()}")
@@ -295,19 +308,18 @@ def _plot(report: Report, path: Path) -> Path:
     return path
 
 
-def _admin_get(url: str, path: str, **params: Any) -> dict[str, Any]:
-    token = os.environ["TRACETRAIN_ADMIN_TOKEN"]
+def _admin_get(url: str, path: str, token: str, **params: Any) -> dict[str, Any]:
     response = httpx.get(f"{url}{path}", params=params, headers={"Authorization": f"Bearer {token}"}, timeout=30)
     response.raise_for_status()
     return dict(response.json())
 
 
-def _jobs(url: str) -> list[dict[str, Any]]:
-    return list(_admin_get(url, "/admin/jobs", limit=200)["data"])
+def _jobs(url: str, token: str) -> list[dict[str, Any]]:
+    return list(_admin_get(url, "/admin/jobs", token, limit=200)["data"])
 
 
-def _active_version(url: str) -> int:
-    return int(_admin_get(url, "/admin/adapters")["active_version"])
+def _active_version(url: str, token: str) -> int:
+    return int(_admin_get(url, "/admin/adapters", token)["active_version"])
 
 
 def _score(episode: dict[str, Any]) -> Score:
