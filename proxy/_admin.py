@@ -13,11 +13,10 @@ from typing import Any
 from sqlalchemy import func, select
 
 from proxy import _data
-from proxy._data_wire import reward_view, trajectory_view
+from proxy._data_wire import trajectory_view
 from proxy._deps import Services
-from proxy._judging import JudgeService
 from proxy.errors import NotFound, ProxyError
-from proxy.store import A, C, G, J, P, R, T
+from proxy.store import A, C, G, J, P, T
 
 _JOB_FIELDS = ("id", "policy", "state", "group_ids", "version", "metrics", "progress", "error", "worker",
                "created_at", "started_at", "finished_at")  # fmt: skip
@@ -74,16 +73,16 @@ async def list_trajectories(services: Services, **filters: Any) -> dict[str, Any
 
 
 async def trajectory_detail(services: Services, trajectory_id: str) -> dict[str, Any]:
-    """A trajectory, its calls with each completion token's text, and every reward it got."""
+    """A trajectory (with every reward it got), its calls with each completion token's text."""
     trajectory = await _data.get_trajectory(services.store, trajectory_id)
-    async with services.store.engine.connect() as conn:
-        rewards = (await conn.execute(select(R).where(R.c.trajectory_id == trajectory_id).order_by(R.c.pk))).all()
-    trajectory["rewards"] = [reward_view(dict(r._mapping)) for r in rewards]
+    calls = trajectory["calls"]
+    every_id = [token_id for call in calls for token_id in call["completion_token_ids"]]
+    texts = await services.token_texts.texts(services.registry.base_model or "", every_id) if every_id else []
     previous: list[Any] = []
-    model = services.registry.base_model or ""
-    for call in trajectory["calls"]:
-        ids = call["completion_token_ids"]
-        call["completion_token_texts"] = await services.token_texts.texts(model, ids) if ids else []
+    start = 0
+    for call in calls:
+        end = start + len(call["completion_token_ids"])
+        call["completion_token_texts"], start = texts[start:end], end
         messages = call["request"].get("messages")
         if isinstance(messages, list):
             # Only what the agent added since the previous call; the rest is already shown above it.
@@ -121,7 +120,7 @@ async def list_groups(services: Services, **filters: Any) -> dict[str, Any]:
     return await _data.list_groups(services.store, min_group_size=services.settings.min_group_size, **filters)
 
 
-async def group_detail(services: Services, judging: JudgeService, group_id: str) -> dict[str, Any]:
+async def group_detail(services: Services, group_id: str) -> dict[str, Any]:
     """A group's members side by side: rewards, advantages as the trainer computes them, answers,
     and the judge's latest scores and explanations when it judged the group."""
     async with services.store.engine.connect() as conn:
@@ -141,7 +140,7 @@ async def group_detail(services: Services, judging: JudgeService, group_id: str)
         }  # the last call of each trajectory wins
     rewards = [m.reward for m in members]
     centered, scaled = group_advantages(rewards)
-    judgements = (await judging.list_judgements(group_id=group_id, state=None, limit=20))["data"]
+    judgements = (await services.judging.list_judgements(group_id=group_id, state=None, limit=20))["data"]
     judged = next((j for j in judgements if j["state"] == "ok"), None)
     verdicts = {s["trajectory_id"]: s for s in judged["scores"]} if judged else {}
     rows = []

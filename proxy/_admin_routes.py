@@ -13,7 +13,6 @@ from fastapi import APIRouter, Depends, Path, Query
 
 from proxy import _admin
 from proxy._deps import ServicesDep, require_admin
-from proxy._judge_routes import JudgingDep
 from proxy.errors import InvalidRequest
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], tags=["admin"])
@@ -68,10 +67,10 @@ async def list_groups(
 
 
 @router.get("/groups/{group_id}")
-async def get_group(group_id: str, services: ServicesDep, judging: JudgingDep) -> dict[str, Any]:
+async def get_group(group_id: str, services: ServicesDep) -> dict[str, Any]:
     """A group's members side by side: reward, advantage (scaled and centered, as the trainer computes them),
     final answer, the judge's score and explanation; and the group's judgements (ok or failed, with why)."""
-    return await _admin.group_detail(services, judging, group_id)
+    return await _admin.group_detail(services, group_id)
 
 
 @router.get("/jobs")

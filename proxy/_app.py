@@ -82,16 +82,17 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         )
         await publisher.sync_once()
         publishing = asyncio.create_task(publisher.run(), name="tracetrain-publisher")
-        def judged(rewards: list[dict[str, Any]]) -> None:
+
+        def report_rewards(rewards: list[dict[str, Any]]) -> None:
             metrics.rewards_recorded([r["source"] for r in rewards])
             if langfuse is not None:
                 langfuse.rewards_recorded(rewards)
 
-        app.state.judging = judging = JudgeService(settings, store, registry, scheduler, on_rewards=judged)
+        judging = JudgeService(settings, store, registry, scheduler, on_rewards=report_rewards)
         judging.start()  # scans for complete groups unless rewards are external only
         app.state.services = Services(
             settings, store, upstream, registry, keyer, forwarder, scheduler, publisher, metrics, TokenTexts(upstream),
-            langfuse=langfuse,
+            judging, report_rewards, langfuse=langfuse,
         )
         try:
             yield

@@ -261,9 +261,7 @@ async def groups(request: Request, services: ServicesDep) -> Response:
 @router.get("/ui/groups/{group_id}")
 async def group(group_id: str, request: Request, services: ServicesDep) -> Response:
     admin = _admit(request)
-    detail = await _or_error_page(
-        request, _admin.group_detail(services, request.app.state.judging, group_id), "Not found"
-    )
+    detail = await _or_error_page(request, _admin.group_detail(services, group_id), "Not found")
     return _page(request, services, admin, "group.html", "Groups", g=detail)
 
 
@@ -272,7 +270,7 @@ async def judge_group(
     group_id: str, request: Request, services: ServicesDep, csrf_token: Annotated[str, Form()] = ""
 ) -> Response:
     _admit(request, csrf_token)
-    judgement = await _or_error_page(request, request.app.state.judging.judge_group(group_id), "Not judged")
+    judgement = await _or_error_page(request, services.judging.judge_group(group_id), "Not judged")
     notice = "judged" if judgement["state"] == "ok" else "judge_failed"
     return RedirectResponse(f"/admin/ui/groups/{quote(group_id, safe='')}?notice={notice}", status_code=303)
 

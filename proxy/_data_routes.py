@@ -43,9 +43,7 @@ async def post_rewards(request: Request, services: ServicesDep) -> dict[str, Any
     """
     refuse_external_rewards(services.settings)
     result = await _data.post_rewards(services.store, await request.body())
-    services.metrics.rewards_recorded([row["source"] for row in result["data"]])
-    if services.langfuse is not None:
-        services.langfuse.rewards_recorded(result["data"])
+    services.report_rewards(result["data"])
     await services.scheduler.maybe_create_job()
     return result
 

@@ -6,14 +6,16 @@ Keys are compared in constant time against every configured key, and never logge
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
 from pydantic import SecretStr
 
 from proxy._admin_auth import Admin, AdminAuth, presented_token
 from proxy._forward import Forwarder
+from proxy._judging import JudgeService
 from proxy._keying import Keyer
 from proxy._langfuse import LangfuseExporter
 from proxy._metrics import Metrics
@@ -39,6 +41,9 @@ class Services:
     publisher: Publisher
     metrics: Metrics
     token_texts: TokenTexts
+    judging: JudgeService
+    # Told of every reward just written, posted or judged (as POST /v1/rewards answers them): metrics, Langfuse.
+    report_rewards: Callable[[list[dict[str, Any]]], None]
     langfuse: LangfuseExporter | None = None  # with --langfuse
 
 

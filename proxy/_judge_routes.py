@@ -4,24 +4,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Query
 
-from proxy._deps import require_admin
-from proxy._judging import JudgeService
+from proxy._deps import ServicesDep, require_admin
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], tags=["admin"])
 
 
-async def get_judging(request: Request) -> JudgeService:
-    judging: JudgeService = request.app.state.judging
-    return judging
-
-
-JudgingDep = Annotated[JudgeService, Depends(get_judging)]
-
-
 @router.post("/groups/{group_id}/judge")
-async def judge_group(group_id: str, judging: JudgingDep) -> dict[str, Any]:
+async def judge_group(group_id: str, services: ServicesDep) -> dict[str, Any]:
     """Ask the judge to score the group's trajectories now.
 
     Returns the judgement: `state` "ok" with a score and explanation per trajectory, or
@@ -29,15 +20,15 @@ async def judge_group(group_id: str, judging: JudgingDep) -> dict[str, Any]:
     from the cache. With `--reward-source judge` the scores become the rewards; otherwise
     they are recorded beside the external ones.
     """
-    return await judging.judge_group(group_id)
+    return await services.judging.judge_group(group_id)
 
 
 @router.get("/judgements")
 async def list_judgements(
-    judging: JudgingDep,
+    services: ServicesDep,
     group_id: str | None = None,
     state: Annotated[str | None, Query(description="ok or failed")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
 ) -> dict[str, Any]:
     """Judgements, newest first: scores and explanations, or why the judge failed."""
-    return await judging.list_judgements(group_id=group_id, state=state, limit=limit)
+    return await services.judging.list_judgements(group_id=group_id, state=state, limit=limit)
