@@ -27,7 +27,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tiny_model import build_tiny_lora, build_tiny_model
 
-from proxy._vllm_process import VLLMLaunch, VLLMProcess
+from tracetrain_cli._vllm_process import VLLMLaunch, VLLMProcess
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -84,7 +84,7 @@ def main() -> int:
         print("starting vLLM (tiny model)...", flush=True)
         vllm.wait_ready(timeout_s=300)
         proxy = subprocess.Popen(
-            [sys.executable, "-m", "proxy.cli", "serve", "--upstream", vllm.base_url, "--port", str(proxy_port),
+            [sys.executable, "-m", "tracetrain_cli._main", "serve", "--upstream", vllm.base_url, "--port", str(proxy_port),
              "--data-dir", str(data), "--no-train", "--log-level", "warning"],
         )  # fmt: skip
         try:

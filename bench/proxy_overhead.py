@@ -525,7 +525,7 @@ def profile_tracetrain(bench: Bench, raw: Path, seconds: int) -> str:
 
 
 def _frame_key(frame: str) -> str:
-    """``Forwarder.handle (proxy/_forward.py:115)`` -> ``proxy/_forward.py:Forwarder.handle``."""
+    """``Forwarder.handle (proxy/gateway/_forward.py:115)`` -> ``proxy/gateway/_forward.py:Forwarder.handle``."""
     match = re.match(r"^(.*) \((.*?)(?::\d+)?\)$", frame)
     return f"{match.group(2)}:{match.group(1)}" if match else frame
 
@@ -549,7 +549,7 @@ def summarize_pyspy(raw: Path, seconds: int, top: int = 15) -> str:
         threads[_thread_kind(frames)] += int(count)
         own[frames[-1]] += int(count)
         packages[frames[-1].split("/")[0].split(":")[0]] += int(count)
-        total.update(dict.fromkeys((f for f in frames if not f.startswith("proxy/cli.py")), int(count)))
+        total.update(dict.fromkeys((f for f in frames if not f.startswith("tracetrain_cli/_main.py")), int(count)))
     samples = sum(own.values())
     if not samples:
         return "py-spy recorded no samples"

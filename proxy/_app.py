@@ -17,27 +17,31 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
-from proxy import _admin_routes, _dashboard_routes, _data_routes, _judge_routes, _openai_routes
-from proxy._admin_auth import AdminAuth
-from proxy._dashboard_routes import PageResponse
+from proxy.admin import _routes as _admin_routes
+from proxy.admin import _dashboard as _dashboard_routes
+from proxy.data import _routes as _data_routes
+from proxy.judge import _routes as _judge_routes
+from proxy.gateway import _routes as _openai_routes
+from proxy.admin._auth import AdminAuth
+from proxy.admin._dashboard import PageResponse
 from proxy._deps import Services, ServicesDep
-from proxy._forward import Forwarder, error_response
-from proxy._judging import JudgeService
-from proxy._keying import Keyer
-from proxy._langfuse import start_langfuse
-from proxy._metrics import Metrics
-from proxy._policies import PolicyRegistry
-from proxy._publisher import Publisher
+from proxy.gateway._forward import Forwarder, error_response
+from proxy.judge._service import JudgeService
+from proxy.gateway._keying import Keyer
+from proxy.observability._langfuse import start_langfuse
+from proxy.observability._metrics import Metrics
+from proxy.gateway._policies import PolicyRegistry
+from proxy.training._publisher import Publisher
 from proxy._settings import Settings, is_loopback
-from proxy._token_texts import TokenTexts
-from proxy._training import JobScheduler
-from proxy._upstream import Upstream
+from proxy.admin._token_texts import TokenTexts
+from proxy.training._scheduler import JobScheduler
+from proxy.gateway._upstream import Upstream
 from proxy.errors import InvalidRequest, NotFound, ProxyError, UpstreamError, error_body
-from proxy.store import Store
+from store._store import Store
 
 log = logging.getLogger("tracetrain.proxy")
 
-# Upstream requests are spread over this many httpx clients (see proxy._upstream).
+# Upstream requests are spread over this many httpx clients (see proxy.gateway._upstream).
 _UPSTREAM_POOLS = 8
 
 

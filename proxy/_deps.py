@@ -13,20 +13,20 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 from pydantic import SecretStr
 
-from proxy._admin_auth import Admin, AdminAuth, presented_token
-from proxy._forward import Forwarder
-from proxy._judging import JudgeService
-from proxy._keying import Keyer
-from proxy._langfuse import LangfuseExporter
-from proxy._metrics import Metrics
-from proxy._policies import PolicyRegistry
-from proxy._publisher import Publisher
+from proxy.admin._auth import Admin, AdminAuth, presented_token
+from proxy.gateway._forward import Forwarder
+from proxy.judge._service import JudgeService
+from proxy.gateway._keying import Keyer
+from proxy.observability._langfuse import LangfuseExporter
+from proxy.observability._metrics import Metrics
+from proxy.gateway._policies import PolicyRegistry
+from proxy.training._publisher import Publisher
 from proxy._settings import Settings
-from proxy._token_texts import TokenTexts
-from proxy._training import JobScheduler
-from proxy._upstream import Upstream
+from proxy.admin._token_texts import TokenTexts
+from proxy.training._scheduler import JobScheduler
+from proxy.gateway._upstream import Upstream
 from proxy.errors import AuthenticationFailed
-from proxy.store import Store
+from store._store import Store
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +82,7 @@ async def require_reward_key(request: Request, services: ServicesDep) -> None:
 
 
 async def require_admin(request: Request) -> Admin:
-    """The admin token or a dashboard session (see ``proxy._admin_auth``); 401/403 otherwise."""
+    """The admin token or a dashboard session (see ``proxy.admin._auth``); 401/403 otherwise."""
     auth: AdminAuth = request.app.state.admin_auth
     return auth.admit(request)
 

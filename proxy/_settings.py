@@ -74,7 +74,7 @@ class Settings(BaseSettings):
     # ("judge"), or both: external rewards train, the judge's scores are recorded beside them.
     reward_source: Literal["external", "judge", "both"] = "external"
     # A litellm model name: openai/gpt-4o-mini, anthropic/claude-..., hosted_vllm/NAME. Unset: the
-    # base model served by `upstream`, with no external key (see proxy._judging).
+    # base model served by `upstream`, with no external key (see proxy.judge._service).
     judge_model: str | None = None
     # Where judge_model is served, when not at its provider's usual URL (an OpenAI-compatible gateway).
     judge_api_base: str | None = None
@@ -92,7 +92,7 @@ class Settings(BaseSettings):
     reward_keys: Secrets = ()
     admin_token: SecretStr | None = None
 
-    # Export trajectories, calls and rewards to Langfuse (proxy._langfuse). The keys and the URL are
+    # Export trajectories, calls and rewards to Langfuse (proxy.observability._langfuse). The keys and the URL are
     # read from Langfuse's usual variables: LANGFUSE_PUBLIC_KEY, LANGFUSE_SECRET_KEY, LANGFUSE_BASE_URL
     # (or LANGFUSE_HOST).
     langfuse: bool = False

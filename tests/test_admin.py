@@ -15,7 +15,7 @@ from fake_vllm_text import detokenize
 from test_publishing import adapters, record_trained_adapter, wait_for
 
 from proxy import Settings, create_app
-from proxy._admin import group_advantages
+from proxy.admin._service import group_advantages
 
 ADMIN = "admin-" + "z" * 30
 KEY = "key-" + "k" * 30

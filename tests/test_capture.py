@@ -259,10 +259,10 @@ async def test_a_stream_cancelled_before_its_first_event_is_recorded_and_closed(
     """The ASGI server may cancel a response before its body generator ever starts."""
     from starlette.requests import ClientDisconnect
 
-    from proxy._capture import Asked
-    from proxy._forward import _Call, _Relay, _RelayResponse
-    from proxy._keying import Conversation, Key
-    from proxy._policies import PolicyRegistry, Route
+    from proxy.gateway._capture import Asked
+    from proxy.gateway._forward import _Call, _Relay, _RelayResponse
+    from proxy.gateway._keying import Conversation, Key
+    from proxy.gateway._policies import PolicyRegistry, Route
 
     closed: list[bool] = []
     written: list = []

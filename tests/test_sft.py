@@ -25,9 +25,9 @@ from sqlalchemy import insert, select
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import trainer.sft
-from proxy._export import ExportFilter, ExportFormat, export_trajectories
-from proxy.cli import main
-from proxy.store import A, C, G, J, T, connect
+from tracetrain_cli._export import ExportFilter, ExportFormat, export_trajectories
+from tracetrain_cli._main import main
+from store._store import A, C, G, J, T, connect
 from trainer._config import TrainConfig
 from trainer._sft import SFTOptions, build_trainer, lora_parameters, read_export, sft_examples
 from trainer._worker import Worker, WorkerSettings

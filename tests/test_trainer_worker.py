@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from sqlalchemy import insert, select, update
 
-from proxy.store import A, C, G, J, P, T, connect
+from store._store import A, C, G, J, P, T, connect
 from trainer import TrainConfig
 from trainer._batch import TrajectoryData, build_batch
 from trainer._samples import CapturedCall

@@ -1,6 +1,6 @@
 """tracetrain's trainer: GRPO on a LoRA from captured token ids.
 
-May use ``proxy.schema`` (the store's tables); the proxy never imports this package.
+May use ``store._tables`` (the store's tables); the proxy never imports this package.
 """
 
 from trainer._adapters import newest_adapter

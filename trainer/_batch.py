@@ -17,7 +17,7 @@ import torch
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from proxy.store import C, T
+from store._store import C, T
 from trainer._advantages import group_advantages
 from trainer._config import TrainConfig
 from trainer._samples import CapturedCall, Sample, SampleStats, build_samples

@@ -3,7 +3,7 @@
     store (queued job) --claim--> load its groups' trajectories --> build samples and advantages
         --> Learner.step --> <data>/adapters/<policy>/<N>/ --> adapters row (state "trained")
 
-The proxy publishes what the worker records (``proxy._publisher``). The worker trains
+The proxy publishes what the worker records (``proxy.training._publisher``). The worker trains
 on top of the version the policy serves: after a rollback or a failed publish it
 reloads that version's adapter first. It never talks to vLLM or the proxy; the store
 is the only thing they share, so the worker can run on its own GPU machine.
@@ -23,7 +23,7 @@ from typing import Any
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from proxy.store import A, G, J, P, connect
+from store._store import A, G, J, P, connect
 from trainer._batch import build_batch, load_trajectories
 from trainer._config import TrainConfig
 from trainer._learner import Learner, TrainItem

@@ -43,7 +43,7 @@ from tiny_model import build_tiny_lora, build_tiny_model  # noqa: E402
 def _load_launcher() -> ModuleType:
     # By file: vLLM's environment need not have the proxy's dependencies, which
     # `proxy/__init__.py` imports.
-    spec = importlib.util.spec_from_file_location("proxy._vllm_process", REPO / "proxy" / "_vllm_process.py")
+    spec = importlib.util.spec_from_file_location("tracetrain_cli._vllm_process", REPO / "proxy" / "_vllm_process.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module

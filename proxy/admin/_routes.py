@@ -1,0 +1,104 @@
+"""The admin JSON API: everything the dashboard shows, and its two actions.
+
+Reads: overview, trajectories, groups, training jobs, adapters. Actions: train now,
+and activate a version (rollback/forward). The admin token (``Authorization: Bearer``)
+or a dashboard session with its CSRF token admits a request (``proxy.admin._auth``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Path, Query
+
+from proxy.admin import _service as _admin
+from proxy._deps import ServicesDep, require_admin
+from proxy.errors import InvalidRequest
+
+router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], tags=["admin"])
+
+Limit = Annotated[int, Query(ge=1, le=1000, description="Items per page.")]
+After = Annotated[str | None, Query(description="The next_cursor of the previous page.")]
+
+
+@router.get("/overview")
+async def overview(services: ServicesDep) -> dict[str, Any]:
+    """Requests per minute, trajectories (open, rewarded), ready groups, the version each policy serves,
+    training jobs by state, the last step, the running job and vLLM's health."""
+    return await _admin.overview(services)
+
+
+@router.get("/trajectories")
+async def list_trajectories(
+    services: ServicesDep,
+    policy: str | None = None,
+    group_id: str | None = None,
+    rewarded: bool | None = None,
+    version: Annotated[int | None, Query(ge=0, description="The version of the trajectory's last call.")] = None,
+    created_after: Annotated[float | None, Query(description="Unix seconds.")] = None,
+    created_before: Annotated[float | None, Query(description="Unix seconds.")] = None,
+    limit: Limit = 50,
+    after: After = None,
+) -> dict[str, Any]:
+    """Trajectories, newest first, filtered."""
+    return await _admin.list_trajectories(
+        services, policy=policy, group_id=group_id, rewarded=rewarded, version=version,
+        created_after=created_after, created_before=created_before, limit=limit, after=after,
+    )  # fmt: skip
+
+
+@router.get("/trajectories/{trajectory_id}")
+async def get_trajectory(trajectory_id: str, services: ServicesDep) -> dict[str, Any]:
+    """One trajectory: its calls in order (each with the messages it added, its reply, token ids, the text of
+    every completion token and its sampling logprob) and every reward posted for it."""
+    return await _admin.trajectory_detail(services, trajectory_id)
+
+
+@router.get("/groups")
+async def list_groups(
+    services: ServicesDep,
+    policy: str | None = None,
+    state: Annotated[str | None, Query(description="open, ready, training, trained or failed")] = None,
+    limit: Limit = 50,
+    after: After = None,
+) -> dict[str, Any]:
+    """Groups with their size, reward mean and std, and state."""
+    return await _admin.list_groups(services, policy=policy, state=state, limit=limit, after=after)
+
+
+@router.get("/groups/{group_id}")
+async def get_group(group_id: str, services: ServicesDep) -> dict[str, Any]:
+    """A group's members side by side: reward, advantage (scaled and centered, as the trainer computes them),
+    final answer, the judge's score and explanation; and the group's judgements (ok or failed, with why)."""
+    return await _admin.group_detail(services, group_id)
+
+
+@router.get("/jobs")
+async def list_jobs(services: ServicesDep, limit: Limit = 50) -> dict[str, Any]:
+    """Training jobs (steps), newest first, with their metrics and progress."""
+    return await _admin.list_jobs(services, limit)
+
+
+@router.get("/adapters")
+async def list_adapters(services: ServicesDep) -> dict[str, Any]:
+    """Adapter versions on disk, which are loaded, and which one serves the policy."""
+    return await _admin.list_adapters(services)
+
+
+@router.post("/train")
+async def train_now(services: ServicesDep) -> dict[str, Any]:
+    """Create a training job from every ready group now, without waiting for a full batch."""
+    job = await services.scheduler.maybe_create_job(force=True)
+    if job is None:
+        raise InvalidRequest(
+            "No group is ready: a group is ready when all its trajectories are rewarded and it has at least "
+            f"{services.settings.min_group_size} of them (see GET /admin/groups?state=ready)."
+        )
+    return {"object": "training_job", **job}
+
+
+@router.post("/adapters/{version}/activate")
+async def activate(version: Annotated[int, Path(ge=0)], services: ServicesDep) -> dict[str, Any]:
+    """Serve `version` as the policy (0 is the base model): a rollback or a roll forward."""
+    active = await services.publisher.activate(version)
+    return {"object": "policy", "policy": services.registry.policy, "active_version": active}

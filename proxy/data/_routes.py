@@ -1,0 +1,88 @@
+"""Rewards in; trajectories and groups out."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query, Request
+
+from proxy.data import _service as _data
+from proxy.data._wire import RewardPost
+from proxy._deps import ServicesDep, require_reward_key
+from proxy.judge._service import refuse_external_rewards
+
+router = APIRouter(dependencies=[Depends(require_reward_key)], tags=["data"])
+
+Limit = Annotated[int, Query(ge=1, le=1000, description="Items per page.")]
+After = Annotated[str | None, Query(description="The next_cursor of the previous page.")]
+
+# The body is parsed by the service (one form or the batch form, with errors that say
+# which); this only documents it.
+_REWARD_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": RewardPost.model_json_schema(),
+                "examples": {
+                    "one": {"value": {"trajectory_id": "traj-1", "reward": 1.0, "metrics": {"correct": 1.0}}},
+                    "batch": {"value": {"rewards": [{"trajectory_id": "traj-1", "reward": 0.5}]}},
+                },
+            }
+        },
+    }
+}
+
+
+@router.post("/v1/rewards", openapi_extra=_REWARD_BODY)
+async def post_rewards(request: Request, services: ServicesDep) -> dict[str, Any]:
+    """Record a reward, or a batch (`{"rewards": [...]}`) atomically: one unknown id rejects all.
+
+    When enough groups become ready, a training job is queued. With `--reward-source judge`
+    rewards come from the judge, and a posted one is refused (409).
+    """
+    refuse_external_rewards(services.settings)
+    result = await _data.post_rewards(services.store, await request.body())
+    services.report_rewards(result["data"])
+    await services.scheduler.maybe_create_job()
+    return result
+
+
+@router.get("/v1/trajectories")
+async def list_trajectories(
+    services: ServicesDep,
+    group_id: str | None = None,
+    policy: str | None = None,
+    rewarded: bool | None = None,
+    limit: Limit = 20,
+    after: After = None,
+) -> dict[str, Any]:
+    """Captured trajectories, newest first."""
+    return await _data.list_trajectories(
+        services.store, group_id=group_id, policy=policy, rewarded=rewarded, limit=limit, after=after
+    )
+
+
+@router.get("/v1/trajectories/{trajectory_id}")
+async def get_trajectory(trajectory_id: str, services: ServicesDep) -> dict[str, Any]:
+    """One trajectory with its calls in order: requests, responses, token ids and logprobs."""
+    return await _data.get_trajectory(services.store, trajectory_id)
+
+
+@router.get("/v1/groups")
+async def list_groups(
+    services: ServicesDep,
+    policy: str | None = None,
+    state: Annotated[str | None, Query(description="open, ready, training, trained or failed")] = None,
+    limit: Limit = 20,
+    after: After = None,
+) -> dict[str, Any]:
+    """Groups with their size, rewards and state; `ready` means all rewarded and big enough."""
+    return await _data.list_groups(
+        services.store,
+        min_group_size=services.settings.min_group_size,
+        policy=policy,
+        state=state,
+        limit=limit,
+        after=after,
+    )

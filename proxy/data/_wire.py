@@ -1,0 +1,84 @@
+"""Wire schemas of the data API: rewards in, trajectories and groups out."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat
+
+from store._tables import Call
+
+# A JSON number that is finite and not a boolean or a string.
+Finite = Annotated[StrictFloat, Field(allow_inf_nan=False)]
+
+
+class RewardPost(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    trajectory_id: str = Field(min_length=1, max_length=512)
+    reward: Finite
+    metrics: dict[str, Finite] = Field(default_factory=dict)
+
+
+class RewardBatch(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    rewards: list[RewardPost] = Field(min_length=1, max_length=10_000)
+
+
+def reward_view(row: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "object": "reward",
+        "trajectory_id": row["trajectory_id"],
+        "group_id": row["group_id"],
+        "reward": row["value"],
+        "metrics": row["metrics"],
+        "source": row["source"],
+        "explanation": row.get("explanation"),
+        "created_at": row["created_at"],
+    }
+
+
+_TRAJECTORY_FIELDS = (
+    "id",
+    "group_id",
+    "policy",
+    "keyed_by",
+    "created_at",
+    "updated_at",
+    "n_calls",
+    "last_version",
+    "reward",
+    "reward_source",
+    "metrics",
+    "rewarded_at",
+)
+_CALL_FIELDS = tuple(name for name in Call.model_fields if name != "pk")
+_GROUP_FIELDS = ("id", "policy", "created_at")
+
+
+def trajectory_view(row: Any) -> dict[str, Any]:
+    m = row._mapping
+    return {"object": "trajectory", **{name: m[name] for name in _TRAJECTORY_FIELDS}}
+
+
+def call_view(row: Any) -> dict[str, Any]:
+    m = row._mapping
+    return {"object": "call", **{name: m[name] for name in _CALL_FIELDS}}
+
+
+def group_view(row: Any, state: str) -> dict[str, Any]:
+    m = row._mapping
+    mean = m["reward_mean"]
+    std = None
+    if mean is not None:
+        std = max(0.0, float(m["reward_sq_mean"]) - float(mean) ** 2) ** 0.5
+    return {
+        "object": "group",
+        **{name: m[name] for name in _GROUP_FIELDS},
+        "state": state,
+        "size": int(m["size"]),
+        "n_rewarded": int(m["n_rewarded"]),
+        "reward_mean": mean,
+        "reward_std": std,
+    }

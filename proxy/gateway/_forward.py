@@ -1,0 +1,320 @@
+"""Forwarding one OpenAI call to vLLM and recording it.
+
+For every call: parse and validate, resolve the model to a policy version, key the
+call to a trajectory and group, forward with capture flags added, strip those from
+what the client gets, and record the call. The record is durable before the
+response's last byte leaves: non-streamed responses are sent after the commit;
+streams hold back only the final ``data: [DONE]`` until the commit.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import httpx
+import orjson
+from pydantic import BaseModel, ValidationError
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from proxy.gateway._capture import (
+    Asked,
+    Capture,
+    Endpoint,
+    StreamCapture,
+    capture_response,
+    prepare_upstream_body,
+    strip_response,
+    without_token_fields,
+)
+from proxy.gateway._keying import Conversation, Key, Keyer, KeyHints
+from proxy.observability._langfuse import LangfuseExporter
+from proxy.observability._metrics import Metrics
+from proxy.gateway._wire import ChatCompletionRequest, CompletionRequest
+from proxy.gateway._policies import PolicyRegistry, Route
+from proxy.gateway._upstream import Upstream
+from proxy.errors import (
+    InvalidRequest,
+    ProxyError,
+    UpstreamError,
+    UpstreamHTTPError,
+    error_body,
+)
+from store._store import CallWrite, Store
+
+_PATHS: dict[Endpoint, str] = {"chat.completions": "/chat/completions", "completions": "/completions"}
+_MODELS: dict[Endpoint, type[BaseModel]] = {"chat.completions": ChatCompletionRequest, "completions": CompletionRequest}
+_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(slots=True)
+class _Call:
+    """One call in flight: what it asked, where it goes, whose it is."""
+
+    endpoint: Endpoint
+    body: dict[str, Any]
+    route: Route
+    key: Key
+    conversation: Conversation
+    asked: Asked
+    started_at: float
+    t0: float
+
+    def headers(self) -> dict[str, str]:
+        return {
+            "X-Trajectory-Id": self.key.trajectory_id,
+            "X-Group-Id": self.key.group_id,
+            "X-Policy-Version": str(self.route.version),
+        }
+
+
+def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
+    """The request's JSON, validated against the endpoint's model."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"The request body is not valid JSON ({exc}).") from exc
+    if not isinstance(body, dict):
+        raise InvalidRequest("The request body must be a JSON object.")
+    try:
+        _MODELS[endpoint].model_validate(body)
+    except ValidationError as exc:
+        raise InvalidRequest.from_validation(exc.errors()) from exc
+    return body
+
+
+def error_response(exc: ProxyError, headers: dict[str, str] | None = None) -> Response:
+    return Response(
+        orjson.dumps(exc.body()), status_code=exc.status_code, headers=headers, media_type="application/json"
+    )
+
+
+class Forwarder:
+    def __init__(
+        self,
+        upstream: Upstream,
+        store: Store,
+        keyer: Keyer,
+        registry: PolicyRegistry,
+        metrics: Metrics,
+        langfuse: LangfuseExporter | None = None,
+    ) -> None:
+        self._upstream = upstream
+        self._store = store
+        self._keyer = keyer
+        self._registry = registry
+        self._metrics = metrics
+        self._langfuse = langfuse
+
+    async def record(self, write: CallWrite) -> None:
+        """Commit a call's record (see ``Store.record_call``) and count it."""
+        try:
+            await self._store.record_call(write)
+        except ProxyError:
+            self._metrics.call_not_recorded(write.call)
+            raise
+        self._metrics.call_recorded(write.call)
+        if self._langfuse is not None:
+            self._langfuse.call_recorded(write)
+
+    def record_nowait(self, write: CallWrite) -> None:
+        self._store.record_call_nowait(write)
+        self._metrics.call_recorded(write.call)
+        if self._langfuse is not None:
+            self._langfuse.call_recorded(write)
+
+    async def handle(self, endpoint: Endpoint, raw: bytes, hints: KeyHints) -> Response:
+        started_at, t0 = time.time(), time.perf_counter()
+        body = parse_body(raw, endpoint)
+        route = await self._route(str(body["model"]))
+        messages = body.get("messages") if endpoint == "chat.completions" else None
+        conversation = Conversation(route.policy, messages, body.get("prompt"))
+        key = await self._keyer.resolve(route.policy, hints, conversation)
+        upstream_body, asked = prepare_upstream_body(body, endpoint, route.served_model)
+        call = _Call(endpoint, body, route, key, conversation, asked, started_at, t0)
+        payload = orjson.dumps(upstream_body)
+        if body.get("stream"):
+            return await self._stream(call, payload)
+        return await self._complete(call, payload)
+
+    async def _route(self, model: str) -> Route:
+        if self._registry.base_model is None:
+            self._registry.base_model = await self._upstream.base_model()
+        return self._registry.resolve(model)
+
+    async def _complete(self, call: _Call, payload: bytes) -> Response:
+        try:
+            with self._registry.serving(call.route.version):
+                upstream = await self._upstream.post(_PATHS[call.endpoint], payload)
+            if upstream.status_code != 200:
+                raise UpstreamHTTPError(upstream.status_code, upstream.content)
+            data = orjson.loads(upstream.content)
+        except ProxyError as exc:
+            await self.record(_call_write(call, None, None, exc.status_code, exc.message, None))
+            return error_response(exc, call.headers())
+        capture = capture_response(data, call.endpoint)
+        stored = without_token_fields(data)
+        await self.record(_call_write(call, capture, stored, 200, None, None))
+        return Response(
+            orjson.dumps(strip_response(data, call.asked, call.route.public_name)),
+            headers=call.headers(),
+            media_type="application/json",
+        )
+
+    async def _stream(self, call: _Call, payload: bytes) -> Response:
+        try:
+            upstream = await self._upstream.open_stream(_PATHS[call.endpoint], payload)
+        except ProxyError as exc:
+            await self.record(_call_write(call, None, None, exc.status_code, exc.message, None))
+            return error_response(exc, call.headers())
+        relay = _Relay(self, self._registry, call, upstream)
+        return _RelayResponse(relay, headers={**call.headers(), "Cache-Control": "no-cache"})
+
+
+def _call_write(
+    call: _Call,
+    capture: Capture | None,
+    response: dict[str, Any] | None,
+    status: int,
+    error: str | None,
+    ttft_ms: float | None,
+) -> CallWrite:
+    first = capture.first if capture else None
+    usage = (capture.usage if capture else None) or {}
+    tail = None
+    if call.key.keyed_by in ("thread", "new") and first is not None and status == 200:
+        tail = call.conversation.tail_after(first.message())
+    others = (
+        [
+            {"token_ids": c.token_ids, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
+            for i, c in sorted(capture.choices.items())[1:]
+        ]
+        if capture
+        else []
+    )
+    row = {
+        "id": f"call-{uuid.uuid4().hex}",
+        "trajectory_id": call.key.trajectory_id,
+        "group_id": call.key.group_id,
+        "policy": call.route.policy,
+        "endpoint": call.endpoint,
+        "model": str(call.body.get("model")),
+        "served_model": call.route.served_model,
+        "version": call.route.version,
+        "stream": bool(call.body.get("stream")),
+        "request": call.body,
+        "response": response,
+        "prompt_token_ids": capture.prompt_ids() if capture else [],
+        "completion_token_ids": first.token_ids if first else [],
+        "logprobs": first.logprobs if first else [],
+        "other_choices": others,
+        "finish_reason": first.finish_reason if first else None,
+        "prompt_tokens": int(usage.get("prompt_tokens") or 0),
+        "completion_tokens": int(usage.get("completion_tokens") or 0),
+        "status_code": status,
+        "error": error,
+        "latency_ms": (time.perf_counter() - call.t0) * 1000,
+        "ttft_ms": ttft_ms,
+        "started_at": call.started_at,
+    }
+    return CallWrite(
+        row,
+        call.key.trajectory_id,
+        call.key.group_id,
+        call.route.policy,
+        call.key.keyed_by,
+        call.key.task_key,
+        tail,
+        call.started_at,
+        call.route.version,
+    )
+
+
+async def _sse_data(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The ``data:`` payload of each server-sent event, as soon as the event is complete."""
+    buffer = b""
+    async for chunk in chunks:
+        buffer += chunk
+        while True:
+            end = buffer.find(b"\n\n")
+            if end < 0:
+                break
+            event, buffer = buffer[:end], buffer[end + 2 :]
+            for line in event.split(b"\n"):
+                if line.startswith(b"data:"):
+                    yield line[5:].strip()
+
+
+class _Relay:
+    """One stream in flight: forwards events as they arrive and records the call exactly once.
+
+    ``close()`` runs whatever happened (finished, broken, or the client gone before the
+    first byte, when the event generator never even starts): the record is written and
+    the upstream response closed.
+    """
+
+    def __init__(self, forwarder: Forwarder, registry: PolicyRegistry, call: _Call, upstream: httpx.Response) -> None:
+        self._forwarder = forwarder
+        self._registry = registry
+        self._call = call
+        self._upstream = upstream
+        self._assembler = StreamCapture(call.endpoint, call.asked, call.route.public_name)
+        self._ttft: float | None = None
+        self._recorded = False
+        registry.in_flight[call.route.version] += 1
+
+    async def events(self) -> AsyncIterator[bytes]:
+        """Forward each SSE event as it arrives; commit the record before ``[DONE]``."""
+        call = self._call
+        finished = False
+        try:
+            async for data in _sse_data(self._upstream.aiter_bytes()):
+                if self._ttft is None:
+                    self._ttft = (time.perf_counter() - call.t0) * 1000
+                if data == b"[DONE]":
+                    finished = True
+                    break
+                chunk = self._assembler.add(orjson.loads(data))
+                if chunk is not None:
+                    yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+            if not finished:
+                raise UpstreamError("the upstream closed the stream before it finished")
+        except (UpstreamError, httpx.TransportError, orjson.JSONDecodeError) as exc:
+            message = exc.message if isinstance(exc, ProxyError) else f"the upstream stream broke: {exc!r}"
+            self._recorded = True
+            await self._forwarder.record(self._record(502, message))
+            yield b"data: " + orjson.dumps(error_body(message, "upstream_error", None, 502)) + b"\n\n"
+            return
+        self._recorded = True
+        await self._forwarder.record(self._record(200, None, self._assembler.capture.as_response()))
+        yield _DONE
+
+    async def close(self) -> None:
+        if not self._recorded:  # the client went away: keep what was sampled; nobody awaits the commit
+            self._recorded = True
+            self._forwarder.record_nowait(self._record(499, "the client disconnected mid-stream"))
+        self._registry.in_flight[self._call.route.version] -= 1
+        with anyio.CancelScope(shield=True):
+            await self._upstream.aclose()
+
+    def _record(self, status: int, error: str | None, response: dict[str, Any] | None = None) -> CallWrite:
+        return _call_write(self._call, self._assembler.capture, response, status, error, self._ttft)
+
+
+class _RelayResponse(StreamingResponse):
+    """A streaming response that closes its relay however the response ends."""
+
+    def __init__(self, relay: _Relay, headers: dict[str, str]) -> None:
+        super().__init__(relay.events(), media_type="text/event-stream", headers=headers)
+        self._relay = relay
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._relay.close()

@@ -1,0 +1,194 @@
+"""Which trajectory and which group a call belongs to.
+
+The key is read, in order, from the ``X-Trajectory-Id``/``X-Group-Id`` headers, then
+from a path prefix (``/t/{id}/v1/...``, ``/g/{group}/t/{id}/v1/...``). A call with
+neither joins the open unkeyed trajectory whose last request plus reply its messages
+extend (threading), or starts a new one.
+
+A group left unnamed is derived from the policy plus the messages up to the first
+user message, so the same task asked N times forms one GRPO group. A derived group
+takes at most ``group_size`` trajectories, then the next one opens; a group that
+left the ``open`` state (a training job took it) takes no more.
+
+Messages are compared in a canonical form: content parts joined, tool-call ids
+dropped and arguments re-serialized, unknown fields ignored, so a framework that
+re-serializes the conversation still threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from store._store import Store
+
+_CACHE_SIZE = 100_000
+_GROUP_RECHECK_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Key:
+    trajectory_id: str
+    group_id: str
+    keyed_by: str  # "header" | "path" | "thread" | "new"
+    task_key: str | None  # set when the group was derived from the task prompt
+
+
+@dataclass(frozen=True, slots=True)
+class KeyHints:
+    """What the request itself says about its key."""
+
+    header_trajectory: str | None = None
+    header_group: str | None = None
+    path_trajectory: str | None = None
+    path_group: str | None = None
+
+
+def new_trajectory_id() -> str:
+    return f"traj-{uuid.uuid4().hex}"
+
+
+def _canonical(message: dict[str, Any]) -> bytes:
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        content = "".join(texts) if len(texts) == len(content) else content
+    tool_calls = []
+    for call in message.get("tool_calls") or ():
+        function = call.get("function") or {}
+        arguments = function.get("arguments") or ""
+        with contextlib.suppress(orjson.JSONDecodeError):  # not JSON: compare it as it is
+            arguments = orjson.dumps(orjson.loads(arguments), option=orjson.OPT_SORT_KEYS).decode()
+        tool_calls.append([function.get("name"), arguments])
+    canonical = [message.get("role"), content or "", message.get("name"), tool_calls]
+    return orjson.dumps(canonical)
+
+
+class Conversation:
+    """Hashes of a request's messages: its task key and the prefixes that may thread."""
+
+    def __init__(self, policy: str, messages: Sequence[dict[str, Any]] | None, prompt: Any = None) -> None:
+        h = hashlib.blake2b(policy.encode(), digest_size=16)
+        self.task_key: str
+        self.thread_candidates: list[str] = []  # longest first
+        if messages is None:
+            h.update(orjson.dumps(prompt))
+            self.task_key = h.hexdigest()
+            self._hasher = None
+            return
+        task_key = None
+        for message in messages:
+            h.update(_canonical(message))
+            role = message.get("role")
+            if role == "user" and task_key is None:
+                task_key = h.hexdigest()
+            elif role == "assistant":
+                self.thread_candidates.append(h.hexdigest())
+        self.thread_candidates.reverse()
+        self.task_key = task_key or h.hexdigest()
+        self._hasher = h
+
+    def tail_after(self, reply: dict[str, Any]) -> str | None:
+        """Hash of the messages plus ``reply``: what a continuation's prefix will hash to."""
+        if self._hasher is None:
+            return None
+        h = self._hasher.copy()
+        h.update(_canonical(reply))
+        return h.hexdigest()
+
+
+class Keyer:
+    """Resolves keys; caches trajectory groups and open derived groups, asks the store on a miss."""
+
+    def __init__(self, store: Store, *, group_size: int, thread_ttl_s: float) -> None:
+        self._store = store
+        self._group_size = group_size
+        self._thread_ttl_s = thread_ttl_s
+        self._groups_of: OrderedDict[str, str] = OrderedDict()  # trajectory id -> group id
+        self._open_groups: dict[tuple[str, str], _OpenGroup] = {}  # (policy, task key) -> its open group
+
+    async def resolve(self, policy: str, hints: KeyHints, conversation: Conversation) -> Key:
+        trajectory_id = hints.header_trajectory or hints.path_trajectory
+        group_hint = hints.header_group or hints.path_group
+        if trajectory_id:
+            keyed_by = "header" if hints.header_trajectory else "path"
+            known = await self._known_group(trajectory_id)
+            if known is not None:
+                return Key(trajectory_id, known, keyed_by, None)
+            group_id = group_hint or await self._derived_group(policy, conversation.task_key)
+            return self._remember(Key(trajectory_id, group_id, keyed_by, None if group_hint else conversation.task_key))
+        if group_hint is None:
+            found = await self._find_thread(conversation.thread_candidates)
+            if found is not None:
+                return Key(found[0], found[1], "thread", None)
+        group_id = group_hint or await self._derived_group(policy, conversation.task_key)
+        return self._remember(Key(new_trajectory_id(), group_id, "new", None if group_hint else conversation.task_key))
+
+    def forget_groups(self, group_ids: Sequence[str]) -> None:
+        """Groups that left the open state (taken for training) take no new trajectories."""
+        gone = set(group_ids)
+        for task, entry in list(self._open_groups.items()):
+            if entry.group_id in gone:
+                del self._open_groups[task]
+
+    def _remember(self, key: Key) -> Key:
+        self._groups_of[key.trajectory_id] = key.group_id
+        if len(self._groups_of) > _CACHE_SIZE:
+            self._groups_of.popitem(last=False)
+        return key
+
+    async def _known_group(self, trajectory_id: str) -> str | None:
+        group = self._groups_of.get(trajectory_id)
+        if group is not None:
+            return group
+        stored = await self._store.trajectory_group(trajectory_id)
+        # Another call of the same new trajectory may have been keyed while we waited.
+        group = self._groups_of.get(trajectory_id)
+        if group is not None:
+            return group
+        if stored is not None:
+            self._groups_of[trajectory_id] = stored[0]
+            return stored[0]
+        return None
+
+    async def _find_thread(self, candidates: Sequence[str]) -> tuple[str, str] | None:
+        # Asked of the store every time: a call's record (and its tail) commits before its
+        # reply is sent, so the store is never behind the client, on any replica.
+        if not candidates:
+            return None
+        stored = await self._store.find_open_thread(candidates, since=time.time() - self._thread_ttl_s)
+        return (stored[0], stored[1]) if stored else None
+
+    async def _derived_group(self, policy: str, task_key: str) -> str:
+        slot = (policy, task_key)
+        entry = self._open_groups.get(slot)
+        if entry is None or time.monotonic() - entry.checked > _GROUP_RECHECK_S:
+            stored = await self._store.open_group_for_task(policy, task_key)
+            entry = self._open_groups.get(slot)  # a concurrent call may have refreshed it meanwhile
+            if entry is None or time.monotonic() - entry.checked > _GROUP_RECHECK_S:
+                if stored is None:
+                    entry = None
+                elif entry is not None and entry.group_id == stored[0]:
+                    entry.size, entry.checked = max(entry.size, stored[1]), time.monotonic()
+                else:
+                    entry = _OpenGroup(stored[0], stored[1])
+        if entry is None or entry.size >= self._group_size:
+            entry = _OpenGroup(f"grp-{task_key[:12]}-{uuid.uuid4().hex[:8]}", 0)
+        self._open_groups[slot] = entry
+        entry.size += 1
+        return entry.group_id
+
+
+@dataclass(slots=True)
+class _OpenGroup:
+    group_id: str
+    size: int
+    checked: float = field(default_factory=time.monotonic)

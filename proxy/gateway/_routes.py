@@ -1,0 +1,68 @@
+"""The OpenAI-compatible routes, under ``/v1`` and the keying path prefixes."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+from fastapi import APIRouter, Depends, Request
+from starlette.responses import Response
+
+from proxy.gateway._capture import Endpoint
+from proxy._deps import ServicesDep, require_inference_key
+from proxy.gateway._keying import KeyHints
+from proxy.errors import InvalidRequest, UpstreamError
+
+router = APIRouter(dependencies=[Depends(require_inference_key)], tags=["openai"])
+
+PREFIXES = ("", "/t/{trajectory_id}", "/g/{group_id}/t/{trajectory_id}")
+_ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,200}$")
+
+
+def _checked(value: str | None, name: str) -> str | None:
+    if value is not None and not _ID.match(value):
+        raise InvalidRequest(
+            f"Invalid {name} {value[:50]!r}: use 1-200 letters, digits, '_', '-', '.' or ':'.", param=name
+        )
+    return value
+
+
+def key_hints(request: Request) -> KeyHints:
+    headers, path = request.headers, request.path_params
+    return KeyHints(
+        header_trajectory=_checked(headers.get("x-trajectory-id"), "X-Trajectory-Id"),
+        header_group=_checked(headers.get("x-group-id"), "X-Group-Id"),
+        path_trajectory=_checked(path.get("trajectory_id"), "trajectory id"),
+        path_group=_checked(path.get("group_id"), "group id"),
+    )
+
+
+async def _forward(endpoint: Endpoint, request: Request, services: ServicesDep) -> Response:
+    return await services.forwarder.handle(endpoint, await request.body(), key_hints(request))
+
+
+async def chat_completions(request: Request, services: ServicesDep) -> Response:
+    """OpenAI's chat completions, forwarded to the policy's newest version and captured."""
+    return await _forward("chat.completions", request, services)
+
+
+async def completions(request: Request, services: ServicesDep) -> Response:
+    """OpenAI's (legacy) text completions, forwarded and captured."""
+    return await _forward("completions", request, services)
+
+
+async def list_models(services: ServicesDep) -> dict[str, object]:
+    """The policy alias and its loaded versions."""
+    if services.registry.base_model is None:
+        # Still listable while vLLM starts; generation calls answer 502/503 until it is up.
+        with contextlib.suppress(UpstreamError):
+            services.registry.base_model = await services.upstream.base_model()
+    return services.registry.model_list()
+
+
+for _prefix in PREFIXES:
+    router.add_api_route(
+        f"{_prefix}/v1/chat/completions", chat_completions, methods=["POST"], include_in_schema=not _prefix
+    )
+    router.add_api_route(f"{_prefix}/v1/completions", completions, methods=["POST"], include_in_schema=not _prefix)
+    router.add_api_route(f"{_prefix}/v1/models", list_models, methods=["GET"], include_in_schema=not _prefix)

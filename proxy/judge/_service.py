@@ -1,0 +1,445 @@
+"""Judging groups: which groups the judge scores, when, and how its scores are written.
+
+The proxy's ``--reward-source`` decides what the judge's scores are for:
+
+- ``external`` (the default): rewards are POSTed to ``/v1/rewards``. Nothing is judged
+  on its own; ``POST /admin/groups/{id}/judge`` records the judge's scores beside the
+  external rewards (a way to try the judge before relying on it).
+- ``judge``: the judge's scores are the rewards. Groups are judged automatically, and
+  the scores become the trajectories' rewards, so the group turns ready and trains.
+  ``POST /v1/rewards`` is refused (409): one group must not mix reward sources.
+- ``both``: external rewards train; every group is judged too and the judge's scores are
+  recorded beside them (``rewards`` rows with source "judge"), never replacing them.
+
+When a group is complete. An agent whose rewards come from the judge posts nothing, so
+the proxy cannot know that a trajectory ended. A group is judged once it has at least
+``min_group_size`` trajectories and
+
+- it has ``group_size`` of them and none changed for ``judge_quiet_s`` (a full group at rest), or
+- with ``both``, all are rewarded externally and none changed for ``judge_quiet_s``, or
+- none changed for ``judge_idle_s`` (a group that will not fill up).
+
+``judge_quiet_s`` must outlast the agent's longest pause between two calls of a
+trajectory, or a trajectory may be judged before it ends.
+
+A background task scans for such groups every few seconds (only groups created in the
+last ``_HORIZON_S``: the scan stays cheap, and switching a proxy with a long history to
+``both`` does not judge all of it) and judges them off the request path,
+``judge_concurrency`` at a time. With ``judge`` a group is a candidate while some
+trajectory lacks a reward; with ``both`` while it changed since its last successful
+judgement. A failed group is tried again when it changes, or after ``judge_idle_s``; an
+admin can always ask at once.
+
+Writing. All of a group's scores are written in one transaction, together with the
+``judgements`` row: a ``rewards`` row per trajectory (source "judge", the explanation)
+and, with ``judge``, each trajectory's reward. If the group changed while it was judged
+(a trajectory joined) or a job took it, nothing is written but a failed judgement
+saying so. A failure (after the judge's bounded retries) writes only its failed
+``judgements`` row, with the reason and the attempts: never a partial group, never a
+blocked request (judging runs in its own tasks; errors are caught there and recorded).
+
+The cache. A judgement's ``cache_key`` hashes the judge model and the whole prompt (the
+rubric and every message); an ok judgement with the same key is reused without asking
+the model, so re-judging an unchanged group, or a restart, costs nothing.
+
+The default judge is the base model vLLM serves (``hosted_vllm/<base model>`` at the
+proxy's upstream, no key needed): weak but free. Its requests go to vLLM directly, so
+they are never captured as the policy's trajectories. A stronger judge is one setting
+away: ``--judge-model openai/gpt-4o-mini`` with ``OPENAI_API_KEY`` in the environment.
+
+Several proxy replicas each run this scan, and two may judge the same group at once;
+each write is still a whole group, and the later one is what the trajectories keep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import and_, bindparam, func, insert, or_, select, update
+from sqlmodel import SQLModel
+
+from proxy.data._wire import reward_view
+from proxy.judge._prompt import (
+    DEFAULT_RUBRIC,
+    Judge,
+    JudgeFailed,
+    JudgePrompt,
+    Score,
+    TrajectoryText,
+    build_prompt,
+    call_messages,
+    trajectory_messages,
+)
+from proxy.gateway._policies import PolicyRegistry
+from proxy._settings import Settings
+from proxy.training._scheduler import JobScheduler
+from proxy.errors import Conflict, GroupNotFound, InvalidRequest, ProxyError
+from store._store import C, G, R, Store, T
+
+log = logging.getLogger("tracetrain.judge")
+
+JG = SQLModel.metadata.tables["judgements"]
+
+_HORIZON_S = 24 * 3600.0
+_SCAN_BATCH = 32
+_JUDGEMENT_FIELDS = ("id", "group_id", "policy", "reward_source", "trigger", "state", "model", "cache_key", "cached",
+                     "attempts", "n_trajectories", "scores", "error", "usage", "started_at", "finished_at")  # fmt: skip
+JUDGEMENT_STATES = ("ok", "failed")
+
+
+class _Changed(Exception):
+    """The group is no longer what was judged; nothing was written."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Group:
+    id: str
+    state: str
+    trajectories: list[TrajectoryText]
+
+
+class JudgeService:
+    """Judges groups on demand and, unless rewards are external only, as they complete."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        store: Store,
+        registry: PolicyRegistry,
+        scheduler: JobScheduler,
+        *,
+        backoff_s: float = 1.0,
+        on_rewards: Callable[[list[dict[str, Any]]], None] | None = None,
+    ) -> None:
+        self._settings = settings
+        self._on_rewards = on_rewards  # told of every reward written, as POST /v1/rewards answers them (metrics)
+        self._store = store
+        self._registry = registry
+        self._scheduler = scheduler
+        self._backoff_s = backoff_s
+        self._rubric = settings.judge_rubric or DEFAULT_RUBRIC
+        self._slots = asyncio.Semaphore(settings.judge_concurrency)
+        self._queued: set[str] = set()  # groups the scan handed to a background task
+        self._locks: dict[str, asyncio.Lock] = {}  # one judgement of a group at a time, per process
+        self._lock_users: dict[str, int] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._scanner: asyncio.Task[None] | None = None
+        self._scan_s = min(max(min(settings.judge_quiet_s, settings.judge_idle_s) / 2, 0.05), 5.0)
+
+    @property
+    def automatic(self) -> bool:
+        return self._settings.reward_source != "external"
+
+    def start(self) -> None:
+        """Start the background scan (with ``judge`` or ``both``)."""
+        if self.automatic and self._scanner is None:
+            self._scanner = asyncio.create_task(self._scan_forever(), name="tracetrain-judge-scan")
+
+    async def close(self) -> None:
+        """Stop scanning and cancel judgements in flight (they write nothing, or everything)."""
+        tasks = [*self._tasks, *([self._scanner] if self._scanner else [])]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._scanner = None
+
+    # -- on demand --------------------------------------------------------------------
+
+    async def judge_group(self, group_id: str, *, trigger: str = "admin") -> dict[str, Any]:
+        """Judge one group now and return the judgement (state "ok" or "failed", with the reason)."""
+        lock = self._locks.setdefault(group_id, asyncio.Lock())
+        self._lock_users[group_id] = self._lock_users.get(group_id, 0) + 1
+        try:
+            async with lock:
+                return await self._judge(group_id, trigger)
+        finally:
+            self._lock_users[group_id] -= 1
+            if not self._lock_users[group_id]:
+                del self._lock_users[group_id], self._locks[group_id]
+
+    async def list_judgements(self, *, group_id: str | None, state: str | None, limit: int) -> dict[str, Any]:
+        """Judgements, newest first."""
+        query = select(JG).order_by(JG.c.id.desc()).limit(limit)
+        if group_id is not None:
+            query = query.where(JG.c.group_id == group_id)
+        if state is not None:
+            if state not in JUDGEMENT_STATES:
+                raise InvalidRequest(f"'state' must be one of {', '.join(JUDGEMENT_STATES)}.", param="state")
+            query = query.where(JG.c.state == state)
+        async with self._store.engine.connect() as conn:
+            rows = (await conn.execute(query)).all()
+        return {"object": "list", "data": [judgement_view(r._mapping) for r in rows]}
+
+    # -- one judgement ----------------------------------------------------------------
+
+    async def _judge(self, group_id: str, trigger: str) -> dict[str, Any]:
+        started = time.time()
+        group = await self._load(group_id)
+        source = self._settings.reward_source
+        if source == "judge" and group.state != "open":
+            raise Conflict(
+                f"Group '{group_id}' is {group.state}: its rewards are fixed once a training job took it.",
+                param="group_id",
+            )
+        model, api_base = self._model()
+        prompt = build_prompt(group.trajectories, self._rubric)
+        key = prompt.cache_key(model) if model else ""
+        row: dict[str, Any] = {
+            "group_id": group_id,
+            "policy": self._settings.policy,
+            "reward_source": source,
+            "trigger": trigger,
+            "model": model,
+            "cache_key": key,
+            "cached": False,
+            "attempts": 0,
+            "n_trajectories": len(group.trajectories),
+            "scores": [],
+            "error": None,
+            "usage": {},
+            "started_at": started,
+        }
+        if not model:
+            reason = "the judge is the base model served upstream, which is not known yet (is vLLM up?)"
+            return await self._record_failure(row | {"model": "hosted_vllm/?"}, reason, attempts=0)
+        scores = await self._cached(key)
+        if scores is not None:
+            row["cached"] = True
+        else:
+            judge = Judge(
+                model,
+                api_base=api_base,
+                max_attempts=self._settings.judge_max_attempts,
+                backoff_s=self._backoff_s,
+                timeout_s=self._settings.upstream_timeout_s,
+            )
+            try:
+                verdict = await judge.judge(prompt)
+            except JudgeFailed as exc:
+                log.warning("judging group %s failed after %d attempts: %s", group_id, exc.attempts, exc.reason)
+                return await self._record_failure(row, exc.reason, attempts=exc.attempts, usage=exc.usage)
+            scores = verdict.scores
+            row |= {"attempts": verdict.attempts, "usage": verdict.usage}
+        row["scores"] = _score_rows(prompt, scores)
+        try:
+            await self._write(row, group, source)
+        except _Changed as exc:
+            return await self._record_failure(row | {"scores": []}, str(exc), attempts=row["attempts"])
+        if source == "judge":
+            await self._scheduler.maybe_create_job()
+        log.info("judged group %s (%d trajectories%s)", group_id, len(scores), ", cached" if row["cached"] else "")
+        return judgement_view(row)
+
+    def _model(self) -> tuple[str, str | None]:
+        """The litellm model name and its api_base; ("", None) while the default judge is unknown."""
+        settings = self._settings
+        model = settings.judge_model
+        if model is None:
+            if self._registry.base_model is None:
+                return "", None
+            model = f"hosted_vllm/{self._registry.base_model}"
+        api_base = settings.judge_api_base
+        if api_base is None and model.startswith("hosted_vllm/"):
+            api_base = settings.upstream
+        return model, api_base
+
+    async def _load(self, group_id: str) -> _Group:
+        async with self._store.engine.connect() as conn:
+            group = (await conn.execute(select(G.c.state).where(G.c.id == group_id))).first()
+            if group is None:
+                raise GroupNotFound(f"No group with id '{group_id}'.", param="group_id")
+            trajectories = (
+                await conn.execute(select(T.c.id).where(T.c.group_id == group_id).order_by(T.c.created_at, T.c.pk))
+            ).all()
+            calls = (
+                await conn.execute(
+                    select(C.c.trajectory_id, C.c.endpoint, C.c.request, C.c.response, C.c.error)
+                    .where(C.c.group_id == group_id)
+                    .order_by(C.c.started_at, C.c.pk)
+                )
+            ).all()
+        by_trajectory: dict[str, list[list[dict[str, Any]]]] = {row.id: [] for row in trajectories}
+        for call in calls:
+            if call.trajectory_id in by_trajectory:
+                by_trajectory[call.trajectory_id].append(
+                    call_messages(call.endpoint, call.request or {}, call.response, call.error)
+                )
+        texts = [TrajectoryText(tid, trajectory_messages(c)) for tid, c in by_trajectory.items()]
+        if not texts:
+            raise GroupNotFound(f"Group '{group_id}' has no trajectories.", param="group_id")
+        return _Group(group_id, str(group.state), texts)
+
+    async def _cached(self, key: str) -> list[Score] | None:
+        async with self._store.engine.connect() as conn:
+            row = (
+                await conn.execute(
+                    select(JG.c.scores)
+                    .where(JG.c.cache_key == key, JG.c.state == "ok")
+                    .order_by(JG.c.id.desc())
+                    .limit(1)
+                )
+            ).first()
+        if row is None:
+            return None
+        return [Score(id=s["label"], score=s["score"], explanation=s["explanation"]) for s in row.scores]
+
+    async def _write(self, row: dict[str, Any], group: _Group, source: str) -> None:
+        """The scores and the judgement, in one transaction; ``_Changed`` if the group moved on."""
+        judged = [t.trajectory_id for t in group.trajectories]
+        now = time.time()
+        rewards = [
+            {
+                "trajectory_id": s["trajectory_id"],
+                "group_id": group.id,
+                "value": s["score"],
+                "metrics": {},
+                "source": "judge",
+                "explanation": s["explanation"],
+                "created_at": now,
+            }
+            for s in row["scores"]
+        ]
+        async with self._store.engine.begin() as conn:
+            state = (await conn.execute(select(G.c.state).where(G.c.id == group.id))).scalar_one()
+            present = (await conn.execute(select(T.c.id, T.c.updated_at).where(T.c.group_id == group.id))).all()
+            if sorted(r.id for r in present) != sorted(judged) or any(
+                r.updated_at > row["started_at"] for r in present
+            ):
+                raise _Changed("the group changed while it was judged; it will be judged again")
+            if source == "judge" and state != "open":
+                raise _Changed(f"the group became {state} while it was judged; its rewards were left as they were")
+            await conn.execute(insert(R), rewards)
+            if source == "judge":
+                await conn.execute(
+                    update(T)
+                    .where(T.c.id == bindparam("b_id"))
+                    .values(reward=bindparam("b_r"), reward_source="judge", rewarded_at=now, tail_hash=None),
+                    [{"b_id": s["trajectory_id"], "b_r": s["score"]} for s in row["scores"]],
+                )
+            row |= {"state": "ok", "finished_at": now}
+            row["id"] = (await conn.execute(insert(JG).values(**row).returning(JG.c.id))).scalar_one()
+        if self._on_rewards is not None:
+            self._on_rewards([reward_view(r) for r in rewards])
+
+    async def _record_failure(
+        self, row: dict[str, Any], reason: str, *, attempts: int, usage: dict[str, int] | None = None
+    ) -> dict[str, Any]:
+        row |= {"state": "failed", "error": reason, "attempts": attempts, "finished_at": time.time()}
+        if usage is not None:
+            row["usage"] = usage
+        async with self._store.engine.begin() as conn:
+            row["id"] = (await conn.execute(insert(JG).values(**row).returning(JG.c.id))).scalar_one()
+        return judgement_view(row)
+
+    # -- automatic --------------------------------------------------------------------
+
+    async def _scan_forever(self) -> None:
+        while True:
+            try:
+                await self.scan_once()
+            except Exception:  # the store may be briefly unavailable; serving goes on, the next scan retries
+                log.exception("scanning for groups to judge failed")
+            await asyncio.sleep(self._scan_s)
+
+    async def scan_once(self) -> list[str]:
+        """Start judging every complete group not judged yet; returns the groups started."""
+        started = []
+        for group_id, trigger in await self._due():
+            if group_id in self._queued or group_id in self._locks:
+                continue
+            self._queued.add(group_id)
+            task = asyncio.create_task(self._judge_in_background(group_id, trigger), name=f"judge-{group_id}")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            started.append(group_id)
+        return started
+
+    async def _judge_in_background(self, group_id: str, trigger: str) -> None:
+        try:
+            async with self._slots:
+                await self.judge_group(group_id, trigger=trigger)
+        except ProxyError as exc:  # e.g. a job took the group meanwhile
+            log.info("group %s was not judged: %s", group_id, exc.message)
+        except Exception:  # a bug or an unreachable store: logged; the group is tried again later
+            log.exception("judging group %s failed", group_id)
+        finally:
+            self._queued.discard(group_id)
+
+    async def _due(self) -> list[tuple[str, str]]:
+        """(group id, trigger) of the groups to judge now."""
+        s = self._settings
+        now = time.time()
+        size = func.count(T.c.pk)
+        n_rewarded = func.count(T.c.reward)
+        last = func.max(T.c.updated_at)
+        last_ok = (
+            select(func.max(JG.c.started_at))
+            .where(JG.c.group_id == G.c.id, JG.c.state == "ok")
+            .correlate(G)
+            .scalar_subquery()
+        )
+        last_failed = (
+            select(func.max(JG.c.started_at))
+            .where(JG.c.group_id == G.c.id, JG.c.state == "failed")
+            .correlate(G)
+            .scalar_subquery()
+        )
+        quiet = last < now - s.judge_quiet_s
+        full = and_(size >= s.group_size, quiet)
+        if s.reward_source == "judge":
+            wanted = n_rewarded < size
+        else:
+            wanted = last > func.coalesce(last_ok, 0.0)
+            full = or_(full, and_(n_rewarded == size, quiet))
+        not_failing = or_(last_failed.is_(None), last_failed < now - s.judge_idle_s, last > last_failed)
+        query = (
+            select(G.c.id, and_(full).label("full"))
+            .select_from(G.join(T, T.c.group_id == G.c.id))
+            .where(G.c.policy == s.policy, G.c.created_at > now - _HORIZON_S)
+            .group_by(G.c.id, G.c.created_at)
+            .having(
+                and_(
+                    size >= s.min_group_size,
+                    wanted,
+                    or_(full, last < now - s.judge_idle_s),
+                    not_failing,
+                )
+            )
+            .order_by(G.c.created_at)
+            .limit(_SCAN_BATCH)
+        )
+        if s.reward_source == "judge":
+            query = query.where(G.c.state == "open")
+        async with self._store.engine.connect() as conn:
+            rows = (await conn.execute(query)).all()
+        return [(row[0], "complete" if row[1] else "idle") for row in rows]
+
+
+def _score_rows(prompt: JudgePrompt, scores: Sequence[Score]) -> list[dict[str, Any]]:
+    return [
+        {"trajectory_id": tid, "label": s.id, "score": s.score, "explanation": s.explanation}
+        for tid, s in zip(prompt.trajectory_ids, scores, strict=True)
+    ]
+
+
+def judgement_view(row: Any) -> dict[str, Any]:
+    return {"object": "judgement", **{name: row.get(name) for name in _JUDGEMENT_FIELDS}}
+
+
+def refuse_external_rewards(settings: Settings) -> None:
+    """With ``--reward-source judge`` the judge alone rewards: a posted reward is a 409."""
+    if settings.reward_source == "judge":
+        raise Conflict(
+            "This proxy runs with --reward-source judge: rewards come from the LLM judge, and one group must not mix "
+            "sources. Restart it with --reward-source both to post rewards and record the judge's scores beside "
+            "them, or with external to post rewards only. Nothing was recorded.",
+            code="rewards_come_from_the_judge",
+        )

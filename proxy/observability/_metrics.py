@@ -1,0 +1,97 @@
+"""``/metrics`` for Prometheus: what the proxy counts itself, and what the store says.
+
+Request, latency, token, capture and reward counters are kept in this process (each
+proxy replica reports its own; Prometheus sums them). Training and serving state
+(jobs by state, the active version, ready groups) lives in the store, which every
+replica shares: it is read when Prometheus scrapes, so replicas report the same values.
+Use ``max`` or one replica's series for those, not ``sum``.
+
+Each app has its own registry, so several apps in one process (tests) do not collide.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from sqlalchemy import func, select
+
+from store._store import A, J, P, Store
+
+_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+JOB_STATES = ("queued", "running", "succeeded", "failed")
+
+
+class Metrics:
+    """The proxy's Prometheus metrics; ``call_recorded`` is called once per captured call."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "tracetrain_requests", "Generation calls answered, by endpoint and status.", ["endpoint", "status"],
+            registry=r,
+        )  # fmt: skip
+        self.latency = Histogram(
+            "tracetrain_request_latency_seconds", "Time from request to the last byte, by endpoint.", ["endpoint"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            "tracetrain_time_to_first_token_seconds", "Streams: time to the first event.", ["endpoint"],
+            buckets=_TTFT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.tokens = Counter("tracetrain_tokens", "Tokens through the proxy.", ["kind"], registry=r)
+        self.captures = Counter("tracetrain_captured_calls", "Calls committed to the store.", registry=r)
+        self.capture_failures = Counter(
+            "tracetrain_capture_failures", "Calls the store could not record (answered 503).", registry=r
+        )
+        self.rewards = Counter("tracetrain_rewards", "Rewards recorded, by source.", ["source"], registry=r)
+        self.jobs = Gauge("tracetrain_training_jobs", "Training jobs in the store, by state.", ["state"], registry=r)
+        self.steps = Gauge(
+            "tracetrain_training_steps", "Training steps that produced an adapter (store).", ["policy"], registry=r
+        )
+        self.version = Gauge(
+            "tracetrain_policy_active_version", "The adapter version each policy serves (store).", ["policy"],
+            registry=r,
+        )  # fmt: skip
+        self.loaded = Gauge("tracetrain_versions_loaded", "Versions this proxy has loaded in vLLM.", registry=r)
+        self.langfuse = Gauge(
+            "tracetrain_langfuse_items", "Langfuse export (--langfuse): items by outcome, since start.", ["outcome"],
+            registry=r,
+        )  # fmt: skip
+
+    def call_recorded(self, call: dict[str, Any]) -> None:
+        endpoint = str(call["endpoint"])
+        self.requests.labels(endpoint, str(call["status_code"])).inc()
+        self.latency.labels(endpoint).observe(float(call["latency_ms"]) / 1000)
+        if call.get("ttft_ms") is not None:
+            self.ttft.labels(endpoint).observe(float(call["ttft_ms"]) / 1000)
+        self.tokens.labels("prompt").inc(int(call["prompt_tokens"]))
+        self.tokens.labels("completion").inc(int(call["completion_tokens"]))
+        self.captures.inc()
+
+    def call_not_recorded(self, call: dict[str, Any]) -> None:
+        self.requests.labels(str(call["endpoint"]), "503").inc()
+        self.capture_failures.inc()
+
+    def rewards_recorded(self, sources: list[str]) -> None:
+        for source in sources:
+            self.rewards.labels(source).inc()
+
+    async def render(self, store: Store, loaded_versions: int, langfuse: dict[str, int] | None = None) -> bytes:
+        """The exposition text, with the store's figures (and the Langfuse exporter's counters) read now."""
+        async with store.engine.connect() as conn:
+            jobs: dict[str, int] = dict((await conn.execute(select(J.c.state, func.count()).group_by(J.c.state))).all())
+            steps = (await conn.execute(select(A.c.policy, func.count()).group_by(A.c.policy))).all()
+            versions = (await conn.execute(select(P.c.name, P.c.active_version))).all()
+        for state in JOB_STATES:
+            self.jobs.labels(state).set(int(jobs.get(state, 0)))
+        for policy, count in steps:
+            self.steps.labels(policy).set(int(count))
+        for policy, version in versions:
+            self.version.labels(policy).set(int(version))
+        self.loaded.set(loaded_versions)
+        for outcome, count in (langfuse or {}).items():
+            self.langfuse.labels(outcome).set(count)
+        return generate_latest(self.registry)

@@ -1,0 +1,235 @@
+"""Publishing adapters: load into every vLLM, flip the alias, unload what fell out of the window.
+
+The trainer writes an adapter and records it (state ``trained``). The publisher claims
+it, loads it as ``policy@N`` into every configured vLLM replica, and only when all
+loaded flips the policy's alias to N; a request already running finishes on the
+version it started with. Versions beyond the newest ``keep_versions`` (the active one
+always stays) are unloaded once no request of this proxy is running on them and they
+have been out of the window for a grace period. A failed load leaves the old version
+serving and marks the adapter and its job failed, with the reason.
+
+Every proxy replica runs a publisher: claims make one replica publish each adapter, and
+each replica adopts the active version from the store.
+
+Versions are immutable names: a name is never reloaded with other weights, so vLLM's
+prefix cache cannot serve an old policy under a new name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select, update
+
+from proxy.gateway._policies import PolicyRegistry
+from proxy.gateway._upstream import Upstream
+from proxy.errors import NotFound, ProxyError
+from store._store import A, J, P, Store
+
+log = logging.getLogger("tracetrain.publisher")
+
+_UNLOAD_GRACE_S = 30.0
+_RELOAD_CHECK_S = 5.0
+
+
+class PublishError(ProxyError):
+    status_code = 502
+    type = "upstream_error"
+    code = "adapter_load_failed"
+
+
+class Publisher:
+    def __init__(
+        self,
+        store: Store,
+        registry: PolicyRegistry,
+        replicas: Sequence[Upstream],
+        *,
+        keep_versions: int,
+        poll_s: float = 0.1,
+        unload_grace_s: float = _UNLOAD_GRACE_S,
+    ) -> None:
+        self._store = store
+        self._registry = registry
+        self._replicas = list(replicas)
+        self._keep = keep_versions
+        self._poll_s = poll_s
+        self._grace_s = unload_grace_s
+        self._left_window: dict[int, float] = {}
+        self._last_reload_check = 0.0
+        self._lock = asyncio.Lock()
+
+    async def run(self) -> None:
+        """Poll the store until cancelled; an error is logged and the next poll tries again."""
+        while True:
+            try:
+                await self.sync_once()
+            except Exception:
+                log.exception("publishing adapters failed; retrying")
+            await asyncio.sleep(self._poll_s)
+
+    async def sync_once(self) -> None:
+        async with self._lock:
+            await self._adopt_store_state()
+            for version, path in await self._claim_trained():
+                await self._publish(version, path)
+            await self._reload_missing()
+            await self._unload_outside_window()
+
+    async def activate(self, version: int) -> int:
+        """Roll back or forward: serve ``version`` (still on disk) as the policy. Returns it."""
+        async with self._lock:
+            if version != 0 and version not in self._registry.loaded_versions:
+                row = await self._adapter(version)
+                if row is None or not Path(row["path"]).is_dir():
+                    raise NotFound(f"No adapter {self._registry.policy}@{version} on disk.", param="version")
+                await self._load_everywhere(version, row["path"])
+                await self._set_state(version, "published")
+            await self._flip(version)
+            return version
+
+    async def _adopt_store_state(self) -> None:
+        policy = self._registry.policy
+        async with self._store.engine.connect() as conn:
+            active = (await conn.execute(select(P.c.active_version).where(P.c.name == policy))).scalar()
+            published = (
+                await conn.execute(select(A.c.version).where(A.c.policy == policy, A.c.state == "published"))
+            ).scalars()
+            self._registry.loaded_versions = {0, *published}
+        if active is not None:
+            self._registry.active_version = int(active)
+
+    async def _claim_trained(self) -> list[tuple[int, str]]:
+        policy = self._registry.policy
+        async with self._store.engine.begin() as conn:
+            rows = (
+                await conn.execute(
+                    select(A.c.version, A.c.path)
+                    .where(A.c.policy == policy, A.c.state == "trained")
+                    .order_by(A.c.version)
+                )
+            ).all()
+            claimed = []
+            for version, path in rows:
+                taken = await conn.execute(
+                    update(A)
+                    .where(A.c.policy == policy, A.c.version == version, A.c.state == "trained")
+                    .values(state="loading")
+                )
+                if taken.rowcount == 1:
+                    claimed.append((int(version), str(path)))
+        return claimed
+
+    async def _publish(self, version: int, path: str) -> None:
+        started = time.perf_counter()
+        try:
+            await self._load_everywhere(version, path)
+        except PublishError as exc:
+            log.error("adapter %s@%d not published: %s", self._registry.policy, version, exc.message)
+            await self._fail(version, exc.message)
+            return
+        await self._set_state(version, "published")
+        await self._flip(version)
+        log.info("published %s@%d in %.0f ms", self._registry.policy, version, (time.perf_counter() - started) * 1e3)
+
+    async def _load_everywhere(self, version: int, path: str) -> None:
+        name = f"{self._registry.policy}@{version}"
+        loaded: list[Upstream] = []
+        for replica in self._replicas:
+            try:
+                await replica.load_lora(name, path)
+            except ProxyError as exc:
+                for done in loaded:  # leave no replica serving a version the others lack
+                    try:
+                        await done.unload_lora(name)
+                    except ProxyError:
+                        log.warning("could not unload %s from %s after a failed publish", name, done.base_url)
+                raise PublishError(f"loading {name} into {replica.base_url} failed: {exc.message}") from exc
+            loaded.append(replica)
+        self._registry.loaded_versions.add(version)
+
+    async def _flip(self, version: int) -> None:
+        async with self._store.engine.begin() as conn:
+            await conn.execute(
+                update(P)
+                .where(P.c.name == self._registry.policy)
+                .values(active_version=version, updated_at=time.time())
+            )
+        self._registry.active_version = version
+        self._left_window.pop(version, None)
+
+    async def _reload_missing(self) -> None:
+        """A restarted vLLM has lost its adapters: load the published ones again."""
+        if time.monotonic() - self._last_reload_check < _RELOAD_CHECK_S:
+            return
+        self._last_reload_check = time.monotonic()
+        wanted = {v: f"{self._registry.policy}@{v}" for v in self._registry.loaded_versions if v}
+        if not wanted:
+            return
+        for replica in self._replicas:
+            try:
+                present = {m.get("id") for m in await replica.models()}
+            except ProxyError:
+                continue  # down: requests will say so; try again later
+            for version, name in wanted.items():
+                if name not in present and (row := await self._adapter(version)) is not None:
+                    try:
+                        await replica.load_lora(name, row["path"])
+                        log.info("reloaded %s into %s", name, replica.base_url)
+                    except ProxyError as exc:
+                        log.warning("could not reload %s into %s: %s", name, replica.base_url, exc.message)
+
+    async def _unload_outside_window(self) -> None:
+        loaded = sorted(v for v in self._registry.loaded_versions if v)
+        keep = set(loaded[-self._keep :]) | {self._registry.active_version}
+        now = time.monotonic()
+        for version in loaded:
+            if version in keep:
+                self._left_window.pop(version, None)
+                continue
+            left = self._left_window.setdefault(version, now)
+            if now - left < self._grace_s or self._registry.in_flight[version] > 0:
+                continue
+            name = f"{self._registry.policy}@{version}"
+            for replica in self._replicas:
+                try:
+                    await replica.unload_lora(name)
+                except ProxyError as exc:
+                    log.warning("could not unload %s from %s: %s", name, replica.base_url, exc.message)
+            self._registry.loaded_versions.discard(version)
+            self._left_window.pop(version, None)
+            await self._set_state(version, "retired")
+
+    async def _adapter(self, version: int) -> dict[str, Any] | None:
+        async with self._store.engine.connect() as conn:
+            row = (
+                await conn.execute(select(A).where(A.c.policy == self._registry.policy, A.c.version == version))
+            ).first()
+        return dict(row._mapping) if row else None
+
+    async def _set_state(self, version: int, state: str, error: str | None = None) -> None:
+        values: dict[str, Any] = {"state": state, "error": error}
+        if state == "published":
+            values["published_at"] = time.time()
+        async with self._store.engine.begin() as conn:
+            await conn.execute(
+                update(A).where(A.c.policy == self._registry.policy, A.c.version == version).values(**values)
+            )
+
+    async def _fail(self, version: int, reason: str) -> None:
+        await self._set_state(version, "failed", reason)
+        async with self._store.engine.begin() as conn:
+            job_id = (
+                await conn.execute(
+                    select(A.c.job_id).where(A.c.policy == self._registry.policy, A.c.version == version)
+                )
+            ).scalar()
+            if job_id is not None:
+                await conn.execute(
+                    update(J).where(J.c.id == job_id).values(state="failed", error=f"publishing failed: {reason}")
+                )

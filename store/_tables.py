@@ -1,0 +1,193 @@
+"""The store's tables: the only state shared by the proxy, the trainer and the dashboard.
+
+One row per captured call, trajectory, group, reward, training job and adapter
+version. Times are unix seconds (float). Token ids and logprobs are JSON arrays so a
+call can be read back exactly as vLLM sampled it. Group readiness is derived, never
+stored: a group in state ``open`` whose trajectories are all rewarded and that has at
+least the policy's minimum size is *ready* (see ``store._store``).
+
+The trainer reads these tables (``trainer`` may import ``store._tables``); the proxy
+never imports the trainer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from sqlalchemy import JSON, Column, Index, UniqueConstraint
+from sqlmodel import Field, SQLModel
+
+KeyedBy = Literal["header", "path", "thread", "new"]
+
+
+def _json(default: Any = None) -> Any:
+    return Field(default_factory=lambda: default() if callable(default) else default, sa_column=Column(JSON))
+
+
+class Policy(SQLModel, table=True):
+    """A name agents use as ``model``; ``active_version`` is what ``policy`` routes to."""
+
+    __tablename__ = "policies"
+
+    name: str = Field(primary_key=True)
+    base_model: str
+    active_version: int = 0
+    created_at: float
+    updated_at: float
+
+
+class Group(SQLModel, table=True):
+    """Trajectories that answer the same task: the unit of GRPO's relative advantage."""
+
+    __tablename__ = "groups"
+
+    id: str = Field(primary_key=True)
+    policy: str = Field(index=True)
+    # Hash of the task prompt for groups the proxy derived; None for groups named by the client.
+    task_key: str | None = Field(default=None, index=True)
+    state: str = Field(default="open", index=True)  # store.GroupState
+    job_id: int | None = None
+    created_at: float
+
+
+class Trajectory(SQLModel, table=True):
+    """One episode of the agent: its calls in order, and the reward it earned."""
+
+    __tablename__ = "trajectories"
+
+    pk: int | None = Field(default=None, primary_key=True)
+    id: str = Field(unique=True)
+    group_id: str = Field(index=True)
+    policy: str = Field(index=True)
+    keyed_by: str  # KeyedBy
+    created_at: float = Field(index=True)
+    updated_at: float
+    n_calls: int = 0
+    last_version: int = 0
+    # Unkeyed trajectories: hash of (policy, messages + last reply) so a continuation can join.
+    tail_hash: str | None = Field(default=None, index=True)
+    reward: float | None = None
+    reward_source: str | None = None
+    metrics: dict[str, float] = _json(dict)
+    rewarded_at: float | None = None
+
+
+class Call(SQLModel, table=True):
+    """One request through the proxy, with the exact tokens vLLM saw and sampled."""
+
+    __tablename__ = "calls"
+    __table_args__ = (Index("ix_calls_trajectory_started", "trajectory_id", "started_at"),)
+
+    pk: int | None = Field(default=None, primary_key=True)
+    id: str = Field(unique=True)
+    trajectory_id: str
+    group_id: str
+    policy: str
+    endpoint: str  # "chat.completions" | "completions"
+    model: str  # as the client asked
+    served_model: str  # as vLLM served it: the base model or "policy@N"
+    version: int
+    stream: bool
+    request: dict[str, Any] = _json(dict)
+    # The response as the client saw it (streams reassembled), without token-level fields.
+    response: dict[str, Any] | None = _json(None)
+    prompt_token_ids: list[int] = _json(list)
+    completion_token_ids: list[int] = _json(list)
+    logprobs: list[float] = _json(list)  # sampling logprob of each completion token
+    # Choices 1..n-1 when n > 1: [{"token_ids", "logprobs", "finish_reason"}].
+    other_choices: list[dict[str, Any]] = _json(list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    status_code: int
+    error: str | None = None
+    latency_ms: float
+    ttft_ms: float | None = None
+    started_at: float
+
+
+class Reward(SQLModel, table=True):
+    """Every reward posted (or judged); the trajectory keeps the latest external one."""
+
+    __tablename__ = "rewards"
+
+    pk: int | None = Field(default=None, primary_key=True)
+    trajectory_id: str = Field(index=True)
+    group_id: str
+    value: float
+    metrics: dict[str, float] = _json(dict)
+    source: str = "external"  # "external" | "judge"
+    explanation: str | None = None
+    created_at: float
+
+
+class TrainingJob(SQLModel, table=True):
+    """A request for one training step over a batch of ready groups."""
+
+    __tablename__ = "training_jobs"
+
+    id: int | None = Field(default=None, primary_key=True)
+    policy: str = Field(index=True)
+    state: str = Field(default="queued", index=True)  # store.JobState
+    group_ids: list[str] = _json(list)
+    version: int | None = None  # the adapter version the step produced
+    metrics: dict[str, Any] = _json(dict)
+    progress: float = 0.0
+    error: str | None = None
+    worker: str | None = None  # the claim's owner: "host:pid" of the worker running it
+    lease_expires_at: float | None = None  # a running job whose lease expired is queued again
+    reclaimed: int = 0  # times it was taken back from a worker that stopped renewing its lease
+    created_at: float
+    started_at: float | None = None
+    finished_at: float | None = None
+
+
+class AdapterVersion(SQLModel, table=True):
+    """A LoRA adapter on disk, served as ``policy@version`` once published."""
+
+    __tablename__ = "adapters"
+    __table_args__ = (UniqueConstraint("policy", "version"),)
+
+    pk: int | None = Field(default=None, primary_key=True)
+    policy: str = Field(index=True)
+    version: int
+    path: str
+    job_id: int | None = None
+    state: str = "trained"  # store.AdapterState
+    lease_owner: str | None = None  # the proxy replica publishing it (state "loading")
+    lease_expires_at: float | None = None
+    reclaimed: int = 0  # times it was taken back from a replica that died while publishing
+    error: str | None = None
+    metrics: dict[str, Any] = _json(dict)
+    created_at: float
+    published_at: float | None = None
+
+
+class Judgement(SQLModel, table=True):
+    """One run of the group judge (``proxy.judge._service``): its scores, or why it failed.
+
+    ``state`` is "ok" or "failed"; an ok row's scores were written as ``rewards`` rows
+    (source "judge") in the same transaction, a failed row wrote nothing else. Rows with
+    the same ``cache_key`` asked the judge model the same thing: a new run reuses an ok
+    row's ``scores`` instead of asking again.
+    """
+
+    __tablename__ = "judgements"
+
+    id: int | None = Field(default=None, primary_key=True)
+    group_id: str = Field(index=True)
+    policy: str = Field(index=True)
+    reward_source: str  # the proxy's --reward-source when it ran: "judge" wrote trajectory rewards
+    trigger: str  # "complete" | "idle" | "admin"
+    state: str = Field(index=True)  # "ok" | "failed"
+    model: str
+    cache_key: str = Field(index=True)
+    cached: bool = False  # the scores came from an earlier run with the same cache_key
+    attempts: int = 0  # requests made to the judge model (0 when cached)
+    n_trajectories: int = 0
+    # [{"trajectory_id", "label", "score", "explanation"}] in label order; empty when failed.
+    scores: list[dict[str, Any]] = _json(list)
+    error: str | None = None
+    usage: dict[str, Any] = _json(dict)  # prompt_tokens, completion_tokens summed over attempts
+    started_at: float
+    finished_at: float
