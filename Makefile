@@ -41,6 +41,7 @@ test: $(VENV)/.test-installed
 lint: $(VENV)/.test-installed
 	$(PY) -m ruff check proxy store trainer sdk tracetrain_cli tracetrain_demo tracetrain_vllm tests bench
 	$(PY) -m mypy
+	$(VENV)/bin/lint-imports
 
 $(VENV)/.bench-installed: $(VENV)/.test-installed
 	$(PIP) -e ".[test,bench]"

@@ -84,7 +84,7 @@ def main() -> int:
         print("starting vLLM (tiny model)...", flush=True)
         vllm.wait_ready(timeout_s=300)
         proxy = subprocess.Popen(
-            [sys.executable, "-m", "tracetrain_cli._main", "serve", "--upstream", vllm.base_url, "--port", str(proxy_port),
+            [sys.executable, "-m", "tracetrain_cli", "serve", "--upstream", vllm.base_url, "--port", str(proxy_port),
              "--data-dir", str(data), "--no-train", "--log-level", "warning"],
         )  # fmt: skip
         try:

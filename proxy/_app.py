@@ -17,27 +17,27 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
-from proxy.admin import _routes as _admin_routes
+from proxy._deps import Services, ServicesDep
+from proxy._settings import Settings, is_loopback
 from proxy.admin import _dashboard as _dashboard_routes
-from proxy.data import _routes as _data_routes
-from proxy.judge import _routes as _judge_routes
-from proxy.gateway import _routes as _openai_routes
+from proxy.admin import _routes as _admin_routes
 from proxy.admin._auth import AdminAuth
 from proxy.admin._dashboard import PageResponse
-from proxy._deps import Services, ServicesDep
+from proxy.admin._token_texts import TokenTexts
+from proxy.data import _routes as _data_routes
+from proxy.errors import InvalidRequest, NotFound, ProxyError, UpstreamError, error_body
+from proxy.gateway import _routes as _openai_routes
 from proxy.gateway._forward import Forwarder, error_response
-from proxy.judge._service import JudgeService
 from proxy.gateway._keying import Keyer
+from proxy.gateway._policies import PolicyRegistry
+from proxy.gateway._upstream import Upstream
+from proxy.judge import _routes as _judge_routes
+from proxy.judge._service import JudgeService
 from proxy.observability._langfuse import start_langfuse
 from proxy.observability._metrics import Metrics
-from proxy.gateway._policies import PolicyRegistry
 from proxy.training._publisher import Publisher
-from proxy._settings import Settings, is_loopback
-from proxy.admin._token_texts import TokenTexts
 from proxy.training._scheduler import JobScheduler
-from proxy.gateway._upstream import Upstream
-from proxy.errors import InvalidRequest, NotFound, ProxyError, UpstreamError, error_body
-from store._store import Store
+from store import Store
 
 log = logging.getLogger("tracetrain.proxy")
 
@@ -69,7 +69,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
             except UpstreamError as exc:
                 log.warning("upstream not answering yet (%s); will ask again on the first call", exc.message)
         # The policy row holds the alias; it must exist even while vLLM is still starting.
-        registry.active_version = await store.ensure_policy(settings.policy, registry.base_model or "")
+        registry.active_version = await store.policies.ensure(settings.policy, registry.base_model or "")
         keyer = Keyer(store, group_size=settings.group_size, thread_ttl_s=settings.thread_ttl_s)
         langfuse = start_langfuse(settings)  # None unless --langfuse
         forwarder = Forwarder(upstream, store, keyer, registry, metrics, langfuse)

@@ -13,20 +13,20 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 from pydantic import SecretStr
 
+from proxy._settings import Settings
 from proxy.admin._auth import Admin, AdminAuth, presented_token
+from proxy.admin._token_texts import TokenTexts
+from proxy.errors import AuthenticationFailed
 from proxy.gateway._forward import Forwarder
-from proxy.judge._service import JudgeService
 from proxy.gateway._keying import Keyer
+from proxy.gateway._policies import PolicyRegistry
+from proxy.gateway._upstream import Upstream
+from proxy.judge._service import JudgeService
 from proxy.observability._langfuse import LangfuseExporter
 from proxy.observability._metrics import Metrics
-from proxy.gateway._policies import PolicyRegistry
 from proxy.training._publisher import Publisher
-from proxy._settings import Settings
-from proxy.admin._token_texts import TokenTexts
 from proxy.training._scheduler import JobScheduler
-from proxy.gateway._upstream import Upstream
-from proxy.errors import AuthenticationFailed
-from store._store import Store
+from store import Store
 
 
 @dataclass(frozen=True, slots=True)

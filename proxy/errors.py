@@ -16,7 +16,8 @@
     │   └── UpstreamHTTPError           the upstream's own status and body, passed through
     └── StoreUnavailable            503 the call could not be recorded, so it is not answered
 
-Upstream httpx errors are translated in one place, ``upstream_errors()``.
+Upstream httpx errors are translated in one place, ``upstream_errors()``; the store's
+errors (``store.StoreError``) in another, ``from_store_error()``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from typing import Any
 
 import httpx
 import orjson
+
+import store
 
 
 class ProxyError(Exception):
@@ -165,3 +168,15 @@ async def upstream_errors(upstream: str) -> AsyncIterator[None]:
         raise UpstreamUnreachable(
             f"cannot reach the upstream at {upstream} ({type(exc).__name__}: {exc}); is vLLM running?"
         ) from exc
+
+
+def from_store_error(exc: store.StoreError) -> ProxyError:
+    """The store's error as the proxy answers it."""
+    if isinstance(exc, store.UnknownTrajectories):
+        return TrajectoryNotFound(
+            f"{exc}; nothing was recorded. Rewards name the X-Trajectory-Id the proxy returned with the agent's calls.",
+            param="trajectory_id",
+        )
+    if isinstance(exc, store.GroupChanged):
+        return Conflict(str(exc), param="group_id")
+    return StoreUnavailable(f"the store failed: {exc}")

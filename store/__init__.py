@@ -2,9 +2,57 @@
 
 The store is the only state the proxy, the trainer and the command line share. It imports
 neither FastAPI/Starlette nor torch, so the trainer worker reads its jobs without loading
-the proxy, and the proxy never loads torch.
+the proxy, and the proxy never loads torch. ``Store.open(url)`` is the way in.
 """
 
-from store._store import CallWrite, RewardIn, Store, connect
+from store._adapters import ADAPTER_FIELDS, Adapters, Policies
+from store._engine import connect
+from store._errors import SchemaTooNew, StoreError, StoreUnavailable, TransitionRefused, UnknownTrajectories
+from store._export import ExportFilter, ExportPage, ExportReads, RewardSummary
+from store._jobs import JOB_FIELDS, Jobs, RewardedTrajectory, StoredCall
+from store._judgements import JUDGEMENT_STATES, DueRule, GroupCalls, GroupChanged, Judgements
+from store._lifecycle import MOVES, AdapterState, GroupState, JobState, allowed
+from store._reads import GROUP_VIEW_STATES, GroupRecord, Reads, TrajectoryFilter, TrajectoryRecord
+from store._rewards import RewardIn
+from store._store import Store
+from store._tables import Call
+from store._writer import CallWrite
 
-__all__ = ["CallWrite", "RewardIn", "Store", "connect"]
+__all__ = [
+    "ADAPTER_FIELDS",
+    "GROUP_VIEW_STATES",
+    "JOB_FIELDS",
+    "JUDGEMENT_STATES",
+    "MOVES",
+    "AdapterState",
+    "Adapters",
+    "Call",
+    "CallWrite",
+    "DueRule",
+    "ExportFilter",
+    "ExportPage",
+    "ExportReads",
+    "GroupCalls",
+    "GroupChanged",
+    "GroupRecord",
+    "GroupState",
+    "JobState",
+    "Jobs",
+    "Judgements",
+    "Policies",
+    "Reads",
+    "RewardIn",
+    "RewardSummary",
+    "RewardedTrajectory",
+    "SchemaTooNew",
+    "Store",
+    "StoreError",
+    "StoreUnavailable",
+    "StoredCall",
+    "TrajectoryFilter",
+    "TrajectoryRecord",
+    "TransitionRefused",
+    "UnknownTrajectories",
+    "allowed",
+    "connect",
+]

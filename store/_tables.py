@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from sqlalchemy import JSON, Column, Index, UniqueConstraint
+from sqlalchemy import JSON, Column, Index, Table, UniqueConstraint
 from sqlmodel import Field, SQLModel
 
 KeyedBy = Literal["header", "path", "thread", "new"]
@@ -136,7 +136,8 @@ class TrainingJob(SQLModel, table=True):
     error: str | None = None
     worker: str | None = None  # the claim's owner: "host:pid" of the worker running it
     lease_expires_at: float | None = None  # a running job whose lease expired is queued again
-    reclaimed: int = 0  # times it was taken back from a worker that stopped renewing its lease
+    # Times it was taken back from a worker that stopped renewing its lease.
+    reclaimed: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
     created_at: float
     started_at: float | None = None
     finished_at: float | None = None
@@ -156,7 +157,8 @@ class AdapterVersion(SQLModel, table=True):
     state: str = "trained"  # store.AdapterState
     lease_owner: str | None = None  # the proxy replica publishing it (state "loading")
     lease_expires_at: float | None = None
-    reclaimed: int = 0  # times it was taken back from a replica that died while publishing
+    # Times it was taken back from a replica that died while publishing.
+    reclaimed: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
     error: str | None = None
     metrics: dict[str, Any] = _json(dict)
     created_at: float
@@ -191,3 +193,20 @@ class Judgement(SQLModel, table=True):
     usage: dict[str, Any] = _json(dict)  # prompt_tokens, completion_tokens summed over attempts
     started_at: float
     finished_at: float
+
+
+def _table(model: type[SQLModel]) -> Table:
+    table = model.__table__  # type: ignore[attr-defined]  # set by SQLModel's metaclass
+    assert isinstance(table, Table)
+    return table
+
+
+# The tables as SQLAlchemy Core sees them: the store's queries are written against these.
+policies = _table(Policy)
+groups = _table(Group)
+trajectories = _table(Trajectory)
+calls = _table(Call)
+rewards = _table(Reward)
+training_jobs = _table(TrainingJob)
+adapters = _table(AdapterVersion)
+judgements = _table(Judgement)

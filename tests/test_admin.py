@@ -252,7 +252,8 @@ def test_judge_now_from_a_group_page_shows_scores_explanations_and_failures(
     attempt(proxy, "Capital of France?", "j1", reward=0.0, **{"X-Group-Id": "jg"})
     attempt(proxy, "Capital of France?", "j2", reward=1.0, **{"X-Group-Id": "jg"})
     token = csrf_of(httpx.get(f"{proxy.url}/admin/ui/groups/jg").text)
-    failed = httpx.post(f"{proxy.url}/admin/ui/groups/jg/judge", data={"csrf_token": token})
+    # The first judgement imports litellm (seconds on a busy machine): more than httpx's default 5 s timeout.
+    failed = httpx.post(f"{proxy.url}/admin/ui/groups/jg/judge", data={"csrf_token": token}, timeout=60)
     assert failed.status_code == 303 and failed.headers["location"].endswith("notice=judge_failed")
     page = httpx.get(f"{proxy.url}{failed.headers['location']}").text
     assert "could not score" in page and ">failed<" in page and "no valid answer after 3 attempts" in page

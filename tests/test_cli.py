@@ -64,7 +64,7 @@ def test_serve_proxies_and_stops_cleanly(tmp_path: Path, fake: FakeVLLM, stop_si
         [
             sys.executable,
             "-m",
-            "tracetrain_cli._main",
+            "tracetrain_cli",
             "serve",
             "--upstream",
             f"{fake.url}/v1",

@@ -39,8 +39,8 @@ from proxy.observability._langfuse import (
     generation_span,
     trace_id,
 )
+from store import CallWrite
 from tracetrain_cli._main import _serve_parser, _settings_from
-from store._store import CallWrite
 
 LANGFUSE = "https://langfuse.test"
 PUBLIC_KEY = "pk-lf-0a1b2c3d-public"

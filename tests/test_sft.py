@@ -25,12 +25,21 @@ from sqlalchemy import insert, select
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import trainer.sft
+from store import connect
+from store._tables import AdapterVersion, Call, Group, TrainingJob, Trajectory
 from tracetrain_cli._export import ExportFilter, ExportFormat, export_trajectories
 from tracetrain_cli._main import main
-from store._store import A, C, G, J, T, connect
 from trainer._config import TrainConfig
 from trainer._sft import SFTOptions, build_trainer, lora_parameters, read_export, sft_examples
 from trainer._worker import Worker, WorkerSettings
+
+# The tables, for arranging a store's state directly as another process would.
+A = AdapterVersion.__table__
+C = Call.__table__
+G = Group.__table__
+J = TrainingJob.__table__
+T = Trajectory.__table__
+
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 QUESTION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]

@@ -11,11 +11,21 @@ from typing import Any
 import pytest
 from sqlalchemy import insert, select, update
 
-from store._store import A, C, G, J, P, T, connect
+from store import connect
+from store._tables import AdapterVersion, Call, Group, Policy, TrainingJob, Trajectory
 from trainer import TrainConfig
 from trainer._batch import TrajectoryData, build_batch
 from trainer._samples import CapturedCall
 from trainer._worker import Worker, WorkerSettings
+
+# The tables, for arranging a store's state directly as another process would.
+A = AdapterVersion.__table__
+C = Call.__table__
+G = Group.__table__
+J = TrainingJob.__table__
+P = Policy.__table__
+T = Trajectory.__table__
+
 
 CONFIG = TrainConfig(lora_r=8, lora_alpha=16, learning_rate=1e-3, dtype="float32", micro_batch_tokens=256)
 

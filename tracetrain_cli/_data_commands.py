@@ -24,16 +24,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
+from store import ExportFilter, Store
 from tracetrain_cli._export import (
     FORMATS,
-    ExportFilter,
     ExportFormat,
-    count_trajectories,
     export_trajectories,
     parquet_problem,
-    reward_summary,
 )
-from store._store import connect
 
 # What `python -m trainer.sft` imports, checked without importing them.
 _SFT_MODULES = ("torch", "transformers", "peft", "trl", "datasets")
@@ -184,14 +181,14 @@ def _store(args: argparse.Namespace, command: str) -> tuple[str, Path]:
 
 async def _count(url: str, where: ExportFilter) -> tuple[int, str]:
     """How many trajectories pass, and (when none) a hint about what the store holds."""
-    engine = await connect(url)
+    store = await Store.open(url, capture=False)
     try:
-        n = await count_trajectories(engine, where)
+        n = await store.export.count(where)
         if n:
             return n, ""
-        summary = await reward_summary(engine, where.policy)
+        summary = await store.export.reward_summary(where.policy)
     finally:
-        await engine.dispose()
+        await store.close()
     scope = f" of policy {where.policy}" if where.policy else ""
     if summary.trajectories == 0:
         return 0, f"the store holds no trajectory{scope}"

@@ -31,110 +31,17 @@ store is. The file appears under its name only once complete (written beside it,
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import orjson
-from sqlalchemy import ColumnElement, func, select
-from sqlalchemy.ext.asyncio import AsyncEngine
 
-from store._store import C, T, connect
+from store import ExportFilter, Store
 
 ExportFormat = Literal["jsonl", "parquet"]
 FORMATS: tuple[ExportFormat, ...] = ("jsonl", "parquet")
 PAGE_SIZE = 256  # trajectories per read; their calls come in one query
-
-
-@dataclass(frozen=True, slots=True)
-class ExportFilter:
-    """Which trajectories to export; None means no condition."""
-
-    min_reward: float | None = None  # only rewarded trajectories with reward >= this
-    policy: str | None = None
-
-    def conditions(self) -> list[ColumnElement[bool]]:
-        where: list[ColumnElement[bool]] = []
-        if self.min_reward is not None:
-            where.append(T.c.reward >= self.min_reward)  # NULL (unrewarded) never passes
-        if self.policy is not None:
-            where.append(T.c.policy == self.policy)
-        return where
-
-    def describe(self) -> str:
-        parts = [f"reward >= {self.min_reward:g}"] if self.min_reward is not None else []
-        parts += [f"policy {self.policy}"] if self.policy is not None else []
-        return ", ".join(parts) or "no filter"
-
-
-@dataclass(frozen=True, slots=True)
-class RewardSummary:
-    """What a store holds, for a refusal that says what to change."""
-
-    trajectories: int
-    rewarded: int
-    best: float | None
-
-
-async def count_trajectories(engine: AsyncEngine, where: ExportFilter) -> int:
-    async with engine.connect() as conn:
-        return int((await conn.execute(select(func.count()).select_from(T).where(*where.conditions()))).scalar_one())
-
-
-async def reward_summary(engine: AsyncEngine, policy: str | None) -> RewardSummary:
-    query = select(func.count(T.c.pk), func.count(T.c.reward), func.max(T.c.reward))
-    if policy is not None:
-        query = query.where(T.c.policy == policy)
-    async with engine.connect() as conn:
-        total, rewarded, best = (await conn.execute(query)).one()
-    return RewardSummary(int(total), int(rewarded), None if best is None else float(best))
-
-
-async def metric_names(engine: AsyncEngine, where: ExportFilter, newest: int) -> list[str]:
-    """Every metric name of the selected trajectories, sorted: the ``metrics`` keys of every row."""
-    names: set[str] = set()
-    async with engine.connect() as conn:
-        rows = await conn.stream(select(T.c.metrics).where(*where.conditions(), T.c.pk <= newest))
-        async for (metrics,) in rows:
-            names.update(metrics or ())
-    return sorted(names)
-
-
-async def newest_pk(engine: AsyncEngine) -> int:
-    """The newest trajectory's key: an export covers the trajectories up to it."""
-    async with engine.connect() as conn:
-        return int((await conn.execute(select(func.max(T.c.pk)))).scalar() or 0)
-
-
-async def iter_pages(
-    engine: AsyncEngine, where: ExportFilter, newest: int, metrics: Sequence[str], *, page_size: int = PAGE_SIZE
-) -> AsyncIterator[list[dict[str, Any]]]:
-    """Export rows up to trajectory ``newest``, oldest first, ``page_size`` trajectories at a time."""
-    after = 0
-    while True:
-        async with engine.connect() as conn:
-            trajectories = (
-                await conn.execute(
-                    select(T)
-                    .where(*where.conditions(), T.c.pk > after, T.c.pk <= newest)
-                    .order_by(T.c.pk)
-                    .limit(page_size)
-                )
-            ).all()
-            if not trajectories:
-                return
-            ids = [t.id for t in trajectories]
-            calls = (
-                await conn.execute(
-                    select(C).where(C.c.trajectory_id.in_(ids)).order_by(C.c.trajectory_id, C.c.started_at, C.c.pk)
-                )
-            ).all()
-        calls_of: dict[str, list[Mapping[str, Any]]] = {trajectory_id: [] for trajectory_id in ids}
-        for call in calls:
-            calls_of[call.trajectory_id].append(dict(call._mapping))
-        yield [trajectory_row(dict(t._mapping), calls_of[t.id], metrics) for t in trajectories]
-        after = trajectories[-1].pk
 
 
 # -- shaping ----------------------------------------------------------------------------------
@@ -366,14 +273,15 @@ async def export_trajectories(
     """
     out.parent.mkdir(parents=True, exist_ok=True)
     work = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    engine = await connect(url)
+    store = await Store.open(url, capture=False)
     written = 0
     try:
-        newest = await newest_pk(engine)
-        metrics = await metric_names(engine, where, newest)
+        newest = await store.export.newest_key()
+        metrics = await store.export.metric_names(where, newest)
         writer: _Writer = _ParquetWriter(work, metrics) if fmt == "parquet" else _JsonlWriter(work)
         try:
-            async for rows in iter_pages(engine, where, newest, metrics, page_size=page_size):
+            async for page in store.export.pages(where, newest, page_size):
+                rows = [trajectory_row(t, page.calls[t["id"]], metrics) for t in page.trajectories]
                 writer.write(rows)
                 written += len(rows)
                 if on_rows is not None:
@@ -383,5 +291,5 @@ async def export_trajectories(
         work.replace(out)
     finally:
         work.unlink(missing_ok=True)
-        await engine.dispose()
+        await store.close()
     return written

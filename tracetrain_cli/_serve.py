@@ -35,8 +35,8 @@ from typing import Any, Literal
 import uvicorn
 
 from proxy._app import create_app
-from tracetrain_cli._child import ChildExited, ChildProcess
 from proxy._settings import Settings
+from tracetrain_cli._child import ChildExited, ChildProcess
 from tracetrain_cli._vllm_process import Device, VLLMLaunch, VLLMProcess, VLLMStartError
 
 __all__ = ["TRAINER_READY_LINE", "ServePlan", "pick_device", "serve", "vllm_install_problem"]

@@ -125,7 +125,7 @@ def _start_serve(args: argparse.Namespace, data_dir: Path, run_dir: Path, childr
     config = run_dir / "train-config.json"
     config.write_text(json.dumps(_TRAIN_CONFIG))
     command = [
-        sys.executable, "-m", "tracetrain_cli._main", "serve", "--model", str(model_dir), "--data-dir", str(run_dir),
+        sys.executable, "-m", "tracetrain_cli", "serve", "--model", str(model_dir), "--data-dir", str(run_dir),
         "--port", str(args.port), "--group-size", str(args.attempts), "--min-group-size", str(args.attempts),
         "--batch-groups", str(args.questions), f"--trainer-arg=--config={config}",
     ]  # fmt: skip

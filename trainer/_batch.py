@@ -14,10 +14,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from sqlalchemy import select
-from sqlalchemy.ext.asyncio import AsyncEngine
 
-from store._store import C, T
+from store import RewardedTrajectory
 from trainer._advantages import group_advantages
 from trainer._config import TrainConfig
 from trainer._samples import CapturedCall, Sample, SampleStats, build_samples
@@ -30,40 +28,20 @@ class TrajectoryData:
     reward: float
     calls: list[CapturedCall]
 
+    @classmethod
+    def from_store(cls, stored: RewardedTrajectory) -> TrajectoryData:
+        calls = [
+            CapturedCall(c.prompt_token_ids, c.completion_token_ids, c.logprobs, c.status_code, c.version)
+            for c in stored.calls
+        ]
+        return cls(stored.id, stored.group_id, stored.reward, calls)
+
 
 @dataclass(frozen=True, slots=True)
 class Batch:
     samples: list[Sample]
     advantages: list[float]  # one per sample
     metrics: dict[str, Any]
-
-
-async def load_trajectories(engine: AsyncEngine, group_ids: Sequence[str]) -> list[TrajectoryData]:
-    """The rewarded trajectories of ``group_ids`` with their calls in order."""
-    async with engine.connect() as conn:
-        trajectories = (
-            await conn.execute(
-                select(T.c.id, T.c.group_id, T.c.reward)
-                .where(T.c.group_id.in_(list(group_ids)), T.c.reward.is_not(None))
-                .order_by(T.c.pk)
-            )
-        ).all()
-        ids = [row.id for row in trajectories]
-        calls = (
-            await conn.execute(
-                select(C.c.trajectory_id, C.c.prompt_token_ids, C.c.completion_token_ids, C.c.logprobs,
-                       C.c.status_code, C.c.version)
-                .where(C.c.trajectory_id.in_(ids))
-                .order_by(C.c.started_at, C.c.pk)
-            )
-        ).all()  # fmt: skip
-    by_trajectory: dict[str, list[CapturedCall]] = {i: [] for i in ids}
-    for call in calls:
-        by_trajectory[call.trajectory_id].append(
-            CapturedCall(call.prompt_token_ids, call.completion_token_ids, call.logprobs, call.status_code,
-                         call.version)
-        )  # fmt: skip
-    return [TrajectoryData(t.id, t.group_id, float(t.reward), by_trajectory[t.id]) for t in trajectories]
 
 
 def build_batch(trajectories: Sequence[TrajectoryData], cfg: TrainConfig, *, trained_version: int) -> Batch:

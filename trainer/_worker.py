@@ -3,28 +3,30 @@
     store (queued job) --claim--> load its groups' trajectories --> build samples and advantages
         --> Learner.step --> <data>/adapters/<policy>/<N>/ --> adapters row (state "trained")
 
-The proxy publishes what the worker records (``proxy.training._publisher``). The worker trains
-on top of the version the policy serves: after a rollback or a failed publish it
-reloads that version's adapter first. It never talks to vLLM or the proxy; the store
-is the only thing they share, so the worker can run on its own GPU machine.
+The proxy publishes what the worker records (``proxy.training._publisher``). The worker
+trains on top of the version the policy serves: after a rollback or a failed publish it
+reloads that version's adapter first. It never talks to vLLM or the proxy; the store is
+the only thing they share, so the worker can run on its own GPU machine.
+
+A claimed job carries a lease that the worker renews while it trains. A worker that dies
+stops renewing: after the lease any proxy replica queues the job again (``store._jobs``).
+A worker that restarts on the same host gives back at once the claims of its dead
+predecessor, without waiting for the lease.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import func, select, update
-from sqlalchemy.ext.asyncio import AsyncEngine
-
-from store._store import A, G, J, P, connect
-from trainer._batch import build_batch, load_trajectories
+from store import Store
+from trainer._batch import TrajectoryData, build_batch
 from trainer._config import TrainConfig
 from trainer._learner import Learner, TrainItem
 
@@ -32,6 +34,8 @@ log = logging.getLogger("tracetrain.trainer")
 
 # The line the worker logs once it can train; `tracetrain serve` waits for it in the log.
 READY_LINE = "trainer worker ready"
+# A claim outlives a worker by this long; the worker renews it every third of it while it trains.
+JOB_LEASE_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +48,7 @@ class WorkerSettings:
     init_adapter: Path | None = None  # a LoRA to start from (an SFT warm start) instead of a fresh one
     device: str = "cpu"
     poll_s: float = 1.0
+    lease_s: float = JOB_LEASE_S
 
     @property
     def adapters_dir(self) -> Path:
@@ -51,16 +56,16 @@ class WorkerSettings:
 
 
 class Worker:
-    def __init__(self, settings: WorkerSettings, engine: AsyncEngine) -> None:
+    def __init__(self, settings: WorkerSettings, store: Store) -> None:
         self.settings = settings
-        self._engine = engine
+        self._store = store
         self._name = f"{socket.gethostname()}:{os.getpid()}"
         self._learner: Learner | None = None
         self._learner_version = -1  # the adapter version the learner's weights are
 
     @classmethod
     async def open(cls, settings: WorkerSettings) -> Worker:
-        return cls(settings, await connect(settings.database_url))
+        return cls(settings, await Store.open(settings.database_url, capture=False))
 
     async def prepare(self) -> None:
         """Requeue the jobs a dead worker of this host left running, and load the model now.
@@ -75,22 +80,14 @@ class Worker:
 
     async def _requeue_orphans(self) -> None:
         host = socket.gethostname()
-        async with self._engine.begin() as conn:
-            running = (
-                await conn.execute(select(J.c.id, J.c.worker).where(J.c.policy == self.settings.policy,
-                                                                     J.c.state == "running"))
-            ).all()  # fmt: skip
-            for job_id, worker in running:
-                worker_host, _, pid = str(worker).rpartition(":")
-                if worker_host == host and pid.isdigit() and not _alive(int(pid)):
-                    await conn.execute(
-                        update(J).where(J.c.id == job_id, J.c.state == "running")
-                        .values(state="queued", worker=None, started_at=None, progress=0.0)
-                    )  # fmt: skip
-                    log.warning("job %s: its worker %s is gone; queued again", job_id, worker)
+        for job in await self._store.jobs.running(self.settings.policy):
+            worker_host, _, pid = str(job["worker"]).rpartition(":")
+            dead = worker_host == host and pid.isdigit() and not _alive(int(pid))
+            if dead and await self._store.jobs.release(job["id"], job["worker"]):
+                log.warning("job %s: its worker %s is gone; queued again", job["id"], job["worker"])
 
     async def close(self) -> None:
-        await self._engine.dispose()
+        await self._store.close()
 
     async def run(self, *, once: bool = False) -> int:
         """Run jobs until cancelled (or, with ``once``, until no job is queued); returns jobs run."""
@@ -106,40 +103,49 @@ class Worker:
             done += 1
 
     async def claim(self) -> dict[str, Any] | None:
-        """Take the oldest queued job of the policy; None when there is none."""
-        async with self._engine.begin() as conn:
-            job = (
-                await conn.execute(
-                    select(J).where(J.c.policy == self.settings.policy, J.c.state == "queued").order_by(J.c.id).limit(1)
-                )
-            ).first()
-            if job is None:
-                return None
-            taken = await conn.execute(
-                update(J)
-                .where(J.c.id == job.id, J.c.state == "queued")
-                .values(state="running", worker=self._name, started_at=time.time(), progress=0.05)
-            )
-            return dict(job._mapping) if taken.rowcount == 1 else None
+        """Take the oldest queued job of the policy under a lease; None when there is none."""
+        return await self._store.jobs.claim(self.settings.policy, self._name, self.settings.lease_s)
 
     async def run_job(self, job: dict[str, Any]) -> None:
+        renewing = asyncio.create_task(self._renew_lease(job["id"]), name=f"lease-{job['id']}")
+        error: str | None = None
         try:
             metrics, version = await self._train(job)
         except Exception as exc:
             log.exception("training job %s failed", job["id"])
-            await self._finish(job, "failed", {}, None, f"{type(exc).__name__}: {exc}")
-            return
-        await self._finish(job, "succeeded", metrics, version, None)
+            ok, metrics, version, error = False, {}, None, f"{type(exc).__name__}: {exc}"
+        else:
+            ok = True
+        finally:
+            renewing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewing
+        finished = await self._store.jobs.finish(job["id"], self._name, ok=ok, metrics=metrics, version=version,
+                                                 error=error)  # fmt: skip
+        if not finished:
+            log.warning("job %s: its lease ran out and another worker took it; this result is dropped", job["id"])
+
+    async def _renew_lease(self, job_id: int) -> None:
+        """Keep the claim alive while the step runs (in a thread, so this loop stays free)."""
+        while True:
+            await asyncio.sleep(self.settings.lease_s / 3)
+            try:
+                if not await self._store.jobs.renew(job_id, self._name, self.settings.lease_s):
+                    log.warning("job %s: the claim was lost (lease expired?)", job_id)
+                    return
+            except Exception:  # the store may be briefly unreachable: try again at the next beat
+                log.exception("job %s: renewing the lease failed", job_id)
 
     async def _train(self, job: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
         base = await self._version_to_train_on()
         learner = await asyncio.to_thread(self._learner_at, base)
-        trajectories = await load_trajectories(self._engine, job["group_ids"])
+        stored = await self._store.jobs.rewarded_trajectories(job["group_ids"])
+        trajectories = [TrajectoryData.from_store(t) for t in stored]
         batch = build_batch(trajectories, self.settings.config, trained_version=base)
         if not batch.samples:
             log.warning("job %s: nothing to learn from (%s)", job["id"], batch.metrics)
             return {**batch.metrics, "skipped": "no sample carries a signal"}, None
-        await self._progress(job["id"], 0.2)
+        await self._store.jobs.renew(job["id"], self._name, self.settings.lease_s, progress=0.2)
         items = [
             TrainItem(sample, advantage) for sample, advantage in zip(batch.samples, batch.advantages, strict=True)
         ]
@@ -149,11 +155,7 @@ class Worker:
         out_dir = self.settings.adapters_dir / str(version)
         await asyncio.to_thread(learner.save, out_dir, metrics)
         self._learner_version = version
-        async with self._engine.begin() as conn:
-            await conn.execute(
-                A.insert().values(policy=self.settings.policy, version=version, path=str(out_dir.resolve()),
-                                  job_id=job["id"], state="trained", metrics=metrics, created_at=time.time())
-            )  # fmt: skip
+        await self._store.adapters.record(self.settings.policy, version, str(out_dir.resolve()), job["id"], metrics)
         log.info("job %s: trained %s@%d (loss %.4f, reward mean %.3f, %.1f s)", job["id"], self.settings.policy,
                  version, result.loss, batch.metrics["reward_mean"], result.seconds)  # fmt: skip
         return metrics, version
@@ -171,51 +173,11 @@ class Worker:
         return self._learner
 
     async def _version_to_train_on(self) -> int:
-        """The newest version not yet published if there is one, else the one the policy serves.
-
-        A job queued while the previous step's adapter is still being published continues
-        from that adapter instead of from the older version still serving. After a rollback
-        no newer adapter is pending, so training continues from the version rolled back to.
-        """
-        policy = self.settings.policy
-        async with self._engine.connect() as conn:
-            active = int((await conn.execute(select(P.c.active_version).where(P.c.name == policy))).scalar() or 0)
-            pending = (
-                await conn.execute(
-                    select(func.max(A.c.version)).where(
-                        A.c.policy == policy, A.c.state.in_(("trained", "loading")), A.c.version > active
-                    )
-                )
-            ).scalar()
-        return int(pending) if pending is not None else active
+        return await self._store.adapters.version_to_train_on(self.settings.policy)
 
     async def _next_version(self) -> int:
-        async with self._engine.connect() as conn:
-            newest = (
-                await conn.execute(select(func.max(A.c.version)).where(A.c.policy == self.settings.policy))
-            ).scalar()
         on_disk = [int(p.name) for p in self.settings.adapters_dir.glob("*") if p.name.isdigit()]
-        return max([int(newest or 0), *on_disk]) + 1
-
-    async def _progress(self, job_id: int, progress: float) -> None:
-        async with self._engine.begin() as conn:
-            await conn.execute(update(J).where(J.c.id == job_id).values(progress=progress))
-
-    async def _finish(
-        self, job: dict[str, Any], state: str, metrics: dict[str, Any], version: int | None, error: str | None
-    ) -> None:
-        async with self._engine.begin() as conn:
-            await conn.execute(
-                update(J)
-                .where(J.c.id == job["id"])
-                .values(state=state, metrics=metrics, version=version, error=error, progress=1.0,
-                        finished_at=time.time())
-            )  # fmt: skip
-            await conn.execute(
-                update(G)
-                .where(G.c.id.in_(job["group_ids"]))
-                .values(state="trained" if state == "succeeded" else "failed")
-            )
+        return max([await self._store.adapters.newest_version(self.settings.policy), *on_disk]) + 1
 
 
 def _alive(pid: int) -> bool:

@@ -22,9 +22,9 @@ from fastapi import APIRouter, Form, Request
 from fastapi.templating import Jinja2Templates
 from starlette.responses import RedirectResponse, Response
 
+from proxy._deps import Services, ServicesDep
 from proxy.admin import _service as _admin
 from proxy.admin._auth import COOKIE, SESSION_S, Admin, AdminAuth, cookie_is_secure
-from proxy._deps import Services, ServicesDep
 from proxy.admin._svg import line_chart
 from proxy.errors import AuthenticationFailed, ProxyError
 

@@ -11,8 +11,8 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Path, Query
 
-from proxy.admin import _service as _admin
 from proxy._deps import ServicesDep, require_admin
+from proxy.admin import _service as _admin
 from proxy.errors import InvalidRequest
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], tags=["admin"])

@@ -7,53 +7,45 @@ returns the same result, so whatever an operator sees can also be scripted.
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
-from sqlalchemy import func, select
-
+from proxy._deps import Services
 from proxy.data import _service as _data
 from proxy.data._wire import trajectory_view
-from proxy._deps import Services
 from proxy.errors import NotFound, ProxyError
-from store._store import A, C, G, J, P, T
+from store import ADAPTER_FIELDS, JOB_FIELDS, JobState
 
-_JOB_FIELDS = ("id", "policy", "state", "group_ids", "version", "metrics", "progress", "error", "worker",
-               "created_at", "started_at", "finished_at")  # fmt: skip
-_ADAPTER_FIELDS = ("policy", "version", "path", "job_id", "state", "error", "metrics", "created_at", "published_at")
 # What the training page plots, from each succeeded job's metrics.
 CURVES = ("reward_mean", "loss")
 
 
 async def overview(services: Services) -> dict[str, Any]:
     """Traffic, data, training and serving at a glance."""
-    now = time.time()
-    async with services.store.engine.connect() as conn:
-        last_minute = (await conn.execute(select(func.count()).where(C.c.started_at >= now - 60))).scalar_one()
-        last_5 = (await conn.execute(select(func.count()).where(C.c.started_at >= now - 300))).scalar_one()
-        total, rewarded = (await conn.execute(select(func.count(T.c.pk), func.count(T.c.reward)))).one()
-        policies = (await conn.execute(select(P).order_by(P.c.name))).all()
-        jobs: dict[str, int] = dict((await conn.execute(select(J.c.state, func.count()).group_by(J.c.state))).all())
-        last_step = (
-            await conn.execute(select(J).where(J.c.state == "succeeded").order_by(J.c.finished_at.desc()).limit(1))
-        ).first()
-        running = (await conn.execute(select(J).where(J.c.state == "running").order_by(J.c.id).limit(1))).first()
+    store = services.store
+    traffic = await store.reads.traffic()
+    jobs = await store.jobs.counts()
+    last_step = await store.jobs.last(JobState.SUCCEEDED)
+    running = await store.jobs.last(JobState.RUNNING)
+    total, rewarded = traffic["trajectories"], traffic["rewarded"]
     return {
         "object": "overview",
-        "requests_per_minute": {"last_minute": int(last_minute), "last_5_minutes": round(int(last_5) / 5, 1)},
-        "trajectories": {"total": int(total), "rewarded": int(rewarded), "open": int(total) - int(rewarded)},
+        "requests_per_minute": {
+            "last_minute": traffic["calls_last_minute"],
+            "last_5_minutes": round(traffic["calls_last_5_minutes"] / 5, 1),
+        },
+        "trajectories": {"total": total, "rewarded": rewarded, "open": total - rewarded},
         "groups_ready": len(await services.scheduler.ready_groups()),
         "policies": [
             {
-                "policy": row.name,
-                "base_model": row.base_model,
-                "active_version": row.active_version,
-                "updated_at": row.updated_at,
+                "policy": p["name"],
+                "base_model": p["base_model"],
+                "active_version": p["active_version"],
+                "updated_at": p["updated_at"],
             }
-            for row in policies
+            for p in await store.policies.all()
         ],
         "loaded_versions": sorted(services.registry.loaded_versions),
-        "jobs": {state: int(jobs.get(state, 0)) for state in ("queued", "running", "succeeded", "failed")},
+        "jobs": {state.value: jobs.get(state.value, 0) for state in JobState},
         "last_step": _job(last_step) if last_step else None,
         "running_job": _job(running) if running else None,
         "upstream": await _upstream_health(services),
@@ -123,30 +115,19 @@ async def list_groups(services: Services, **filters: Any) -> dict[str, Any]:
 async def group_detail(services: Services, group_id: str) -> dict[str, Any]:
     """A group's members side by side: rewards, advantages as the trainer computes them, answers,
     and the judge's latest scores and explanations when it judged the group."""
-    async with services.store.engine.connect() as conn:
-        group = (await conn.execute(select(G).where(G.c.id == group_id))).first()
-        if group is None:
-            raise NotFound(f"No group with id '{group_id}'.", param="group_id", code="group_not_found")
-        members = (await conn.execute(select(T).where(T.c.group_id == group_id).order_by(T.c.created_at))).all()
-        last_calls = {
-            row.trajectory_id: row.response
-            for row in (
-                await conn.execute(
-                    select(C.c.trajectory_id, C.c.response, C.c.started_at)
-                    .where(C.c.group_id == group_id)
-                    .order_by(C.c.started_at, C.c.pk)
-                )
-            ).all()
-        }  # the last call of each trajectory wins
-    rewards = [m.reward for m in members]
+    record = await services.store.reads.group(group_id)
+    if record is None:
+        raise NotFound(f"No group with id '{group_id}'.", param="group_id", code="group_not_found")
+    group, members, last_calls = record.group, record.members, record.last_responses
+    rewards = [m["reward"] for m in members]
     centered, scaled = group_advantages(rewards)
     judgements = (await services.judging.list_judgements(group_id=group_id, state=None, limit=20))["data"]
     judged = next((j for j in judgements if j["state"] == "ok"), None)
     verdicts = {s["trajectory_id"]: s for s in judged["scores"]} if judged else {}
     rows = []
     for member, adv_c, adv_s in zip(members, centered, scaled, strict=True):
-        answer = reply_message({"response": last_calls.get(member.id)})
-        verdict = verdicts.get(member.id, {})
+        answer = reply_message({"response": last_calls.get(member["id"])})
+        verdict = verdicts.get(member["id"], {})
         rows.append(
             {
                 **trajectory_view(member),
@@ -159,11 +140,7 @@ async def group_detail(services: Services, group_id: str) -> dict[str, Any]:
         )
     return {
         "object": "group",
-        "id": group.id,
-        "policy": group.policy,
-        "state": group.state,
-        "job_id": group.job_id,
-        "created_at": group.created_at,
+        **{name: group[name] for name in ("id", "policy", "state", "job_id", "created_at")},
         "members": rows,
         "judgements": judgements,
     }
@@ -188,9 +165,7 @@ def group_advantages(rewards: list[float | None]) -> tuple[list[float | None], l
 
 async def list_jobs(services: Services, limit: int) -> dict[str, Any]:
     """Training jobs, newest first, with their metrics and progress."""
-    async with services.store.engine.connect() as conn:
-        rows = (await conn.execute(select(J).order_by(J.c.id.desc()).limit(limit))).all()
-    return {"object": "list", "data": [_job(r) for r in rows]}
+    return {"object": "list", "data": [_job(r) for r in await services.store.jobs.newest(limit)]}
 
 
 def curves(jobs: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
@@ -210,16 +185,15 @@ def curves(jobs: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
 async def list_adapters(services: Services) -> dict[str, Any]:
     """Adapter versions on disk, which are loaded, and which one serves the policy."""
     registry = services.registry
-    async with services.store.engine.connect() as conn:
-        rows = (await conn.execute(select(A).where(A.c.policy == registry.policy).order_by(A.c.version))).all()
+    rows = await services.store.adapters.of_policy(registry.policy)
     return {
         "object": "list",
         "policy": registry.policy,
         "active_version": registry.active_version,
         "loaded_versions": sorted(registry.loaded_versions),
-        "data": [{"object": "adapter", **{f: r._mapping[f] for f in _ADAPTER_FIELDS}} for r in rows],
+        "data": [{"object": "adapter", **{f: r[f] for f in ADAPTER_FIELDS}} for r in rows],
     }
 
 
-def _job(row: Any) -> dict[str, Any]:
-    return {"object": "training_job", **{f: row._mapping[f] for f in _JOB_FIELDS}}
+def _job(row: dict[str, Any]) -> dict[str, Any]:
+    return {"object": "training_job", **{f: row[f] for f in JOB_FIELDS}}

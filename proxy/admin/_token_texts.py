@@ -12,8 +12,8 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
-from proxy.gateway._upstream import Upstream
 from proxy.errors import ProxyError
+from proxy.gateway._upstream import Upstream
 
 log = logging.getLogger("tracetrain.proxy")
 

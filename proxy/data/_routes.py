@@ -6,9 +6,9 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
 
+from proxy._deps import ServicesDep, require_reward_key
 from proxy.data import _service as _data
 from proxy.data._wire import RewardPost
-from proxy._deps import ServicesDep, require_reward_key
 from proxy.judge._service import refuse_external_rewards
 
 router = APIRouter(dependencies=[Depends(require_reward_key)], tags=["data"])

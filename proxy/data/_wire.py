@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat
 
-from store._tables import Call
+from store import Call
 
 # A JSON number that is finite and not a boolean or a string.
 Finite = Annotated[StrictFloat, Field(allow_inf_nan=False)]
@@ -57,18 +58,15 @@ _CALL_FIELDS = tuple(name for name in Call.model_fields if name != "pk")
 _GROUP_FIELDS = ("id", "policy", "created_at")
 
 
-def trajectory_view(row: Any) -> dict[str, Any]:
-    m = row._mapping
+def trajectory_view(m: Mapping[str, Any]) -> dict[str, Any]:
     return {"object": "trajectory", **{name: m[name] for name in _TRAJECTORY_FIELDS}}
 
 
-def call_view(row: Any) -> dict[str, Any]:
-    m = row._mapping
+def call_view(m: Mapping[str, Any]) -> dict[str, Any]:
     return {"object": "call", **{name: m[name] for name in _CALL_FIELDS}}
 
 
-def group_view(row: Any, state: str) -> dict[str, Any]:
-    m = row._mapping
+def group_view(m: Mapping[str, Any], state: str) -> dict[str, Any]:
     mean = m["reward_mean"]
     std = None
     if mean is not None:

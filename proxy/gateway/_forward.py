@@ -22,6 +22,14 @@ from pydantic import BaseModel, ValidationError
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from proxy.errors import (
+    InvalidRequest,
+    ProxyError,
+    UpstreamError,
+    UpstreamHTTPError,
+    error_body,
+    from_store_error,
+)
 from proxy.gateway._capture import (
     Asked,
     Capture,
@@ -33,19 +41,12 @@ from proxy.gateway._capture import (
     without_token_fields,
 )
 from proxy.gateway._keying import Conversation, Key, Keyer, KeyHints
-from proxy.observability._langfuse import LangfuseExporter
-from proxy.observability._metrics import Metrics
-from proxy.gateway._wire import ChatCompletionRequest, CompletionRequest
 from proxy.gateway._policies import PolicyRegistry, Route
 from proxy.gateway._upstream import Upstream
-from proxy.errors import (
-    InvalidRequest,
-    ProxyError,
-    UpstreamError,
-    UpstreamHTTPError,
-    error_body,
-)
-from store._store import CallWrite, Store
+from proxy.gateway._wire import ChatCompletionRequest, CompletionRequest
+from proxy.observability._langfuse import LangfuseExporter
+from proxy.observability._metrics import Metrics
+from store import CallWrite, Store, StoreError
 
 _PATHS: dict[Endpoint, str] = {"chat.completions": "/chat/completions", "completions": "/completions"}
 _MODELS: dict[Endpoint, type[BaseModel]] = {"chat.completions": ChatCompletionRequest, "completions": CompletionRequest}
@@ -115,9 +116,9 @@ class Forwarder:
         """Commit a call's record (see ``Store.record_call``) and count it."""
         try:
             await self._store.record_call(write)
-        except ProxyError:
+        except StoreError as exc:
             self._metrics.call_not_recorded(write.call)
-            raise
+            raise from_store_error(exc) from exc
         self._metrics.call_recorded(write.call)
         if self._langfuse is not None:
             self._langfuse.call_recorded(write)

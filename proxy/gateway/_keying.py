@@ -28,7 +28,7 @@ from typing import Any
 
 import orjson
 
-from store._store import Store
+from store import Store
 
 _CACHE_SIZE = 100_000
 _GROUP_RECHECK_S = 5.0

@@ -8,10 +8,10 @@ import re
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
-from proxy.gateway._capture import Endpoint
 from proxy._deps import ServicesDep, require_inference_key
-from proxy.gateway._keying import KeyHints
 from proxy.errors import InvalidRequest, UpstreamError
+from proxy.gateway._capture import Endpoint
+from proxy.gateway._keying import KeyHints
 
 router = APIRouter(dependencies=[Depends(require_inference_key)], tags=["openai"])
 

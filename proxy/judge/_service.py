@@ -61,10 +61,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import and_, bindparam, func, insert, or_, select, update
-from sqlmodel import SQLModel
-
+from proxy._settings import Settings
 from proxy.data._wire import reward_view
+from proxy.errors import Conflict, GroupNotFound, InvalidRequest, ProxyError
+from proxy.gateway._policies import PolicyRegistry
 from proxy.judge._prompt import (
     DEFAULT_RUBRIC,
     Judge,
@@ -76,25 +76,14 @@ from proxy.judge._prompt import (
     call_messages,
     trajectory_messages,
 )
-from proxy.gateway._policies import PolicyRegistry
-from proxy._settings import Settings
 from proxy.training._scheduler import JobScheduler
-from proxy.errors import Conflict, GroupNotFound, InvalidRequest, ProxyError
-from store._store import C, G, R, Store, T
+from store import JUDGEMENT_STATES, DueRule, GroupChanged, GroupState, Store
 
 log = logging.getLogger("tracetrain.judge")
 
-JG = SQLModel.metadata.tables["judgements"]
-
 _HORIZON_S = 24 * 3600.0
-_SCAN_BATCH = 32
 _JUDGEMENT_FIELDS = ("id", "group_id", "policy", "reward_source", "trigger", "state", "model", "cache_key", "cached",
                      "attempts", "n_trajectories", "scores", "error", "usage", "started_at", "finished_at")  # fmt: skip
-JUDGEMENT_STATES = ("ok", "failed")
-
-
-class _Changed(Exception):
-    """The group is no longer what was judged; nothing was written."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,16 +156,10 @@ class JudgeService:
 
     async def list_judgements(self, *, group_id: str | None, state: str | None, limit: int) -> dict[str, Any]:
         """Judgements, newest first."""
-        query = select(JG).order_by(JG.c.id.desc()).limit(limit)
-        if group_id is not None:
-            query = query.where(JG.c.group_id == group_id)
-        if state is not None:
-            if state not in JUDGEMENT_STATES:
-                raise InvalidRequest(f"'state' must be one of {', '.join(JUDGEMENT_STATES)}.", param="state")
-            query = query.where(JG.c.state == state)
-        async with self._store.engine.connect() as conn:
-            rows = (await conn.execute(query)).all()
-        return {"object": "list", "data": [judgement_view(r._mapping) for r in rows]}
+        if state is not None and state not in JUDGEMENT_STATES:
+            raise InvalidRequest(f"'state' must be one of {', '.join(JUDGEMENT_STATES)}.", param="state")
+        rows = await self._store.judgements.find(group_id=group_id, state=state, limit=limit)
+        return {"object": "list", "data": [judgement_view(r) for r in rows]}
 
     # -- one judgement ----------------------------------------------------------------
 
@@ -184,7 +167,7 @@ class JudgeService:
         started = time.time()
         group = await self._load(group_id)
         source = self._settings.reward_source
-        if source == "judge" and group.state != "open":
+        if source == "judge" and group.state != GroupState.OPEN:
             raise Conflict(
                 f"Group '{group_id}' is {group.state}: its rewards are fixed once a training job took it.",
                 param="group_id",
@@ -231,7 +214,7 @@ class JudgeService:
         row["scores"] = _score_rows(prompt, scores)
         try:
             await self._write(row, group, source)
-        except _Changed as exc:
+        except GroupChanged as exc:
             return await self._record_failure(row | {"scores": []}, str(exc), attempts=row["attempts"])
         if source == "judge":
             await self._scheduler.maybe_create_job()
@@ -252,80 +235,30 @@ class JudgeService:
         return model, api_base
 
     async def _load(self, group_id: str) -> _Group:
-        async with self._store.engine.connect() as conn:
-            group = (await conn.execute(select(G.c.state).where(G.c.id == group_id))).first()
-            if group is None:
-                raise GroupNotFound(f"No group with id '{group_id}'.", param="group_id")
-            trajectories = (
-                await conn.execute(select(T.c.id).where(T.c.group_id == group_id).order_by(T.c.created_at, T.c.pk))
-            ).all()
-            calls = (
-                await conn.execute(
-                    select(C.c.trajectory_id, C.c.endpoint, C.c.request, C.c.response, C.c.error)
-                    .where(C.c.group_id == group_id)
-                    .order_by(C.c.started_at, C.c.pk)
-                )
-            ).all()
-        by_trajectory: dict[str, list[list[dict[str, Any]]]] = {row.id: [] for row in trajectories}
-        for call in calls:
-            if call.trajectory_id in by_trajectory:
-                by_trajectory[call.trajectory_id].append(
-                    call_messages(call.endpoint, call.request or {}, call.response, call.error)
-                )
-        texts = [TrajectoryText(tid, trajectory_messages(c)) for tid, c in by_trajectory.items()]
+        stored = await self._store.judgements.group_calls(group_id)
+        if stored is None:
+            raise GroupNotFound(f"No group with id '{group_id}'.", param="group_id")
+        texts = [
+            TrajectoryText(
+                tid, trajectory_messages([call_messages(c["endpoint"], c["request"] or {}, c["response"], c["error"])
+                                          for c in calls])
+            )
+            for tid, calls in stored.calls.items()
+        ]  # fmt: skip
         if not texts:
             raise GroupNotFound(f"Group '{group_id}' has no trajectories.", param="group_id")
-        return _Group(group_id, str(group.state), texts)
+        return _Group(group_id, stored.state, texts)
 
     async def _cached(self, key: str) -> list[Score] | None:
-        async with self._store.engine.connect() as conn:
-            row = (
-                await conn.execute(
-                    select(JG.c.scores)
-                    .where(JG.c.cache_key == key, JG.c.state == "ok")
-                    .order_by(JG.c.id.desc())
-                    .limit(1)
-                )
-            ).first()
-        if row is None:
+        rows = await self._store.judgements.cached_scores(key)
+        if rows is None:
             return None
-        return [Score(id=s["label"], score=s["score"], explanation=s["explanation"]) for s in row.scores]
+        return [Score(id=s["label"], score=s["score"], explanation=s["explanation"]) for s in rows]
 
     async def _write(self, row: dict[str, Any], group: _Group, source: str) -> None:
-        """The scores and the judgement, in one transaction; ``_Changed`` if the group moved on."""
+        """The scores and the judgement, in one transaction; ``GroupChanged`` if the group moved on."""
         judged = [t.trajectory_id for t in group.trajectories]
-        now = time.time()
-        rewards = [
-            {
-                "trajectory_id": s["trajectory_id"],
-                "group_id": group.id,
-                "value": s["score"],
-                "metrics": {},
-                "source": "judge",
-                "explanation": s["explanation"],
-                "created_at": now,
-            }
-            for s in row["scores"]
-        ]
-        async with self._store.engine.begin() as conn:
-            state = (await conn.execute(select(G.c.state).where(G.c.id == group.id))).scalar_one()
-            present = (await conn.execute(select(T.c.id, T.c.updated_at).where(T.c.group_id == group.id))).all()
-            if sorted(r.id for r in present) != sorted(judged) or any(
-                r.updated_at > row["started_at"] for r in present
-            ):
-                raise _Changed("the group changed while it was judged; it will be judged again")
-            if source == "judge" and state != "open":
-                raise _Changed(f"the group became {state} while it was judged; its rewards were left as they were")
-            await conn.execute(insert(R), rewards)
-            if source == "judge":
-                await conn.execute(
-                    update(T)
-                    .where(T.c.id == bindparam("b_id"))
-                    .values(reward=bindparam("b_r"), reward_source="judge", rewarded_at=now, tail_hash=None),
-                    [{"b_id": s["trajectory_id"], "b_r": s["score"]} for s in row["scores"]],
-                )
-            row |= {"state": "ok", "finished_at": now}
-            row["id"] = (await conn.execute(insert(JG).values(**row).returning(JG.c.id))).scalar_one()
+        rewards = await self._store.judgements.write_scores(row, judged, scores_are_rewards=source == "judge")
         if self._on_rewards is not None:
             self._on_rewards([reward_view(r) for r in rewards])
 
@@ -335,8 +268,7 @@ class JudgeService:
         row |= {"state": "failed", "error": reason, "attempts": attempts, "finished_at": time.time()}
         if usage is not None:
             row["usage"] = usage
-        async with self._store.engine.begin() as conn:
-            row["id"] = (await conn.execute(insert(JG).values(**row).returning(JG.c.id))).scalar_one()
+        row["id"] = await self._store.judgements.record(row)
         return judgement_view(row)
 
     # -- automatic --------------------------------------------------------------------
@@ -376,51 +308,11 @@ class JudgeService:
     async def _due(self) -> list[tuple[str, str]]:
         """(group id, trigger) of the groups to judge now."""
         s = self._settings
-        now = time.time()
-        size = func.count(T.c.pk)
-        n_rewarded = func.count(T.c.reward)
-        last = func.max(T.c.updated_at)
-        last_ok = (
-            select(func.max(JG.c.started_at))
-            .where(JG.c.group_id == G.c.id, JG.c.state == "ok")
-            .correlate(G)
-            .scalar_subquery()
-        )
-        last_failed = (
-            select(func.max(JG.c.started_at))
-            .where(JG.c.group_id == G.c.id, JG.c.state == "failed")
-            .correlate(G)
-            .scalar_subquery()
-        )
-        quiet = last < now - s.judge_quiet_s
-        full = and_(size >= s.group_size, quiet)
-        if s.reward_source == "judge":
-            wanted = n_rewarded < size
-        else:
-            wanted = last > func.coalesce(last_ok, 0.0)
-            full = or_(full, and_(n_rewarded == size, quiet))
-        not_failing = or_(last_failed.is_(None), last_failed < now - s.judge_idle_s, last > last_failed)
-        query = (
-            select(G.c.id, and_(full).label("full"))
-            .select_from(G.join(T, T.c.group_id == G.c.id))
-            .where(G.c.policy == s.policy, G.c.created_at > now - _HORIZON_S)
-            .group_by(G.c.id, G.c.created_at)
-            .having(
-                and_(
-                    size >= s.min_group_size,
-                    wanted,
-                    or_(full, last < now - s.judge_idle_s),
-                    not_failing,
-                )
-            )
-            .order_by(G.c.created_at)
-            .limit(_SCAN_BATCH)
-        )
-        if s.reward_source == "judge":
-            query = query.where(G.c.state == "open")
-        async with self._store.engine.connect() as conn:
-            rows = (await conn.execute(query)).all()
-        return [(row[0], "complete" if row[1] else "idle") for row in rows]
+        rule = DueRule(
+            policy=s.policy, scores_are_rewards=s.reward_source == "judge", group_size=s.group_size,
+            min_group_size=s.min_group_size, quiet_s=s.judge_quiet_s, idle_s=s.judge_idle_s, horizon_s=_HORIZON_S,
+        )  # fmt: skip
+        return await self._store.judgements.due(rule)
 
 
 def _score_rows(prompt: JudgePrompt, scores: Sequence[Score]) -> list[dict[str, Any]]:

@@ -55,7 +55,7 @@ import orjson
 from pydantic import SecretStr
 
 from proxy._settings import Settings
-from store._store import CallWrite
+from store import CallWrite
 
 log = logging.getLogger("tracetrain.langfuse")
 

@@ -14,13 +14,11 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from sqlalchemy import func, select
 
-from store._store import A, J, P, Store
+from store import JobState, Store
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
-JOB_STATES = ("queued", "running", "succeeded", "failed")
 
 
 class Metrics:
@@ -81,16 +79,12 @@ class Metrics:
 
     async def render(self, store: Store, loaded_versions: int, langfuse: dict[str, int] | None = None) -> bytes:
         """The exposition text, with the store's figures (and the Langfuse exporter's counters) read now."""
-        async with store.engine.connect() as conn:
-            jobs: dict[str, int] = dict((await conn.execute(select(J.c.state, func.count()).group_by(J.c.state))).all())
-            steps = (await conn.execute(select(A.c.policy, func.count()).group_by(A.c.policy))).all()
-            versions = (await conn.execute(select(P.c.name, P.c.active_version))).all()
-        for state in JOB_STATES:
-            self.jobs.labels(state).set(int(jobs.get(state, 0)))
-        for policy, count in steps:
-            self.steps.labels(policy).set(int(count))
-        for policy, version in versions:
-            self.version.labels(policy).set(int(version))
+        jobs = await store.jobs.counts()
+        for state in JobState:
+            self.jobs.labels(state.value).set(jobs.get(state.value, 0))
+        for policy in await store.policies.all():
+            self.steps.labels(policy["name"]).set(await store.adapters.count(policy["name"]))
+            self.version.labels(policy["name"]).set(int(policy["active_version"]))
         self.loaded.set(loaded_versions)
         for outcome, count in (langfuse or {}).items():
             self.langfuse.labels(outcome).set(count)

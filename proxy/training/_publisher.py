@@ -9,7 +9,10 @@ have been out of the window for a grace period. A failed load leaves the old ver
 serving and marks the adapter and its job failed, with the reason.
 
 Every proxy replica runs a publisher: claims make one replica publish each adapter, and
-each replica adopts the active version from the store.
+each replica adopts the active version from the store. A claim carries a lease: an
+adapter left ``loading`` by a replica that died is taken back after the lease by
+whichever replica polls first, and published again. The same poll requeues training jobs
+whose worker stopped renewing its lease (see ``store._lifecycle``).
 
 Versions are immutable names: a name is never reloaded with other weights, so vLLM's
 prefix cache cannot serve an old policy under a new name.
@@ -19,22 +22,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-from sqlalchemy import select, update
-
+from proxy.errors import NotFound, ProxyError
 from proxy.gateway._policies import PolicyRegistry
 from proxy.gateway._upstream import Upstream
-from proxy.errors import NotFound, ProxyError
-from store._store import A, J, P, Store
+from store import Store
 
 log = logging.getLogger("tracetrain.publisher")
 
 _UNLOAD_GRACE_S = 30.0
 _RELOAD_CHECK_S = 5.0
+# A publish takes milliseconds to seconds per vLLM; a replica that held a claim this long is gone.
+PUBLISH_LEASE_S = 120.0
+_RECLAIM_CHECK_S = 5.0
 
 
 class PublishError(ProxyError):
@@ -53,8 +58,12 @@ class Publisher:
         keep_versions: int,
         poll_s: float = 0.1,
         unload_grace_s: float = _UNLOAD_GRACE_S,
+        lease_s: float = PUBLISH_LEASE_S,
     ) -> None:
         self._store = store
+        self._owner = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
+        self._lease_s = lease_s
+        self._last_reclaim = 0.0
         self._registry = registry
         self._replicas = list(replicas)
         self._keep = keep_versions
@@ -75,8 +84,10 @@ class Publisher:
 
     async def sync_once(self) -> None:
         async with self._lock:
+            await self._reclaim_expired()
             await self._adopt_store_state()
-            for version, path in await self._claim_trained():
+            policy = self._registry.policy
+            for version, path in await self._store.adapters.claim_trained(policy, self._owner, self._lease_s):
                 await self._publish(version, path)
             await self._reload_missing()
             await self._unload_outside_window()
@@ -84,46 +95,32 @@ class Publisher:
     async def activate(self, version: int) -> int:
         """Roll back or forward: serve ``version`` (still on disk) as the policy. Returns it."""
         async with self._lock:
+            policy = self._registry.policy
             if version != 0 and version not in self._registry.loaded_versions:
-                row = await self._adapter(version)
+                row = await self._store.adapters.get(policy, version)
                 if row is None or not Path(row["path"]).is_dir():
-                    raise NotFound(f"No adapter {self._registry.policy}@{version} on disk.", param="version")
+                    raise NotFound(f"No adapter {policy}@{version} on disk.", param="version")
                 await self._load_everywhere(version, row["path"])
-                await self._set_state(version, "published")
+                await self._store.adapters.published(policy, version)
             await self._flip(version)
             return version
 
+    async def _reclaim_expired(self) -> None:
+        """Take back the claims of dead processes: adapters left loading, jobs left running."""
+        if time.monotonic() - self._last_reclaim < _RECLAIM_CHECK_S:
+            return
+        self._last_reclaim = time.monotonic()
+        for policy, version, owner in await self._store.adapters.reclaim_expired():
+            log.warning("%s@%d: its publisher %s stopped before finishing; publishing it again", policy, version, owner)
+        for job_id, worker in await self._store.jobs.reclaim_expired():
+            log.warning("training job %d: its worker %s stopped renewing its lease; queued again", job_id, worker)
+
     async def _adopt_store_state(self) -> None:
         policy = self._registry.policy
-        async with self._store.engine.connect() as conn:
-            active = (await conn.execute(select(P.c.active_version).where(P.c.name == policy))).scalar()
-            published = (
-                await conn.execute(select(A.c.version).where(A.c.policy == policy, A.c.state == "published"))
-            ).scalars()
-            self._registry.loaded_versions = {0, *published}
+        self._registry.loaded_versions = {0, *await self._store.adapters.published_versions(policy)}
+        active = await self._store.policies.active_version(policy)
         if active is not None:
-            self._registry.active_version = int(active)
-
-    async def _claim_trained(self) -> list[tuple[int, str]]:
-        policy = self._registry.policy
-        async with self._store.engine.begin() as conn:
-            rows = (
-                await conn.execute(
-                    select(A.c.version, A.c.path)
-                    .where(A.c.policy == policy, A.c.state == "trained")
-                    .order_by(A.c.version)
-                )
-            ).all()
-            claimed = []
-            for version, path in rows:
-                taken = await conn.execute(
-                    update(A)
-                    .where(A.c.policy == policy, A.c.version == version, A.c.state == "trained")
-                    .values(state="loading")
-                )
-                if taken.rowcount == 1:
-                    claimed.append((int(version), str(path)))
-        return claimed
+            self._registry.active_version = active
 
     async def _publish(self, version: int, path: str) -> None:
         started = time.perf_counter()
@@ -131,9 +128,9 @@ class Publisher:
             await self._load_everywhere(version, path)
         except PublishError as exc:
             log.error("adapter %s@%d not published: %s", self._registry.policy, version, exc.message)
-            await self._fail(version, exc.message)
+            await self._store.adapters.failed(self._registry.policy, version, exc.message)
             return
-        await self._set_state(version, "published")
+        await self._store.adapters.published(self._registry.policy, version)
         await self._flip(version)
         log.info("published %s@%d in %.0f ms", self._registry.policy, version, (time.perf_counter() - started) * 1e3)
 
@@ -154,12 +151,7 @@ class Publisher:
         self._registry.loaded_versions.add(version)
 
     async def _flip(self, version: int) -> None:
-        async with self._store.engine.begin() as conn:
-            await conn.execute(
-                update(P)
-                .where(P.c.name == self._registry.policy)
-                .values(active_version=version, updated_at=time.time())
-            )
+        await self._store.policies.flip(self._registry.policy, version)
         self._registry.active_version = version
         self._left_window.pop(version, None)
 
@@ -177,7 +169,8 @@ class Publisher:
             except ProxyError:
                 continue  # down: requests will say so; try again later
             for version, name in wanted.items():
-                if name not in present and (row := await self._adapter(version)) is not None:
+                row = None if name in present else await self._store.adapters.get(self._registry.policy, version)
+                if row is not None:
                     try:
                         await replica.load_lora(name, row["path"])
                         log.info("reloaded %s into %s", name, replica.base_url)
@@ -203,33 +196,4 @@ class Publisher:
                     log.warning("could not unload %s from %s: %s", name, replica.base_url, exc.message)
             self._registry.loaded_versions.discard(version)
             self._left_window.pop(version, None)
-            await self._set_state(version, "retired")
-
-    async def _adapter(self, version: int) -> dict[str, Any] | None:
-        async with self._store.engine.connect() as conn:
-            row = (
-                await conn.execute(select(A).where(A.c.policy == self._registry.policy, A.c.version == version))
-            ).first()
-        return dict(row._mapping) if row else None
-
-    async def _set_state(self, version: int, state: str, error: str | None = None) -> None:
-        values: dict[str, Any] = {"state": state, "error": error}
-        if state == "published":
-            values["published_at"] = time.time()
-        async with self._store.engine.begin() as conn:
-            await conn.execute(
-                update(A).where(A.c.policy == self._registry.policy, A.c.version == version).values(**values)
-            )
-
-    async def _fail(self, version: int, reason: str) -> None:
-        await self._set_state(version, "failed", reason)
-        async with self._store.engine.begin() as conn:
-            job_id = (
-                await conn.execute(
-                    select(A.c.job_id).where(A.c.policy == self._registry.policy, A.c.version == version)
-                )
-            ).scalar()
-            if job_id is not None:
-                await conn.execute(
-                    update(J).where(J.c.id == job_id).values(state="failed", error=f"publishing failed: {reason}")
-                )
+            await self._store.adapters.retired(self._registry.policy, version)

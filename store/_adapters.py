@@ -1,0 +1,182 @@
+"""Policies and their adapter versions: recording, claiming for publication, the active alias.
+
+The trainer records an adapter (``trained``); one proxy replica claims it (``loading``,
+with a lease), loads it into every vLLM, marks it ``published`` and flips the policy's
+``active_version``. A replica that dies while loading leaves the claim to expire; any
+replica then takes it back (``trained`` again, ``reclaimed`` counted) and publishes it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from store._engine import insert_ignore
+from store._lifecycle import AdapterState, JobState, move
+from store._tables import adapters as A
+from store._tables import policies as P
+from store._tables import training_jobs as J
+
+ADAPTER_FIELDS = ("policy", "version", "path", "job_id", "state", "error", "metrics", "created_at", "published_at",
+                  "lease_owner", "lease_expires_at", "reclaimed")  # fmt: skip
+
+
+class Policies:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+
+    async def ensure(self, name: str, base_model: str) -> int:
+        """Create the policy row if missing; return its active version."""
+        now = time.time()
+        async with self._engine.begin() as conn:
+            await conn.execute(
+                insert_ignore(self._engine.dialect.name, P, ["name"]),
+                [{"name": name, "base_model": base_model, "active_version": 0, "created_at": now, "updated_at": now}],
+            )
+            row = (await conn.execute(select(P.c.active_version).where(P.c.name == name))).one()
+        return int(row[0])
+
+    async def active_version(self, name: str) -> int | None:
+        async with self._engine.connect() as conn:
+            value = (await conn.execute(select(P.c.active_version).where(P.c.name == name))).scalar()
+        return None if value is None else int(value)
+
+    async def flip(self, name: str, version: int) -> None:
+        """Point the policy's alias at ``version``."""
+        async with self._engine.begin() as conn:
+            await conn.execute(update(P).where(P.c.name == name).values(active_version=version, updated_at=time.time()))
+
+    async def all(self) -> list[dict[str, Any]]:
+        async with self._engine.connect() as conn:
+            rows = (await conn.execute(select(P).order_by(P.c.name))).all()
+        return [dict(row._mapping) for row in rows]
+
+
+class Adapters:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+
+    async def record(self, policy: str, version: int, path: str, job_id: int | None, metrics: dict[str, Any]) -> None:
+        """A freshly trained adapter, waiting to be published."""
+        async with self._engine.begin() as conn:
+            await conn.execute(
+                A.insert().values(policy=policy, version=version, path=path, job_id=job_id,
+                                  state=AdapterState.TRAINED.value, metrics=metrics, created_at=time.time())
+            )  # fmt: skip
+
+    async def get(self, policy: str, version: int) -> dict[str, Any] | None:
+        async with self._engine.connect() as conn:
+            row = (await conn.execute(select(A).where(A.c.policy == policy, A.c.version == version))).first()
+        return dict(row._mapping) if row else None
+
+    async def of_policy(self, policy: str) -> list[dict[str, Any]]:
+        async with self._engine.connect() as conn:
+            rows = (await conn.execute(select(A).where(A.c.policy == policy).order_by(A.c.version))).all()
+        return [dict(row._mapping) for row in rows]
+
+    async def published_versions(self, policy: str) -> set[int]:
+        async with self._engine.connect() as conn:
+            rows = await conn.execute(
+                select(A.c.version).where(A.c.policy == policy, A.c.state == AdapterState.PUBLISHED.value)
+            )
+            return {int(v) for v in rows.scalars()}
+
+    async def claim_trained(self, policy: str, owner: str, lease_s: float) -> list[tuple[int, str]]:
+        """Claim every trained adapter of ``policy`` for publishing; (version, path) of those this call won."""
+        async with self._engine.begin() as conn:
+            rows = (
+                await conn.execute(
+                    select(A.c.version, A.c.path)
+                    .where(A.c.policy == policy, A.c.state == AdapterState.TRAINED.value)
+                    .order_by(A.c.version)
+                )
+            ).all()
+            claimed = []
+            for version, path in rows:
+                won = await move(
+                    conn, A, (A.c.policy == policy) & (A.c.version == version), AdapterState.TRAINED,
+                    AdapterState.LOADING, lease_owner=owner, lease_expires_at=time.time() + lease_s,
+                )  # fmt: skip
+                if won:
+                    claimed.append((int(version), str(path)))
+        return claimed
+
+    async def reclaim_expired(self, now: float | None = None) -> list[tuple[str, int, str | None]]:
+        """Adapters left ``loading`` by a replica whose lease ran out: ``trained`` again, to be published.
+
+        Returns (policy, version, previous owner) of each one this call took back.
+        """
+        now = time.time() if now is None else now
+        expired = (A.c.state == AdapterState.LOADING.value) & (
+            A.c.lease_expires_at.is_(None) | (A.c.lease_expires_at < now)
+        )
+        taken = []
+        async with self._engine.begin() as conn:
+            rows = (await conn.execute(select(A.c.policy, A.c.version, A.c.lease_owner).where(expired))).all()
+            for policy, version, owner in rows:
+                won = await move(
+                    conn, A, (A.c.policy == policy) & (A.c.version == version) & expired, AdapterState.LOADING,
+                    AdapterState.TRAINED, lease_owner=None, lease_expires_at=None, reclaimed=A.c.reclaimed + 1,
+                )  # fmt: skip
+                if won:
+                    taken.append((str(policy), int(version), owner))
+        return taken
+
+    async def published(self, policy: str, version: int) -> bool:
+        """A claimed (or, when an admin activates it, any on-disk) version is now served."""
+        async with self._engine.begin() as conn:
+            moved = await move(
+                conn, A, (A.c.policy == policy) & (A.c.version == version),
+                (AdapterState.LOADING, AdapterState.TRAINED, AdapterState.RETIRED, AdapterState.FAILED),
+                AdapterState.PUBLISHED, published_at=time.time(), error=None, lease_owner=None, lease_expires_at=None,
+            )  # fmt: skip
+        return bool(moved)
+
+    async def retired(self, policy: str, version: int) -> bool:
+        async with self._engine.begin() as conn:
+            where = (A.c.policy == policy) & (A.c.version == version)
+            return bool(await move(conn, A, where, AdapterState.PUBLISHED, AdapterState.RETIRED))
+
+    async def failed(self, policy: str, version: int, reason: str) -> int | None:
+        """Publishing failed: the adapter and the job that made it are marked failed. Returns the job id."""
+        async with self._engine.begin() as conn:
+            where = (A.c.policy == policy) & (A.c.version == version)
+            await move(conn, A, where, AdapterState.LOADING, AdapterState.FAILED, error=reason, lease_owner=None,
+                       lease_expires_at=None)  # fmt: skip
+            job_id = (await conn.execute(select(A.c.job_id).where(where))).scalar()
+            if job_id is not None:
+                await move(conn, J, J.c.id == job_id, JobState.SUCCEEDED, JobState.FAILED,
+                           error=f"publishing failed: {reason}")  # fmt: skip
+        return None if job_id is None else int(job_id)
+
+    async def version_to_train_on(self, policy: str) -> int:
+        """The newest version not yet published if there is one, else the one the policy serves.
+
+        A job queued while the previous step's adapter is still being published continues
+        from that adapter instead of from the older version still serving. After a rollback
+        no newer adapter is pending, so training continues from the version rolled back to.
+        """
+        async with self._engine.connect() as conn:
+            active = int((await conn.execute(select(P.c.active_version).where(P.c.name == policy))).scalar() or 0)
+            pending = (
+                await conn.execute(
+                    select(func.max(A.c.version)).where(
+                        A.c.policy == policy,
+                        A.c.state.in_((AdapterState.TRAINED.value, AdapterState.LOADING.value)),
+                        A.c.version > active,
+                    )
+                )
+            ).scalar()
+        return int(pending) if pending is not None else active
+
+    async def newest_version(self, policy: str) -> int:
+        async with self._engine.connect() as conn:
+            newest = (await conn.execute(select(func.max(A.c.version)).where(A.c.policy == policy))).scalar()
+        return int(newest or 0)
+
+    async def count(self, policy: str) -> int:
+        async with self._engine.connect() as conn:
+            return int((await conn.execute(select(func.count()).where(A.c.policy == policy))).scalar_one())

@@ -1,0 +1,210 @@
+"""Training jobs: made from ready groups, claimed by a trainer worker under a lease, finished once.
+
+A group is *ready* when it is ``open``, every trajectory in it is rewarded and it has at
+least ``min_group_size`` of them. One transaction creates a queued job and moves its
+groups to ``training``, so a group is trained once whichever replica asked. A worker
+claims the oldest queued job with a lease and renews it while it trains; a job whose
+lease ran out (the worker died) is queued again by whoever notices first, exactly once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import and_, func, insert, select, update
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from store._lifecycle import GroupState, JobState, move
+from store._tables import calls as C
+from store._tables import groups as G
+from store._tables import training_jobs as J
+from store._tables import trajectories as T
+
+JOB_FIELDS = ("id", "policy", "state", "group_ids", "version", "metrics", "progress", "error", "worker",
+              "lease_expires_at", "reclaimed", "created_at", "started_at", "finished_at")  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class StoredCall:
+    """What training reads of one captured call."""
+
+    trajectory_id: str
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    logprobs: list[float]
+    status_code: int
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class RewardedTrajectory:
+    id: str
+    group_id: str
+    reward: float
+    calls: list[StoredCall]
+
+
+def ready_condition(min_group_size: int) -> Any:
+    """The HAVING clause of a ready group, over ``groups`` outer-joined with its trajectories."""
+    size = func.count(T.c.pk)
+    return and_(G.c.state == GroupState.OPEN.value, size >= min_group_size, func.count(T.c.reward) == size)
+
+
+class Jobs:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+
+    # -- made by the proxy -------------------------------------------------------------
+
+    async def ready_groups(self, policy: str, min_group_size: int) -> list[str]:
+        query = (
+            select(G.c.id)
+            .select_from(G.join(T, T.c.group_id == G.c.id))
+            .where(G.c.policy == policy, G.c.state == GroupState.OPEN.value)
+            .group_by(G.c.id, G.c.created_at)
+            .having(ready_condition(min_group_size))
+            .order_by(G.c.created_at)
+        )
+        async with self._engine.connect() as conn:
+            return [row[0] for row in (await conn.execute(query)).all()]
+
+    async def create(self, policy: str, group_ids: Sequence[str]) -> int | None:
+        """A queued job over ``group_ids``, which move to ``training``; None if another replica took one first."""
+        try:
+            async with self._engine.begin() as conn:
+                job = insert(J).values(policy=policy, state=JobState.QUEUED.value, group_ids=list(group_ids),
+                                       metrics={}, progress=0.0, created_at=time.time())  # fmt: skip
+                job_id = int((await conn.execute(job.returning(J.c.id))).scalar_one())
+                taken = await move(conn, G, G.c.id.in_(list(group_ids)), GroupState.OPEN, GroupState.TRAINING,
+                                   job_id=job_id)  # fmt: skip
+                if taken != len(group_ids):
+                    raise _TakenMeanwhile  # rolls the job back with the groups it did take
+        except _TakenMeanwhile:
+            return None
+        return job_id
+
+    # -- run by the trainer ------------------------------------------------------------
+
+    async def claim(self, policy: str, owner: str, lease_s: float) -> dict[str, Any] | None:
+        """Take the oldest queued job of ``policy`` under a lease; None when there is none (or another won)."""
+        async with self._engine.begin() as conn:
+            job = (
+                await conn.execute(
+                    select(J).where(J.c.policy == policy, J.c.state == JobState.QUEUED.value).order_by(J.c.id).limit(1)
+                )
+            ).first()
+            if job is None:
+                return None
+            now = time.time()
+            won = await move(conn, J, J.c.id == job.id, JobState.QUEUED, JobState.RUNNING, worker=owner,
+                             started_at=now, progress=0.05, lease_expires_at=now + lease_s)  # fmt: skip
+            return {**job._mapping, "worker": owner, "state": JobState.RUNNING.value} if won else None
+
+    async def renew(self, job_id: int, owner: str, lease_s: float, progress: float | None = None) -> bool:
+        """Extend the lease (and report progress); False when the job is no longer this owner's."""
+        values: dict[str, Any] = {"lease_expires_at": time.time() + lease_s}
+        if progress is not None:
+            values["progress"] = progress
+        async with self._engine.begin() as conn:
+            result = await conn.execute(
+                update(J).where(J.c.id == job_id, J.c.worker == owner, J.c.state == JobState.RUNNING.value)
+                .values(**values)
+            )  # fmt: skip
+        return bool(result.rowcount)
+
+    async def finish(
+        self, job_id: int, owner: str, *, ok: bool, metrics: dict[str, Any], version: int | None, error: str | None
+    ) -> bool:
+        """The step is over: the job and its groups move on. False when the claim was lost meanwhile."""
+        async with self._engine.begin() as conn:
+            job = (await conn.execute(select(J.c.group_ids).where(J.c.id == job_id))).one()
+            won = await move(
+                conn, J, (J.c.id == job_id) & (J.c.worker == owner), JobState.RUNNING,
+                JobState.SUCCEEDED if ok else JobState.FAILED, metrics=metrics, version=version, error=error,
+                progress=1.0, finished_at=time.time(), lease_expires_at=None,
+            )  # fmt: skip
+            if not won:
+                return False
+            await move(conn, G, G.c.id.in_(list(job.group_ids)), GroupState.TRAINING,
+                       GroupState.TRAINED if ok else GroupState.FAILED)  # fmt: skip
+        return True
+
+    async def reclaim_expired(self, now: float | None = None) -> list[tuple[int, str | None]]:
+        """Queue again every running job whose lease ran out; (job id, previous worker) of those taken back."""
+        now = time.time() if now is None else now
+        expired = (J.c.state == JobState.RUNNING.value) & (
+            J.c.lease_expires_at.is_(None) | (J.c.lease_expires_at < now)
+        )
+        return await self._requeue(expired)
+
+    async def release(self, job_id: int, owner: str) -> bool:
+        """Give a claim back at once (its worker is known dead), without waiting for the lease."""
+        return bool(await self._requeue((J.c.id == job_id) & (J.c.worker == owner)))
+
+    async def _requeue(self, where: Any) -> list[tuple[int, str | None]]:
+        taken = []
+        async with self._engine.begin() as conn:
+            rows = (await conn.execute(select(J.c.id, J.c.worker).where(where, J.c.state == JobState.RUNNING.value)))
+            for job_id, worker in rows.all():
+                won = await move(
+                    conn, J, (J.c.id == job_id) & where, JobState.RUNNING, JobState.QUEUED, worker=None,
+                    started_at=None, progress=0.0, lease_expires_at=None, reclaimed=J.c.reclaimed + 1,
+                )  # fmt: skip
+                if won:
+                    taken.append((int(job_id), worker))
+        return taken
+
+    async def running(self, policy: str) -> list[dict[str, Any]]:
+        async with self._engine.connect() as conn:
+            rows = await conn.execute(select(J).where(J.c.policy == policy, J.c.state == JobState.RUNNING.value))
+            return [dict(row._mapping) for row in rows.all()]
+
+    async def rewarded_trajectories(self, group_ids: Sequence[str]) -> list[RewardedTrajectory]:
+        """The rewarded trajectories of ``group_ids`` with their calls in order: what a step trains on."""
+        async with self._engine.connect() as conn:
+            trajectories = (
+                await conn.execute(
+                    select(T.c.id, T.c.group_id, T.c.reward)
+                    .where(T.c.group_id.in_(list(group_ids)), T.c.reward.is_not(None))
+                    .order_by(T.c.pk)
+                )
+            ).all()
+            ids = [row.id for row in trajectories]
+            calls = (
+                await conn.execute(
+                    select(C.c.trajectory_id, C.c.prompt_token_ids, C.c.completion_token_ids, C.c.logprobs,
+                           C.c.status_code, C.c.version)
+                    .where(C.c.trajectory_id.in_(ids))
+                    .order_by(C.c.started_at, C.c.pk)
+                )
+            ).all()  # fmt: skip
+        by_trajectory: dict[str, list[StoredCall]] = {i: [] for i in ids}
+        for call in calls:
+            by_trajectory[call.trajectory_id].append(StoredCall(*call))
+        return [RewardedTrajectory(t.id, t.group_id, float(t.reward), by_trajectory[t.id]) for t in trajectories]
+
+    # -- read by the dashboard and /metrics --------------------------------------------
+
+    async def newest(self, limit: int) -> list[dict[str, Any]]:
+        async with self._engine.connect() as conn:
+            rows = (await conn.execute(select(J).order_by(J.c.id.desc()).limit(limit))).all()
+        return [dict(row._mapping) for row in rows]
+
+    async def counts(self) -> dict[str, int]:
+        async with self._engine.connect() as conn:
+            rows = (await conn.execute(select(J.c.state, func.count()).group_by(J.c.state))).all()
+        return {str(state): int(n) for state, n in rows}
+
+    async def last(self, state: JobState) -> dict[str, Any] | None:
+        """The newest job in ``state`` (succeeded: by finish time; running: the oldest running)."""
+        order = J.c.finished_at.desc() if state is JobState.SUCCEEDED else J.c.id
+        async with self._engine.connect() as conn:
+            row = (await conn.execute(select(J).where(J.c.state == state.value).order_by(order).limit(1))).first()
+        return dict(row._mapping) if row else None
+
+
+class _TakenMeanwhile(Exception):
+    pass
