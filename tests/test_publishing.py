@@ -87,16 +87,18 @@ def test_a_request_in_flight_finishes_on_its_version(start_proxy, fake: FakeVLLM
     proxy = start_proxy(keep_versions=1, unload_grace_s=0)
     record_trained_adapter(proxy, 1, tmp_path)
     wait_for(lambda: adapters(proxy)["active_version"] == 1)
+    # A stream long enough (9 s) to outlast the publish of @2 on a busy machine; it is sped up
+    # only once the check is done, so @1 cannot be unloaded for having finished meanwhile.
     fake.token_delay_s = 0.15
-    fake.script(Reply(content=" ".join(f"w{i}" for i in range(20))))
+    fake.script(Reply(content=" ".join(f"w{i}" for i in range(60))), Reply(content="Lima"))
     stream = proxy.client().chat.completions.create(model="agent", messages=TASK, stream=True)
     first = next(iter(stream))
     assert first.model == "agent@1"
     record_trained_adapter(proxy, 2, tmp_path)
     wait_for(lambda: adapters(proxy)["active_version"] == 2)
-    fake.token_delay_s = 0.0
     assert proxy.client().chat.completions.create(model="agent", messages=TASK).model == "agent@2"
     assert "agent@1" in fake.loras, "unloaded while a request was still running on it"
+    fake.token_delay_s = 0.0
     rest = list(stream)
     assert all(chunk.model == "agent@1" for chunk in rest)
     wait_for(lambda: "agent@1" not in fake.loras)
