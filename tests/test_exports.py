@@ -26,3 +26,56 @@ def test_trainer_public_names() -> None:
         "TrainConfig", "TrainDType", "TrainItem", "build_samples", "group_advantages", "newest_adapter", "pack",
         "policy_loss",
     ]  # fmt: skip
+
+
+def test_the_proxy_subpackages_public_names() -> None:
+    import importlib
+
+    faces = {
+        "proxy.admin": ["Admin", "AdminAuth", "TokenTexts"],
+        "proxy.data": ["RewardBatch", "RewardPost", "get_trajectory", "list_groups", "list_trajectories",
+                       "post_rewards"],
+        "proxy.gateway": ["Forwarder", "Key", "KeyHints", "Keyer", "PolicyRegistry", "Route", "Upstream",
+                          "new_trajectory_id"],
+        "proxy.judge": ["DEFAULT_RUBRIC", "Judge", "JudgeFailed", "JudgePrompt", "JudgeService", "Score",
+                        "build_prompt"],
+        "proxy.observability": ["LangfuseExporter", "Metrics", "start_langfuse"],
+        "proxy.training": ["JobScheduler", "PublishError", "Publisher"],
+    }  # fmt: skip
+    for name, exported in faces.items():
+        assert sorted(importlib.import_module(name).__all__) == exported, name
+
+
+def test_store_public_names() -> None:
+    import store
+
+    assert sorted(store.__all__) == [
+        "ADAPTER_FIELDS", "AdapterState", "Adapters", "Call", "CallWrite", "DueRule", "ExportFilter", "ExportPage",
+        "ExportReads", "GROUP_VIEW_STATES", "GroupCalls", "GroupChanged", "GroupRecord", "GroupState", "JOB_FIELDS",
+        "JUDGEMENT_STATES", "JobState", "Jobs", "Judgements", "MOVES", "Policies", "Reads", "RewardIn",
+        "RewardSummary", "RewardedTrajectory", "SchemaTooNew", "Store", "StoreError", "StoreUnavailable",
+        "StoredCall", "TrajectoryFilter", "TrajectoryRecord", "TransitionRefused", "UnknownTrajectories", "allowed",
+        "connect",
+    ]  # fmt: skip
+
+
+def test_the_trainer_worker_loads_neither_the_proxy_nor_a_web_framework() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, trainer._worker, trainer.__main__; "
+        "print(*(m in sys.modules for m in ('proxy', 'fastapi', 'starlette', 'prometheus_client')))"
+    )  # (transformers loads jinja2 for chat templates: that one is not the dashboard's)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False"] * 4
+
+
+def test_the_store_loads_neither_torch_nor_a_web_framework() -> None:
+    import subprocess
+    import sys
+
+    modules = ('torch', 'fastapi', 'starlette', 'proxy', 'trainer')
+    code = f"import sys, store; print(*(m in sys.modules for m in {modules}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False"] * 5

@@ -1,0 +1,11 @@
+"""The OpenAI-compatible gateway: keying, forwarding to vLLM, capture of every call.
+
+Its routes (``_routes.py``) are mounted by ``proxy._app``; what they call is here.
+"""
+
+from proxy.gateway._forward import Forwarder
+from proxy.gateway._keying import Key, Keyer, KeyHints, new_trajectory_id
+from proxy.gateway._policies import PolicyRegistry, Route
+from proxy.gateway._upstream import Upstream
+
+__all__ = ["Forwarder", "Key", "KeyHints", "Keyer", "PolicyRegistry", "Route", "Upstream", "new_trajectory_id"]
