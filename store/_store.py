@@ -32,7 +32,6 @@ from sqlalchemy.pool import ConnectionPoolEntry
 from sqlmodel import SQLModel
 
 import store._tables  # noqa: F401  (registers the tables)
-from proxy.errors import StoreUnavailable, TrajectoryNotFound
 
 log = logging.getLogger("tracetrain.store")
 
@@ -164,6 +163,8 @@ def insert_ignore(dialect: str, table: Any, keys: list[str]) -> Any:
 
 
 def _settle(done: asyncio.Future[None], error: Exception | None) -> None:
+    from proxy.errors import StoreUnavailable  # imported late: proxy imports the store
+
     if done.done():
         return
     if error is None:
@@ -362,6 +363,8 @@ class Store:
             group_of = {row[0]: row[1] for row in rows}
             missing = sorted(wanted - group_of.keys())
             if missing:
+                from proxy.errors import TrajectoryNotFound  # imported late: proxy imports the store
+
                 shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
                 raise TrajectoryNotFound(
                     f"no trajectory with id {shown}; nothing was recorded. Rewards name the X-Trajectory-Id "
