@@ -1,4 +1,4 @@
-"""Schema migrations (``store._migrate``, ``store/migrations``).
+"""Schema migrations (``store._migrate``, ``store/migrations``) and ``tracetrain db``.
 
 Each test runs on SQLite, and on PostgreSQL when TRACETRAIN_TEST_POSTGRES_URL names a server
 (`.ci/postgres.sh` starts one): there every test makes its own databases and drops them, so
@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import os
 import secrets
+import sqlite3
 import sys
 from asyncio.subprocess import PIPE
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
@@ -32,6 +33,7 @@ from sqlmodel import SQLModel
 import store._tables  # noqa: F401  (registers the tables)
 from store._errors import SchemaTooNew, StoreError
 from store._migrate import FIRST, LEGACY, Upgrade, alembic_config, current_revision, head, revisions, upgrade
+from tracetrain_cli._main import main
 
 DATA = Path(__file__).parent / "data"
 NEW_COLUMNS = {
@@ -427,6 +429,94 @@ async def test_replica_processes_starting_together_migrate_the_database_once(mak
     assert [replica.returncode for replica in replicas] == [0, 0, 0], [err.decode() for _, err in results]
     assert sorted(out.decode().split()[0] for out, _ in results) == ["False", "False", "True"]
     assert {out.decode().split()[1] for out, _ in results} == {head()}
+
+
+# -- tracetrain db ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A data directory whose store, tracetrain.db, exists and is empty."""
+    monkeypatch.delenv("TRACETRAIN_DATABASE_URL", raising=False)
+    sqlite3.connect(tmp_path / "tracetrain.db").close()
+    return tmp_path
+
+
+def _db(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    status = main(["db", *argv])
+    out, err = capsys.readouterr()
+    return status, out.strip(), err.strip()
+
+
+def test_db_current_says_what_each_kind_of_store_is(data_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"sqlite+aiosqlite:///{data_dir / 'tracetrain.db'}"
+    shown = f"sqlite:///{data_dir / 'tracetrain.db'}"
+    assert _db(capsys, "current", "--data-dir", str(data_dir)) == (0, f"{shown}: empty", "")
+
+    asyncio.run(build_release_database(url))
+    assert _db(capsys, "current", "--data-dir", str(data_dir)) == (
+        0, f"{shown}: no migration history: a database written by tracetrain 35c4648 (run tracetrain db upgrade)", "",
+    )  # fmt: skip
+
+    async def stamp_first() -> None:
+        async with opened(url) as engine, engine.begin() as conn:
+            await conn.run_sync(lambda c: command.stamp(alembic_config(c), FIRST))
+
+    asyncio.run(stamp_first())
+    assert _db(capsys, "current", "--data-dir", str(data_dir)) == (
+        0, f"{shown}: revision {FIRST} (head is {head()}: run tracetrain db upgrade)", "",
+    )  # fmt: skip
+
+    assert main(["db", "upgrade", "--data-dir", str(data_dir)]) == 0
+    capsys.readouterr()
+    assert _db(capsys, "current", "--data-dir", str(data_dir)) == (0, f"{shown}: revision {head()} (head)", "")
+
+
+def test_db_upgrade_says_what_it_did(data_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    shown = f"sqlite:///{data_dir / 'tracetrain.db'}"
+    asyncio.run(build_release_database(f"sqlite+aiosqlite:///{data_dir / 'tracetrain.db'}"))
+
+    assert _db(capsys, "upgrade", "--data-dir", str(data_dir)) == (
+        0, f"{shown}: upgraded from no migration history (tracetrain 35c4648) to {head()}", "",
+    )  # fmt: skip
+    assert _db(capsys, "upgrade", "--data-dir", str(data_dir)) == (0, f"{shown}: already at {head()}", "")
+
+
+def test_db_commands_refuse_a_store_from_a_newer_tracetrain(data_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["db", "upgrade", "--data-dir", str(data_dir)]) == 0
+    with sqlite3.connect(data_dir / "tracetrain.db") as conn:
+        conn.execute("UPDATE alembic_version SET version_num = '0099_from_the_future'")
+    capsys.readouterr()
+
+    for command_name in ("upgrade", "current"):
+        status, out, err = _db(capsys, command_name, "--data-dir", str(data_dir))
+        assert (status, out) == (2, ""), command_name
+        assert "0099_from_the_future" in err and head() in err and "Upgrade tracetrain" in err, err
+
+
+@pytest.mark.parametrize("make_database", ["postgresql"], indirect=True)  # a SQLite URL has no password
+def test_db_commands_never_print_the_password(
+    make_database: MakeDatabase, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = make_database()
+    password = make_url(url).password
+    assert password
+    monkeypatch.delenv("TRACETRAIN_DATABASE_URL", raising=False)
+
+    upgraded = _db(capsys, "upgrade", "--database-url", url)
+    current = _db(capsys, "current", "--database-url", url)
+
+    assert upgraded[0] == current[0] == 0
+    assert upgraded[1].endswith(f": upgraded from empty to {head()}")
+    assert current[1].endswith(f": revision {head()} (head)")
+    assert current[1].startswith("postgresql://") and ":***@" in current[1]
+    assert str(password) not in "".join(upgraded[1:] + current[1:])
+
+
+def test_db_without_a_subcommand_shows_its_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["db"]) == 2
+    out = capsys.readouterr().out
+    assert "current" in out and "upgrade" in out
 
 
 async def test_two_databases_upgrading_together_in_one_process_each_get_every_table(
