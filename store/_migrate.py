@@ -69,10 +69,8 @@ class Upgrade:
 
 
 def alembic_config(connection: Connection | None = None) -> Config:
-    """Alembic's configuration for the store's migrations, run on ``connection`` (tools and tests).
-
-    >>> command.downgrade(alembic_config(conn), FIRST)  # inside a transaction on a sync connection
-    """
+    """Alembic's configuration for the store's migrations on ``connection``, for tools and tests: e.g.
+    ``command.downgrade(alembic_config(conn), FIRST)`` in a transaction on a sync connection."""
     config = Config()
     config.set_main_option("script_location", "store:migrations")
     if connection is not None:
