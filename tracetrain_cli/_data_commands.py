@@ -53,20 +53,25 @@ def _default_data_dir() -> Path:
     return Path(os.environ.get("TRACETRAIN_DATA_DIR") or Settings.model_fields["data_dir"].default)
 
 
-def _store_flags(p: argparse.ArgumentParser) -> None:
+def add_store_flags(p: argparse.ArgumentParser) -> None:
+    """--data-dir and --database-url, as every command that opens the store takes them (see ``store_url``)."""
     p.add_argument(
         "--data-dir",
         type=Path,
         default=None,
-        help="the data directory `tracetrain serve` used; its SQLite store is read (default $TRACETRAIN_DATA_DIR, "
-        "else .tracetrain)",
+        help="the data directory `tracetrain serve` used; its SQLite store DATA_DIR/tracetrain.db is opened "
+        "(default $TRACETRAIN_DATA_DIR, else .tracetrain)",
     )
     p.add_argument(
         "--database-url",
         metavar="URL",
-        help="read this store instead, e.g. postgresql+asyncpg://user@host/db (default $TRACETRAIN_DATABASE_URL, "
+        help="open this store instead, e.g. postgresql+asyncpg://user@host/db (default $TRACETRAIN_DATABASE_URL, "
         "else SQLite in the data directory)",
     )
+
+
+def _store_flags(p: argparse.ArgumentParser) -> None:
+    add_store_flags(p)
     p.add_argument("--policy", metavar="NAME", help="only trajectories of this policy (default: every policy)")
 
 
@@ -164,8 +169,8 @@ def add_sft_parser(sub: Any) -> None:
     )
 
 
-def _store(args: argparse.Namespace, command: str) -> tuple[str, Path]:
-    """The store's URL and the data directory; SystemExit when a SQLite store is not there."""
+def store_url(args: argparse.Namespace, command: str) -> tuple[str, Path]:
+    """The store's URL and the data directory from ``add_store_flags``; SystemExit when a SQLite store is not there."""
     data_dir = args.data_dir or _default_data_dir()
     url = args.database_url or os.environ.get("TRACETRAIN_DATABASE_URL")
     if url:
@@ -209,7 +214,7 @@ def run_export(args: argparse.Namespace) -> int:
     fmt = cast(ExportFormat, args.format or ("parquet" if suffix == ".parquet" else "jsonl"))
     if fmt == "parquet" and (problem := parquet_problem()):
         raise SystemExit(f"tracetrain export: {problem}; or pass --format jsonl")
-    url, data_dir = _store(args, "export")
+    url, data_dir = store_url(args, "export")
     where = ExportFilter(min_reward=args.min_reward, policy=args.policy)
     total, hint = asyncio.run(_count(url, where))
     if total == 0:
@@ -244,7 +249,7 @@ def run_sft(args: argparse.Namespace) -> int:
             f"tracetrain sft: needs the training extra ({', '.join(missing)} not installed): "
             "pip install 'tracetrain[train]'"
         )
-    url, data_dir = _store(args, "sft")
+    url, data_dir = store_url(args, "sft")
     where = ExportFilter(min_reward=args.min_reward, policy=args.policy)
     total, hint = asyncio.run(_count(url, where))
     if total == 0:

@@ -6,6 +6,7 @@ tracetrain model pull                                    fetch the default model
 tracetrain demo                                          the end-to-end demo (starts serve itself)
 tracetrain export --min-reward 0.5 -o best.parquet       captured trajectories as a dataset (JSONL or Parquet)
 tracetrain sft --min-reward 0.8                          a LoRA warm start from the best trajectories (TRL SFT)
+tracetrain db current | upgrade                          the store's schema revision; bring it to this release's
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 from pydantic import SecretStr, ValidationError
 
 from tracetrain_cli._data_commands import add_export_parser, add_sft_parser, run_export, run_sft
+from tracetrain_cli._db_commands import add_db_parser, run_db
 
 _DESCRIPTION = """\
 tracetrain: point an unmodified agent's OPENAI_BASE_URL at this proxy; every call is
@@ -376,6 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     model_parser = _model_parser(sub)
     add_export_parser(sub)
     add_sft_parser(sub)
+    db_parser = add_db_parser(sub)
     sub.add_parser(
         "demo",
         help="the end-to-end demo: an agent learns its task while it runs (make demo)",
@@ -397,6 +400,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_export(args)
     if args.command == "sft":
         return run_sft(args)
+    if args.command == "db":
+        if args.db_command is None:
+            db_parser.print_help()
+            return 2
+        return run_db(args)
     parser.print_help()
     return 2
 
