@@ -18,6 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import ConnectionPoolEntry
 
 import store._tables  # noqa: F401  (registers the tables)
+from store._migrate import upgrade
 
 SQLITE_PRAGMAS = ("journal_mode=WAL", "synchronous=NORMAL", "busy_timeout=10000", "foreign_keys=OFF")
 
@@ -43,8 +44,6 @@ async def connect(url: str, *, migrate: bool = True) -> AsyncEngine:
     if engine.dialect.name == "sqlite":
         event.listen(engine.sync_engine, "connect", _on_connect_sqlite)
     if migrate:
-        from store._migrate import upgrade
-
         try:
             await upgrade(engine)
         except BaseException:

@@ -446,16 +446,16 @@ def test_the_rubric_can_come_from_a_file(tmp_path: Path) -> None:
 
 
 def test_serve_flags_choose_the_reward_source_and_the_judge(tmp_path: Path) -> None:
-    from tracetrain_cli._main import _serve_parser, _settings_from
+    from tracetrain_cli._serve_command import add_serve_parser, settings_from
 
     parser = argparse.ArgumentParser()
-    _serve_parser(parser.add_subparsers(dest="command"))
+    add_serve_parser(parser.add_subparsers(dest="command"))
     (tmp_path / "rubric.md").write_text("Be right.")
     args = parser.parse_args(
         ["serve", "--reward-source", "judge", "--judge-model", "anthropic/claude-x", "--judge-rubric",
          f"@{tmp_path / 'rubric.md'}"]
     )  # fmt: skip
-    settings = _settings_from(args)
+    settings = settings_from(args)
     assert (settings.reward_source, settings.judge_model, settings.judge_rubric) == (
         "judge",
         "anthropic/claude-x",

@@ -40,7 +40,7 @@ from proxy.observability._langfuse import (
     trace_id,
 )
 from store import CallWrite
-from tracetrain_cli._main import _serve_parser, _settings_from
+from tracetrain_cli._serve_command import add_serve_parser, settings_from
 
 LANGFUSE = "https://langfuse.test"
 PUBLIC_KEY = "pk-lf-0a1b2c3d-public"
@@ -457,9 +457,9 @@ def test_langfuse_without_keys_refuses_to_start(no_langfuse_env: pytest.MonkeyPa
     with pytest.raises(ValidationError, match="LANGFUSE_PUBLIC_KEY and LANGFUSE_SECRET_KEY"):
         Settings(langfuse=True)
     parser = argparse.ArgumentParser()
-    _serve_parser(parser.add_subparsers())
+    add_serve_parser(parser.add_subparsers())
     with pytest.raises(SystemExit, match="LANGFUSE_PUBLIC_KEY"):
-        _settings_from(parser.parse_args(["serve", "--langfuse", "--upstream", "http://127.0.0.1:9/v1"]))
+        settings_from(parser.parse_args(["serve", "--langfuse", "--upstream", "http://127.0.0.1:9/v1"]))
 
 
 def test_keys_and_server_come_from_the_usual_langfuse_variables(no_langfuse_env: pytest.MonkeyPatch) -> None:
@@ -467,8 +467,8 @@ def test_keys_and_server_come_from_the_usual_langfuse_variables(no_langfuse_env:
     no_langfuse_env.setenv("LANGFUSE_SECRET_KEY", SECRET_KEY)
     no_langfuse_env.setenv("LANGFUSE_HOST", "http://langfuse.internal:3000")
     parser = argparse.ArgumentParser()
-    _serve_parser(parser.add_subparsers())
-    settings = _settings_from(parser.parse_args(["serve", "--langfuse", "--upstream", "http://127.0.0.1:9/v1"]))
+    add_serve_parser(parser.add_subparsers())
+    settings = settings_from(parser.parse_args(["serve", "--langfuse", "--upstream", "http://127.0.0.1:9/v1"]))
     assert settings.langfuse is True
     assert settings.langfuse_public_key == PUBLIC_KEY
     assert settings.langfuse_secret_key.get_secret_value() == SECRET_KEY

