@@ -1,0 +1,108 @@
+"""Bad input never reaches a 500: schemathesis over the app's own OpenAPI, admin routes included.
+
+The real app runs on loopback in front of the fake vLLM, with a little real traffic in
+its store so that detail routes find something. Every generated request carries the
+admin token; every answer must be below 500, and every 4xx must be OpenAI's error shape.
+The dashboard's HTML pages are not in the schema, so they get hostile values by hand.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from urllib.parse import quote
+
+import httpx
+import pytest
+import schemathesis
+from conftest import RunningProxy
+from fake_vllm import FakeVLLM, serve_in_thread
+from fastapi.routing import APIRoute
+from hypothesis import HealthCheck, settings
+from schemathesis.checks import not_a_server_error
+
+from proxy import Settings, create_app
+
+ADMIN = "admin-" + "f" * 30
+BEARER = {"Authorization": f"Bearer {ADMIN}"}
+GROUP = "fuzz-group"
+
+# Built when the module is collected (no lifespan runs); the test below checks that the
+# running proxy serves this very document at /openapi.json.
+OPENAPI = create_app(Settings(admin_token=ADMIN)).openapi()
+schema = schemathesis.openapi.from_dict(OPENAPI)
+
+
+@pytest.fixture(scope="module")
+def seeded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningProxy]:
+    """The proxy with an admin token and one ready group of two rewarded trajectories."""
+    with ExitStack() as stack:
+        fake = FakeVLLM(emit_eos=True)
+        upstream = stack.enter_context(serve_in_thread(fake.app))
+        data: Path = tmp_path_factory.mktemp("fuzz")
+        settings_ = Settings(upstream=f"{upstream}/v1", data_dir=data, admin_token=ADMIN)
+        proxy = RunningProxy(stack.enter_context(serve_in_thread(create_app(settings_))), settings_, stack)
+        for trajectory, reward in (("fuzz-a", 1.0), ("fuzz-b", 0.0)):
+            client = proxy.client(default_headers={"X-Group-Id": GROUP, "X-Trajectory-Id": trajectory})
+            client.chat.completions.create(model="agent", messages=[{"role": "user", "content": "2+2?"}])
+            response = httpx.post(f"{proxy.v1}/rewards", json={"trajectory_id": trajectory, "reward": reward})
+            response.raise_for_status()
+        yield proxy
+
+
+@schemathesis.check
+def errors_are_openai_shaped(
+    ctx: schemathesis.CheckContext, response: schemathesis.Response, case: schemathesis.Case
+) -> bool:
+    """Every 4xx is ``{"error": {"message", "type", "param", "code"}}`` with a message."""
+    if not 400 <= response.status_code < 500:
+        return True
+    body = response.json()
+    assert isinstance(body, dict) and set(body) == {"error"}, response.text
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, response.text
+    assert isinstance(error["message"], str) and error["message"], response.text
+    return True
+
+
+def test_the_fuzzed_schema_is_the_one_the_proxy_serves(seeded: RunningProxy) -> None:
+    assert httpx.get(f"{seeded.url}/openapi.json").json() == OPENAPI
+
+
+@schema.parametrize()
+@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+def test_no_generated_request_is_answered_with_a_server_error(case: schemathesis.Case, seeded: RunningProxy) -> None:
+    case.call_and_validate(base_url=seeded.url, headers=BEARER, checks=[not_a_server_error, errors_are_openai_shaped])
+
+
+# -- the dashboard's pages, which the schema leaves out ----------------------------------------------
+
+HOSTILE = [str(10**30), "-1", "", "nan", "\x00", "²", "x" * 5000, "9" * 5000]
+# Every query parameter a page reads from request.query_params.
+PAGE_QUERY = ("policy", "group_id", "rewarded", "version", "since", "after", "state", "notice", "job", "next")
+PAGE_ROUTES = sorted(
+    (method, route.path)
+    for route in create_app(Settings(admin_token=ADMIN)).routes
+    if isinstance(route, APIRoute) and route.path.startswith("/admin") and not route.include_in_schema
+    for method in route.methods
+)
+
+
+@pytest.mark.parametrize(("method", "path"), PAGE_ROUTES, ids=[f"{m} {p}" for m, p in PAGE_ROUTES])
+def test_no_hostile_value_in_a_page_url_is_answered_with_a_server_error(
+    seeded: RunningProxy, method: str, path: str
+) -> None:
+    failures = []
+    with httpx.Client(base_url=seeded.url, headers=BEARER) as client:
+        for value in HOSTILE:
+            url = re.sub(r"\{\w+\}", quote(value, safe=""), path)
+            for params in [{}] if method == "POST" else [{name: value} for name in PAGE_QUERY]:
+                try:
+                    status = client.request(method, url, params=params).status_code
+                except httpx.TransportError as exc:  # the server dropped the connection
+                    status = type(exc).__name__
+                if not isinstance(status, int) or status >= 500:
+                    failures.append(f"{method} {url[:60]} {str(params)[:60]}: {status}")
+    assert not failures, "\n".join(failures)
