@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
 from pydantic import ValidationError
 from sqlalchemy import and_, case, func, or_, select
 
+from proxy._params import MAX_INT
 from proxy.data._wire import RewardBatch, RewardPost, call_view, group_view, reward_view, trajectory_view
 from proxy.errors import InvalidRequest, TrajectoryNotFound
 from store._store import C, G, R, RewardIn, Store, T
 
 GROUP_STATES = ("open", "ready", "training", "trained", "failed")
+# ASCII digits, few enough for int() and the store: str.isdigit() also takes "²".
+_PK_CURSOR = re.compile(r"[0-9]{1,10}")
 
 
 async def post_rewards(store: Store, raw: bytes) -> dict[str, Any]:
@@ -65,7 +69,7 @@ async def list_trajectories(
     if rewarded is not None:
         query = query.where(T.c.reward.is_not(None) if rewarded else T.c.reward.is_(None))
     if after is not None:
-        if not after.isdigit():
+        if not _PK_CURSOR.fullmatch(after) or int(after) > MAX_INT:
             raise InvalidRequest("'after' must be a cursor returned as next_cursor.", param="after")
         query = query.where(T.c.pk < int(after))
     async with store.engine.connect() as conn:
