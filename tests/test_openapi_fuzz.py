@@ -8,10 +8,12 @@ The dashboard's HTML pages are not in the schema, so they get hostile values by 
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import httpx
@@ -29,10 +31,23 @@ ADMIN = "admin-" + "f" * 30
 BEARER = {"Authorization": f"Bearer {ADMIN}"}
 GROUP = "fuzz-group"
 
+# What the seeded store holds, offered as examples so that detail routes also find something.
+SEEDED = {"trajectory_id": "fuzz-a", "group_id": GROUP, "version": 0}
+
+
+def with_seeded_examples(openapi: dict[str, Any]) -> dict[str, Any]:
+    openapi = copy.deepcopy(openapi)
+    for operation in (op for path in openapi["paths"].values() for op in path.values()):
+        for parameter in operation.get("parameters", []):
+            if parameter["in"] == "path" and parameter["name"] in SEEDED:
+                parameter["example"] = SEEDED[parameter["name"]]
+    return openapi
+
+
 # Built when the module is collected (no lifespan runs); the test below checks that the
 # running proxy serves this very document at /openapi.json.
 OPENAPI = create_app(Settings(admin_token=ADMIN)).openapi()
-schema = schemathesis.openapi.from_dict(OPENAPI)
+schema = schemathesis.openapi.from_dict(with_seeded_examples(OPENAPI))
 
 
 @pytest.fixture(scope="module")
