@@ -39,6 +39,7 @@ def test_invalid_json_is_a_400(proxy: RunningProxy) -> None:
         ({"model": "agent", "messages": []}, "messages"),
         ({"model": "agent", "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
         ({"model": "agent", "messages": MESSAGES, "max_tokens": 0}, "max_tokens"),
+        ({"model": "agent", "messages": MESSAGES, "n": 2**40}, "n"),  # the fake would make 2**40 choices
         ({"messages": MESSAGES}, "model"),
     ],
 )
