@@ -91,7 +91,7 @@ def test_the_fuzzed_schema_is_the_one_the_proxy_serves(seeded: RunningProxy) -> 
 
 
 @schema.parametrize()
-@hypothesis.settings(max_examples=30, deadline=None, derandomize=True)
+@hypothesis.settings(max_examples=25, deadline=None, derandomize=True)
 def test_no_generated_request_is_answered_with_a_server_error(case: schemathesis.Case, seeded: RunningProxy) -> None:
     case.call_and_validate(base_url=seeded.url, headers=BEARER, checks=[not_a_server_error, errors_are_openai_shaped])
 
@@ -117,7 +117,8 @@ def test_no_hostile_value_in_an_unlisted_route_url_is_answered_with_a_server_err
     with httpx.Client(base_url=seeded.url, headers=BEARER) as client:
         for value in HOSTILE:
             url = re.sub(r"\{\w+\}", quote(value, safe=""), path)
-            for params in [{}] if method == "POST" else [{name: value} for name in PAGE_QUERY]:
+            page = method == "GET" and path.startswith("/admin")
+            for params in [{name: value} for name in PAGE_QUERY] if page else [{}]:
                 try:
                     status = client.request(method, url, params=params).status_code
                 except httpx.TransportError as exc:  # the server dropped the connection
