@@ -22,7 +22,7 @@ from proxy._settings import Settings, is_loopback
 from proxy.admin import _dashboard as _dashboard_routes
 from proxy.admin import _routes as _admin_routes
 from proxy.admin._auth import AdminAuth
-from proxy.admin._dashboard import PageResponse
+from proxy.admin._dashboard import PageResponse, bad_page_request
 from proxy.admin._token_texts import TokenTexts
 from proxy.data import _routes as _data_routes
 from proxy.errors import InvalidRequest, NotFound, ProxyError, UpstreamError, error_body
@@ -162,8 +162,9 @@ def _add_error_handlers(app: FastAPI) -> None:
         return exc.response  # a dashboard page's refusal or error page, already rendered
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_request: Request, exc: RequestValidationError) -> Response:
-        return error_response(InvalidRequest.from_validation(exc.errors()))
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        error = InvalidRequest.from_validation(exc.errors())
+        return bad_page_request(request, error) or error_response(error)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:

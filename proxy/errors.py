@@ -1,7 +1,7 @@
 """Every error the proxy raises, and how each leaves it in OpenAI's shape.
 
     ProxyError                      status, type, code -> {"error": {message, type, param, code}}
-    ├── InvalidRequest              400 invalid_request_error (bad JSON, bad fields, non-finite reward)
+    ├── InvalidRequest              400 invalid_request_error (bad JSON, fields, path or query values)
     ├── AuthenticationFailed        401 authentication_error
     ├── PermissionDenied            403 permission_error
     ├── NotFound                    404 not_found_error

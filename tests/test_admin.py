@@ -299,6 +299,30 @@ def test_trajectories_filter_by_reward_version_and_time_and_page(proxy: RunningP
     assert bad.status_code == 400 and "next_cursor" in bad.text
 
 
+@pytest.mark.parametrize(
+    ("path", "params", "param"),
+    [
+        ("/admin/ui/trajectories", {"version": str(10**30)}, "version"),
+        ("/admin/ui/trajectories", {"group_id": "g\x00"}, "group_id"),
+        ("/admin/ui/groups", {"after": "\x00"}, "after"),
+        ("/admin/ui/trajectories/t%00", {}, "trajectory_id"),
+    ],
+)
+def test_a_bad_value_in_a_page_url_is_an_error_page_naming_it(
+    start_proxy, path: str, params: dict[str, str], param: str
+) -> None:
+    proxy = start_proxy(admin_token=ADMIN)
+    response = httpx.get(f"{proxy.url}{path}", params=params, headers=BEARER)
+    assert response.status_code == 400 and response.headers["content-type"].startswith("text/html")
+    assert f"Invalid value for &#39;{param}&#39;" in response.text
+
+
+def test_an_empty_filter_in_the_form_is_no_filter(proxy: RunningProxy) -> None:
+    attempt(proxy, "task", "e1")
+    page = httpx.get(f"{proxy.url}/admin/ui/trajectories", params={"policy": "", "version": "", "group_id": ""})
+    assert page.status_code == 200 and ">e1<" in page.text
+
+
 def test_the_overview_counts_traffic_data_and_serving(proxy: RunningProxy, fake: FakeVLLM) -> None:
     attempt(proxy, "task A", "o1", reward=1.0, **{"X-Group-Id": "og"})
     attempt(proxy, "task A", "o2", reward=0.0, **{"X-Group-Id": "og"})

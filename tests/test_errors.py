@@ -39,6 +39,7 @@ def test_invalid_json_is_a_400(proxy: RunningProxy) -> None:
         ({"model": "agent", "messages": []}, "messages"),
         ({"model": "agent", "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
         ({"model": "agent", "messages": MESSAGES, "max_tokens": 0}, "max_tokens"),
+        ({"model": "agent", "messages": MESSAGES, "n": 2**40}, "n"),  # the fake would make 2**40 choices
         ({"messages": MESSAGES}, "model"),
     ],
 )
@@ -121,3 +122,57 @@ def test_unknown_route_is_an_openai_404(proxy: RunningProxy) -> None:
 def test_health_and_readiness(proxy: RunningProxy, fake: FakeVLLM) -> None:
     assert httpx.get(f"{proxy.url}/healthz").json() == {"status": "ok"}
     assert httpx.get(f"{proxy.url}/readyz").json()["base_model"] == fake.base_model
+
+
+# -- path and query parameters are validated like bodies -------------------------------------------
+
+HUGE = str(10**30)
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "param"),
+    [
+        ("GET", f"/admin/trajectories?version={HUGE}", "version"),
+        ("GET", "/admin/trajectories?version=-1", "version"),
+        ("GET", f"/admin/jobs?limit={HUGE}", "limit"),
+        ("GET", "/v1/trajectories?limit=-1", "limit"),
+        ("GET", f"/v1/trajectories?after={HUGE}", "after"),
+        ("GET", f"/admin/trajectories?after={'9' * 5000}", "after"),
+        ("GET", "/admin/trajectories?after=%C2%B2", "after"),  # "²" is a digit to str.isdigit, not to int()
+        ("GET", "/v1/groups?after=%00", "after"),
+        ("GET", "/admin/trajectories?created_after=nan", "created_after"),
+        ("GET", "/admin/trajectories?created_before=inf", "created_before"),
+        ("GET", "/admin/trajectories?created_after=1e400", "created_after"),
+        ("GET", "/v1/groups?state=cooking", "state"),
+        ("GET", "/admin/judgements?state=cooking", "state"),
+        ("GET", "/v1/trajectories?group_id=g%00", "group_id"),
+        ("GET", "/admin/groups?policy=", "policy"),
+        ("GET", "/v1/trajectories/t%00", "trajectory_id"),
+        ("GET", f"/admin/groups/{'g' * 5000}", "group_id"),
+        ("POST", "/admin/groups/g%00/judge", "group_id"),
+        ("POST", f"/admin/adapters/{HUGE}/activate", "version"),
+        ("POST", "/admin/adapters/-1/activate", "version"),
+    ],
+)
+def test_bad_path_and_query_values_are_a_400_naming_the_parameter(
+    proxy: RunningProxy, method: str, path: str, param: str
+) -> None:
+    error = assert_openai_error(httpx.request(method, f"{proxy.url}{path}"), 400)
+    assert (error["type"], error["param"]) == ("invalid_request_error", param)
+
+
+@pytest.mark.parametrize("model", ["agent@²", f"agent@{'9' * 5000}", f"agent@{HUGE}"])
+def test_a_pinned_version_that_is_no_number_we_serve_is_a_404(proxy: RunningProxy, model: str) -> None:
+    response = httpx.post(f"{proxy.v1}/chat/completions", json={"model": model, "messages": MESSAGES})
+    assert assert_openai_error(response, 404)["code"] == "model_not_found"
+
+
+def test_a_reward_for_an_id_with_a_nul_byte_is_a_400(proxy: RunningProxy) -> None:
+    response = httpx.post(f"{proxy.v1}/rewards", json={"trajectory_id": "t\x00", "reward": 1.0})
+    assert assert_openai_error(response, 400)["param"] == "trajectory_id"
+
+
+def test_a_wrong_method_is_an_openai_405(proxy: RunningProxy) -> None:
+    response = httpx.delete(f"{proxy.v1}/models")
+    assert assert_openai_error(response, 405)["type"] == "invalid_request_error"
+    assert response.headers["allow"] == "GET"

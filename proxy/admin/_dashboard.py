@@ -19,14 +19,17 @@ from typing import Annotated, Any, TypeVar
 from urllib.parse import quote, urlencode
 
 from fastapi import APIRouter, Form, Request
+from fastapi.routing import APIRoute
 from fastapi.templating import Jinja2Templates
+from pydantic import TypeAdapter, ValidationError
 from starlette.responses import RedirectResponse, Response
 
 from proxy._deps import Services, ServicesDep
+from proxy._params import Cursor, Id, Version
 from proxy.admin import _service as _admin
 from proxy.admin._auth import COOKIE, SESSION_S, Admin, AdminAuth, cookie_is_secure
 from proxy.admin._svg import line_chart
-from proxy.errors import AuthenticationFailed, ProxyError
+from proxy.errors import AuthenticationFailed, InvalidRequest, ProxyError
 
 router = APIRouter(prefix="/admin", include_in_schema=False)
 _T = TypeVar("_T")
@@ -109,12 +112,38 @@ def _error_page(request: Request, exc: ProxyError, title: str) -> Response:
     return _render(request, "error.html", exc.status_code, title=title, error=exc.message)
 
 
+def bad_page_request(request: Request, exc: ProxyError) -> Response | None:
+    """The error page for a page or form action whose URL or form failed validation; None for any other route."""
+    route = request.scope.get("route")
+    pages = [page.endpoint for page in router.routes if isinstance(page, APIRoute)]
+    if not isinstance(route, APIRoute) or route.endpoint not in pages:
+        return None
+    return _error_page(request, exc, "Bad request")
+
+
 async def _or_error_page(request: Request, result: Awaitable[_T], title: str) -> _T:
     """The service's result; its error (an unknown id, a bad filter) as an HTML page."""
     try:
         return await result
     except ProxyError as exc:
         raise PageResponse(_error_page(request, exc, title)) from None
+
+
+def _filter(request: Request, name: str, adapter: TypeAdapter[_T]) -> _T | None:
+    """A filter from a page's form, typed as the JSON twin types it: empty is no filter, a bad one a 400 page."""
+    raw = request.query_params.get(name) or None
+    if raw is None:
+        return None
+    try:
+        return adapter.validate_python(raw)
+    except ValidationError as exc:
+        error = InvalidRequest.from_validation([{**exc.errors()[0], "loc": (name,)}])
+        raise PageResponse(_error_page(request, error, "Bad filter")) from None
+
+
+_ID: TypeAdapter[str] = TypeAdapter(Id)
+_VERSION: TypeAdapter[int] = TypeAdapter(Version)
+_CURSOR: TypeAdapter[str | None] = TypeAdapter(Cursor)
 
 
 def _safe_next(path: str) -> str:
@@ -194,20 +223,19 @@ async def overview(request: Request, services: ServicesDep) -> Response:
 @router.get("/ui/trajectories")
 async def trajectories(request: Request, services: ServicesDep) -> Response:
     q = request.query_params
+    admin = _admit(request)
     rewarded = {"true": True, "false": False}.get(q.get("rewarded", ""))
-    version = int(q["version"]) if q.get("version", "").isdigit() else None
     since = q.get("since", "") if q.get("since", "") in _SINCE else ""
     seconds = _SINCE[since]
     filters: dict[str, Any] = {
-        "policy": q.get("policy") or None,
-        "group_id": q.get("group_id") or None,
+        "policy": _filter(request, "policy", _ID),
+        "group_id": _filter(request, "group_id", _ID),
         "rewarded": rewarded,
-        "version": version,
+        "version": _filter(request, "version", _VERSION),
         "created_after": time.time() - seconds if seconds else None,
         "created_before": None,
     }
-    admin = _admit(request)
-    listing = _admin.list_trajectories(services, **filters, limit=50, after=q.get("after") or None)
+    listing = _admin.list_trajectories(services, **filters, limit=50, after=_filter(request, "after", _CURSOR))
     page = await _or_error_page(request, listing, "Bad filter")
     shown = {k: v for k, v in {**q, "after": page["next_cursor"]}.items() if v}
     return _page(
@@ -218,7 +246,7 @@ async def trajectories(request: Request, services: ServicesDep) -> Response:
 
 
 @router.get("/ui/trajectories/{trajectory_id}")
-async def trajectory(trajectory_id: str, request: Request, services: ServicesDep) -> Response:
+async def trajectory(trajectory_id: Id, request: Request, services: ServicesDep) -> Response:
     admin = _admit(request)
     detail = await _or_error_page(request, _admin.trajectory_detail(services, trajectory_id), "Not found")
     for call in detail["calls"]:
@@ -246,10 +274,10 @@ def _token_rows(call: dict[str, Any]) -> list[dict[str, Any]]:
 
 @router.get("/ui/groups")
 async def groups(request: Request, services: ServicesDep) -> Response:
-    q = request.query_params
-    state = q.get("state") or None
+    state = request.query_params.get("state") or None
     admin = _admit(request)
-    listing = _admin.list_groups(services, policy=None, state=state, limit=50, after=q.get("after") or None)
+    after = _filter(request, "after", _CURSOR)
+    listing = _admin.list_groups(services, policy=None, state=state, limit=50, after=after)
     page = await _or_error_page(request, listing, "Bad filter")
     shown = {k: v for k, v in {"state": state, "after": page["next_cursor"]}.items() if v}
     return _page(
@@ -259,7 +287,7 @@ async def groups(request: Request, services: ServicesDep) -> Response:
 
 
 @router.get("/ui/groups/{group_id}")
-async def group(group_id: str, request: Request, services: ServicesDep) -> Response:
+async def group(group_id: Id, request: Request, services: ServicesDep) -> Response:
     admin = _admit(request)
     detail = await _or_error_page(request, _admin.group_detail(services, group_id), "Not found")
     return _page(request, services, admin, "group.html", "Groups", g=detail)
@@ -267,7 +295,7 @@ async def group(group_id: str, request: Request, services: ServicesDep) -> Respo
 
 @router.post("/ui/groups/{group_id}/judge")
 async def judge_group(
-    group_id: str, request: Request, services: ServicesDep, csrf_token: Annotated[str, Form()] = ""
+    group_id: Id, request: Request, services: ServicesDep, csrf_token: Annotated[str, Form()] = ""
 ) -> Response:
     _admit(request, csrf_token)
     judgement = await _or_error_page(request, services.judging.judge_group(group_id), "Not judged")
@@ -313,7 +341,7 @@ async def _adapters_page(
 
 @router.post("/ui/adapters/{version}/activate")
 async def activate(
-    version: int, request: Request, services: ServicesDep, csrf_token: Annotated[str, Form()] = ""
+    version: Version, request: Request, services: ServicesDep, csrf_token: Annotated[str, Form()] = ""
 ) -> Response:
     admin = _admit(request, csrf_token)
     try:

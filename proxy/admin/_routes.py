@@ -9,16 +9,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Path, Query
+from fastapi import APIRouter, Depends, Query
 
 from proxy._deps import ServicesDep, require_admin
+from proxy._params import Cursor, GroupViewState, Id, Limit, UnixTime, Version
 from proxy.admin import _service as _admin
 from proxy.errors import InvalidRequest
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], tags=["admin"])
-
-Limit = Annotated[int, Query(ge=1, le=1000, description="Items per page.")]
-After = Annotated[str | None, Query(description="The next_cursor of the previous page.")]
 
 
 @router.get("/overview")
@@ -31,14 +29,14 @@ async def overview(services: ServicesDep) -> dict[str, Any]:
 @router.get("/trajectories")
 async def list_trajectories(
     services: ServicesDep,
-    policy: str | None = None,
-    group_id: str | None = None,
+    policy: Id | None = None,
+    group_id: Id | None = None,
     rewarded: bool | None = None,
-    version: Annotated[int | None, Query(ge=0, description="The version of the trajectory's last call.")] = None,
-    created_after: Annotated[float | None, Query(description="Unix seconds.")] = None,
-    created_before: Annotated[float | None, Query(description="Unix seconds.")] = None,
+    version: Annotated[Version | None, Query(description="The version of the trajectory's last call.")] = None,
+    created_after: UnixTime = None,
+    created_before: UnixTime = None,
     limit: Limit = 50,
-    after: After = None,
+    after: Cursor = None,
 ) -> dict[str, Any]:
     """Trajectories, newest first, filtered."""
     return await _admin.list_trajectories(
@@ -48,7 +46,7 @@ async def list_trajectories(
 
 
 @router.get("/trajectories/{trajectory_id}")
-async def get_trajectory(trajectory_id: str, services: ServicesDep) -> dict[str, Any]:
+async def get_trajectory(trajectory_id: Id, services: ServicesDep) -> dict[str, Any]:
     """One trajectory: its calls in order (each with the messages it added, its reply, token ids, the text of
     every completion token and its sampling logprob) and every reward posted for it."""
     return await _admin.trajectory_detail(services, trajectory_id)
@@ -57,17 +55,17 @@ async def get_trajectory(trajectory_id: str, services: ServicesDep) -> dict[str,
 @router.get("/groups")
 async def list_groups(
     services: ServicesDep,
-    policy: str | None = None,
-    state: Annotated[str | None, Query(description="open, ready, training, trained or failed")] = None,
+    policy: Id | None = None,
+    state: GroupViewState | None = None,
     limit: Limit = 50,
-    after: After = None,
+    after: Cursor = None,
 ) -> dict[str, Any]:
     """Groups with their size, reward mean and std, and state."""
     return await _admin.list_groups(services, policy=policy, state=state, limit=limit, after=after)
 
 
 @router.get("/groups/{group_id}")
-async def get_group(group_id: str, services: ServicesDep) -> dict[str, Any]:
+async def get_group(group_id: Id, services: ServicesDep) -> dict[str, Any]:
     """A group's members side by side: reward, advantage (scaled and centered, as the trainer computes them),
     final answer, the judge's score and explanation; and the group's judgements (ok or failed, with why)."""
     return await _admin.group_detail(services, group_id)
@@ -98,7 +96,7 @@ async def train_now(services: ServicesDep) -> dict[str, Any]:
 
 
 @router.post("/adapters/{version}/activate")
-async def activate(version: Annotated[int, Path(ge=0)], services: ServicesDep) -> dict[str, Any]:
+async def activate(version: Version, services: ServicesDep) -> dict[str, Any]:
     """Serve `version` as the policy (0 is the base model): a rollback or a roll forward."""
     active = await services.publisher.activate(version)
     return {"object": "policy", "policy": services.registry.policy, "active_version": active}

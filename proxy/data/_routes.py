@@ -2,36 +2,27 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Request
 
 from proxy._deps import ServicesDep, require_reward_key
+from proxy._params import Cursor, GroupViewState, Id, Limit, json_body
 from proxy.data import _service as _data
-from proxy.data._wire import RewardPost
+from proxy.data._wire import RewardBatch, RewardPost
 from proxy.judge._service import refuse_external_rewards
 
 router = APIRouter(dependencies=[Depends(require_reward_key)], tags=["data"])
 
-Limit = Annotated[int, Query(ge=1, le=1000, description="Items per page.")]
-After = Annotated[str | None, Query(description="The next_cursor of the previous page.")]
-
 # The body is parsed by the service (one form or the batch form, with errors that say
 # which); this only documents it.
-_REWARD_BODY = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "application/json": {
-                "schema": RewardPost.model_json_schema(),
-                "examples": {
-                    "one": {"value": {"trajectory_id": "traj-1", "reward": 1.0, "metrics": {"correct": 1.0}}},
-                    "batch": {"value": {"rewards": [{"trajectory_id": "traj-1", "reward": 0.5}]}},
-                },
-            }
-        },
-    }
-}
+_REWARD_BODY = json_body(
+    RewardPost | RewardBatch,
+    {
+        "one": {"trajectory_id": "traj-1", "reward": 1.0, "metrics": {"correct": 1.0}},
+        "batch": {"rewards": [{"trajectory_id": "traj-1", "reward": 0.5}]},
+    },
+)
 
 
 @router.post("/v1/rewards", openapi_extra=_REWARD_BODY)
@@ -51,11 +42,11 @@ async def post_rewards(request: Request, services: ServicesDep) -> dict[str, Any
 @router.get("/v1/trajectories")
 async def list_trajectories(
     services: ServicesDep,
-    group_id: str | None = None,
-    policy: str | None = None,
+    group_id: Id | None = None,
+    policy: Id | None = None,
     rewarded: bool | None = None,
     limit: Limit = 20,
-    after: After = None,
+    after: Cursor = None,
 ) -> dict[str, Any]:
     """Captured trajectories, newest first."""
     return await _data.list_trajectories(
@@ -64,7 +55,7 @@ async def list_trajectories(
 
 
 @router.get("/v1/trajectories/{trajectory_id}")
-async def get_trajectory(trajectory_id: str, services: ServicesDep) -> dict[str, Any]:
+async def get_trajectory(trajectory_id: Id, services: ServicesDep) -> dict[str, Any]:
     """One trajectory with its calls in order: requests, responses, token ids and logprobs."""
     return await _data.get_trajectory(services.store, trajectory_id)
 
@@ -72,10 +63,10 @@ async def get_trajectory(trajectory_id: str, services: ServicesDep) -> dict[str,
 @router.get("/v1/groups")
 async def list_groups(
     services: ServicesDep,
-    policy: str | None = None,
-    state: Annotated[str | None, Query(description="open, ready, training, trained or failed")] = None,
+    policy: Id | None = None,
+    state: GroupViewState | None = None,
     limit: Limit = 20,
-    after: After = None,
+    after: Cursor = None,
 ) -> dict[str, Any]:
     """Groups with their size, rewards and state; `ready` means all rewarded and big enough."""
     return await _data.list_groups(

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
 from pydantic import ValidationError
 
+from proxy._params import MAX_INT
 from proxy.data._wire import RewardBatch, RewardPost, call_view, group_view, reward_view, trajectory_view
 from proxy.errors import InvalidRequest, TrajectoryNotFound, from_store_error
 from store import GROUP_VIEW_STATES, RewardIn, Store, TrajectoryFilter, UnknownTrajectories
+
+# ASCII digits, few enough for int() and the store: str.isdigit() also takes "²".
+_PK_CURSOR = re.compile(r"[0-9]{1,10}")
 
 
 async def post_rewards(store: Store, raw: bytes) -> dict[str, Any]:
@@ -53,7 +58,7 @@ async def list_trajectories(
 ) -> dict[str, Any]:
     cursor = None
     if after is not None:
-        if not after.isdigit():
+        if not _PK_CURSOR.fullmatch(after) or int(after) > MAX_INT:
             raise InvalidRequest("'after' must be a cursor returned as next_cursor.", param="after")
         cursor = int(after)
     where = TrajectoryFilter(group_id, policy, rewarded, version, created_after, created_before)

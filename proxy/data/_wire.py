@@ -7,6 +7,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat
 
+from proxy._params import Id
 from store import Call
 
 # A JSON number that is finite and not a boolean or a string.
@@ -16,7 +17,7 @@ Finite = Annotated[StrictFloat, Field(allow_inf_nan=False)]
 class RewardPost(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    trajectory_id: str = Field(min_length=1, max_length=512)
+    trajectory_id: Id
     reward: Finite
     metrics: dict[str, Finite] = Field(default_factory=dict)
 

@@ -7,6 +7,7 @@ a live name is never reloaded, so the prefix cache never serves an old policy.
 
 from __future__ import annotations
 
+import re
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -15,6 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.errors import ModelNotFound, UpstreamNotReady
+
+# ASCII digits, few enough for int(): str.isdigit() also takes "²", and int() refuses 4,300 digits.
+_PINNED = re.compile(r"[0-9]{1,10}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +63,7 @@ class PolicyRegistry:
             )
         if not sep:
             version = self.active_version
-        elif pinned.isdigit() and int(pinned) in self.loaded_versions:
+        elif _PINNED.fullmatch(pinned) and int(pinned) in self.loaded_versions:
             version = int(pinned)
         else:
             loaded = ", ".join(f"{self.policy}@{v}" for v in sorted(self.loaded_versions))

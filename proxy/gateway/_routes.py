@@ -9,14 +9,21 @@ from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
 from proxy._deps import ServicesDep, require_inference_key
+from proxy._params import ID_PATTERN, json_body
 from proxy.errors import InvalidRequest, UpstreamError
 from proxy.gateway._capture import Endpoint
 from proxy.gateway._keying import KeyHints
+from proxy.gateway._wire import ChatCompletionRequest, CompletionRequest
 
 router = APIRouter(dependencies=[Depends(require_inference_key)], tags=["openai"])
 
 PREFIXES = ("", "/t/{trajectory_id}", "/g/{group_id}/t/{trajectory_id}")
-_ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,200}$")
+_ID = re.compile(ID_PATTERN)
+# Bodies are forwarded as sent and validated by the forwarder; these only document them.
+_CHAT_BODY = json_body(
+    ChatCompletionRequest, {"chat": {"model": "agent", "messages": [{"role": "user", "content": "2+2?"}]}}
+)
+_COMPLETION_BODY = json_body(CompletionRequest, {"completion": {"model": "agent", "prompt": "2+2=", "max_tokens": 4}})
 
 
 def _checked(value: str | None, name: str) -> str | None:
@@ -62,7 +69,11 @@ async def list_models(services: ServicesDep) -> dict[str, object]:
 
 for _prefix in PREFIXES:
     router.add_api_route(
-        f"{_prefix}/v1/chat/completions", chat_completions, methods=["POST"], include_in_schema=not _prefix
-    )
-    router.add_api_route(f"{_prefix}/v1/completions", completions, methods=["POST"], include_in_schema=not _prefix)
+        f"{_prefix}/v1/chat/completions", chat_completions, methods=["POST"], include_in_schema=not _prefix,
+        openapi_extra=_CHAT_BODY,
+    )  # fmt: skip
+    router.add_api_route(
+        f"{_prefix}/v1/completions", completions, methods=["POST"], include_in_schema=not _prefix,
+        openapi_extra=_COMPLETION_BODY,
+    )  # fmt: skip
     router.add_api_route(f"{_prefix}/v1/models", list_models, methods=["GET"], include_in_schema=not _prefix)

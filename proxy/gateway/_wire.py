@@ -12,6 +12,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# OpenAI's own limit on choices per request; without one, n=2**40 reaches vLLM as a request.
+MAX_N = 128
+
 
 class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -35,7 +38,7 @@ class ChatCompletionRequest(_Open):
     logprobs: bool | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     max_tokens: int | None = Field(default=None, ge=1)
-    n: int | None = Field(default=None, ge=1)
+    n: int | None = Field(default=None, ge=1, le=MAX_N)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     tools: list[dict[str, Any]] | None = None
@@ -49,7 +52,7 @@ class CompletionRequest(_Open):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0)
     max_tokens: int | None = Field(default=None, ge=1)
-    n: int | None = Field(default=None, ge=1)
+    n: int | None = Field(default=None, ge=1, le=MAX_N)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     # vLLM's extension: the client itself wants token ids back.

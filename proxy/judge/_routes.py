@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends
 
 from proxy._deps import ServicesDep, require_admin
+from proxy._params import Id, JudgementStateName, Limit
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], tags=["admin"])
 
 
 @router.post("/groups/{group_id}/judge")
-async def judge_group(group_id: str, services: ServicesDep) -> dict[str, Any]:
+async def judge_group(group_id: Id, services: ServicesDep) -> dict[str, Any]:
     """Ask the judge to score the group's trajectories now.
 
     Returns the judgement: `state` "ok" with a score and explanation per trajectory, or
@@ -26,9 +27,9 @@ async def judge_group(group_id: str, services: ServicesDep) -> dict[str, Any]:
 @router.get("/judgements")
 async def list_judgements(
     services: ServicesDep,
-    group_id: str | None = None,
-    state: Annotated[str | None, Query(description="ok or failed")] = None,
-    limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+    group_id: Id | None = None,
+    state: JudgementStateName | None = None,
+    limit: Limit = 50,
 ) -> dict[str, Any]:
     """Judgements, newest first: scores and explanations, or why the judge failed."""
     return await services.judging.list_judgements(group_id=group_id, state=state, limit=limit)
