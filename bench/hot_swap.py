@@ -12,7 +12,6 @@ a swap must not drop a request.
 from __future__ import annotations
 
 import argparse
-import socket
 import sqlite3
 import statistics
 import subprocess
@@ -25,29 +24,12 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _host import free_port, wait_http
 from tiny_model import build_tiny_lora, build_tiny_model
 
 from tracetrain_cli._vllm_process import VLLMLaunch, VLLMProcess
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_http(url: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise SystemExit(f"{url} did not come up")
 
 
 class Background(threading.Thread):
@@ -89,7 +71,7 @@ def main() -> int:
         )  # fmt: skip
         try:
             url = f"http://127.0.0.1:{proxy_port}"
-            wait_http(f"{url}/readyz")
+            wait_http(f"{url}/readyz", proxy, timeout_s=60)
             background = Background(f"{url}/v1/chat/completions")
             background.start()
             latencies = []

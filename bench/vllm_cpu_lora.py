@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from _host import free_port
 
 from tracetrain_cli._vllm_process import VLLMLaunch, VLLMProcess
 
@@ -49,12 +49,6 @@ FILLERS = ("fill1", "fill2", "fill3")  # with "bench" in slot 0, these take slot
 # are bf16 (steps of 0.0625-0.125 at their size here), so summing in another order can flip a tie.
 TIE_NATS = 0.25
 PLUGIN_LOG_LINE = "tracetrain_cpu_lora: grouped CPU LoRA ops installed"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def build_adapters(model_dir: str, out: Path, names: list[str]) -> dict[str, Path]:
