@@ -40,6 +40,7 @@ import orjson
 from sqlalchemy import ColumnElement, func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from store._conversation import first_choice, reply_message
 from store._store import C, T, connect
 
 ExportFormat = Literal["jsonl", "parquet"]
@@ -239,12 +240,11 @@ def _prompt_text(prompt: Any) -> str | None:
 
 
 def _response_message(response: Mapping[str, Any] | None, chat: bool) -> dict[str, Any] | None:
-    choices = (response or {}).get("choices") or []
-    first = next((c for c in choices if isinstance(c, dict) and c.get("index", 0) == 0), None)
+    first = first_choice(response)
     if first is None:
         return None
     if chat:
-        return message({"role": "assistant", **(first.get("message") or {})})
+        return message(reply_message(response) or {"role": "assistant"})
     return message({"role": "assistant", "content": first.get("text")})
 
 

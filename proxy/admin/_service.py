@@ -16,6 +16,7 @@ from proxy.data import _service as _data
 from proxy.data._wire import trajectory_view
 from proxy._deps import Services
 from proxy.errors import NotFound, ProxyError
+from store._conversation import common_prefix, reply_message, same_message
 from store._store import A, C, G, J, P, T
 
 _JOB_FIELDS = ("id", "policy", "state", "group_ids", "version", "metrics", "progress", "error", "worker",
@@ -86,34 +87,14 @@ async def trajectory_detail(services: Services, trajectory_id: str) -> dict[str,
         messages = call["request"].get("messages")
         if isinstance(messages, list):
             # Only what the agent added since the previous call; the rest is already shown above it.
-            same_start = len(previous) <= len(messages) and all(
-                _same_message(a, b) for a, b in zip(messages, previous, strict=False)
-            )
+            same_start = common_prefix(messages, previous, same=same_message) == len(previous)
             call["new_messages"] = messages[len(previous) :] if same_start else messages
-            reply = reply_message(call)
+            reply = reply_message(call.get("response"))
             previous = [*messages, reply] if reply else list(messages)
         else:
             call["new_messages"] = []
             previous = []
     return trajectory
-
-
-def _same_message(sent: Any, seen: Any) -> bool:
-    """The agent sent back a message it was given (vLLM's reply carries extra null fields)."""
-    if not isinstance(sent, dict) or not isinstance(seen, dict):
-        return False
-    return all(sent.get(k) == seen.get(k) for k in ("role", "content", "tool_call_id")) and (
-        (sent.get("tool_calls") or None) == (seen.get("tool_calls") or None)
-    )
-
-
-def reply_message(call: dict[str, Any]) -> dict[str, Any] | None:
-    response = call.get("response") or {}
-    choices = response.get("choices") or []
-    if not choices:
-        return None
-    message = choices[0].get("message")
-    return dict(message) if isinstance(message, dict) else None
 
 
 async def list_groups(services: Services, **filters: Any) -> dict[str, Any]:
@@ -145,7 +126,7 @@ async def group_detail(services: Services, group_id: str) -> dict[str, Any]:
     verdicts = {s["trajectory_id"]: s for s in judged["scores"]} if judged else {}
     rows = []
     for member, adv_c, adv_s in zip(members, centered, scaled, strict=True):
-        answer = reply_message({"response": last_calls.get(member.id)})
+        answer = reply_message(last_calls.get(member.id))
         verdict = verdicts.get(member.id, {})
         rows.append(
             {

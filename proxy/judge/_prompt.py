@@ -50,6 +50,8 @@ from typing import Annotated, Any
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
+from store._conversation import common_prefix, first_choice, reply_message
+
 DEFAULT_RUBRIC = """\
 - A trajectory that achieves the task's goal scores clearly higher than one that does not.
 - Between two that achieve it, the one that gets there more directly (fewer wasted steps, \
@@ -138,13 +140,11 @@ def call_messages(
         messages = [_message(m) for m in request.get("messages") or () if isinstance(m, dict)]
     else:
         messages = [{"role": "user", "content": _content(request.get("prompt"))}]
-    choices = (response or {}).get("choices") or []
-    if choices and isinstance(choices[0], dict):
-        first = choices[0]
-        if isinstance(first.get("message"), dict):
-            messages.append(_message(first["message"]))
-        else:
-            messages.append({"role": "assistant", "content": _content(first.get("text"))})
+    first, reply = first_choice(response), reply_message(response)
+    if reply is not None:
+        messages.append(_message(reply))
+    elif first is not None:
+        messages.append({"role": "assistant", "content": _content(first.get("text"))})
     else:
         messages.append({"role": "assistant", "content": f"[the call failed: {error or 'no reply'}]"})
     return messages
@@ -170,7 +170,7 @@ def build_prompt(trajectories: Sequence[TrajectoryText], rubric: str) -> JudgePr
     if not trajectories:
         raise ValueError("a group to judge has at least one trajectory")
     labels = [f"t{i + 1}" for i in range(len(trajectories))]
-    shared = _common_prefix([t.messages for t in trajectories])
+    shared = common_prefix(*(t.messages for t in trajectories))
     parts = []
     if shared:
         parts.append("<context>\n" + _render(trajectories[0].messages[:shared]) + "\n</context>")
@@ -187,15 +187,6 @@ def build_prompt(trajectories: Sequence[TrajectoryText], rubric: str) -> JudgePr
         {"role": "user", "content": "\n\n".join(parts)},
     ]
     return JudgePrompt(messages, labels, [t.trajectory_id for t in trajectories], shared)
-
-
-def _common_prefix(conversations: Sequence[list[dict[str, Any]]]) -> int:
-    first = conversations[0]
-    n = min(len(c) for c in conversations)
-    for i in range(n):
-        if any(c[i] != first[i] for c in conversations[1:]):
-            return i
-    return n
 
 
 def _render(messages: Sequence[dict[str, Any]]) -> str:
