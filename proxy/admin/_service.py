@@ -16,6 +16,7 @@ from proxy.data import _service as _data
 from proxy.data._wire import trajectory_view
 from proxy._deps import Services
 from proxy.errors import NotFound, ProxyError
+from store import _advantages
 from store._conversation import common_prefix, reply_message, same_message
 from store._store import A, C, G, J, P, T
 
@@ -154,17 +155,15 @@ def group_advantages(rewards: list[float | None]) -> tuple[list[float | None], l
     """Reward minus the group mean, and that over the population std: the trainer's two variants.
 
     None until every member is rewarded; 0.0 for a group whose rewards do not vary (the
-    trainer drops those: they carry no signal). See ``trainer._advantages``.
+    trainer drops those: they carry no signal). The math is ``store._advantages``, the trainer's.
     """
-    if not rewards or any(r is None for r in rewards):
+    values = [r for r in rewards if r is not None]
+    if not rewards or len(values) < len(rewards):
         return [None] * len(rewards), [None] * len(rewards)
-    values = [float(r) for r in rewards if r is not None]
-    mean = sum(values) / len(values)
-    std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
-    if len(values) < 2 or std <= 1e-6:
-        zeros: list[float | None] = [0.0] * len(values)
-        return zeros, list(zeros)
-    return [v - mean for v in values], [(v - mean) / std for v in values]
+    one_group = [0] * len(values)
+    centered: list[float | None] = [*_advantages.group_advantages(values, one_group, scale=False).advantages]
+    scaled: list[float | None] = [*_advantages.group_advantages(values, one_group, scale=True).advantages]
+    return centered, scaled
 
 
 async def list_jobs(services: Services, limit: int) -> dict[str, Any]:
