@@ -23,11 +23,10 @@ from fake_vllm import FakeVLLM, Reply
 from test_publishing import wait_for as publishing_wait_for
 
 from proxy import Settings
+from proxy.judge._client import Judge, JudgeFailed
 from proxy.judge._prompt import (
     DEFAULT_RUBRIC,
     InvalidJudgement,
-    Judge,
-    JudgeFailed,
     TrajectoryText,
     build_prompt,
     call_messages,

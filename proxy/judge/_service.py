@@ -65,10 +65,9 @@ from sqlalchemy import and_, bindparam, func, insert, or_, select, update
 from sqlmodel import SQLModel
 
 from proxy.data._wire import reward_view
+from proxy.judge._client import Judge, JudgeFailed
 from proxy.judge._prompt import (
     DEFAULT_RUBRIC,
-    Judge,
-    JudgeFailed,
     JudgePrompt,
     Score,
     TrajectoryText,
