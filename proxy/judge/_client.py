@@ -1,12 +1,13 @@
 """Asking the judge model through litellm, with bounded retries of our own.
 
-Retries (``Judge.judge``) are ours, with litellm's own off (``num_retries=0``), so every
-request is visible to tests: a rate limit, a timeout, a dropped connection or a 5xx is
-retried after an exponential backoff (``Retry-After`` honoured, capped); an invalid
-answer is retried at once with the error shown to the model; a provider refusing
-``response_format`` is asked again without it; any other error (a bad key, an unknown
-model, a prompt too long) fails at once. After ``max_attempts`` requests ``JudgeFailed``
-says why. Nothing here writes to the store: that is ``proxy.judge._service``.
+Retries (``Judge.judge``, through tenacity) are ours, with litellm's own off
+(``num_retries=0``), so every request is visible to tests: a rate limit, a timeout, a
+dropped connection or a 5xx is retried after an exponential backoff (``Retry-After``
+honoured, capped); an invalid answer is retried at once with the error shown to the
+model; a provider refusing ``response_format`` is asked again without it; any other error
+(a bad key, an unknown model, a prompt too long) fails at once. After ``max_attempts``
+requests ``JudgeFailed`` says why. Nothing here writes to the store: that is
+``proxy.judge._service``.
 
 litellm is imported on first use only, in a worker thread: it takes seconds, which must
 not stall the proxy's event loop, and most proxies never judge.
@@ -20,6 +21,8 @@ import random
 import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from proxy.judge._prompt import InvalidJudgement, JudgePrompt, Score, parse_scores
 
@@ -66,11 +69,15 @@ class Judge:
         backoff_s: float = 1.0,
         timeout_s: float = 120.0,
     ) -> None:
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
         self.model = model
         self.api_base = api_base
         self.max_attempts = max_attempts
         self.backoff_s = backoff_s
         self.timeout_s = timeout_s
+        # backoff_s, 2 backoff_s, 4 backoff_s ... after the 1st, 2nd, 3rd ... failed request, capped.
+        self._exponential = wait_exponential(multiplier=backoff_s, max=_MAX_BACKOFF_S)
 
     async def judge(self, prompt: JudgePrompt) -> Verdict:
         """Scores for every label in ``prompt``, or ``JudgeFailed`` after ``max_attempts`` requests."""
@@ -80,58 +87,90 @@ class Judge:
             raise JudgeFailed(
                 f"litellm is not installed ({exc}): pip install 'tracetrain[proxy]'", attempts=0, usage={}
             ) from exc
-        use_format = "response_format" in _supported_params(litellm, self.model)
-        messages = list(prompt.messages)
-        usage: dict[str, int] = {"prompt_tokens": 0, "completion_tokens": 0}
-        reason = "no attempt was made"
-        for attempt in range(1, self.max_attempts + 1):
-            try:
-                response = await litellm.acompletion(
-                    model=self.model,
-                    messages=messages,
-                    api_base=self.api_base,
-                    response_format=prompt.response_format() if use_format else None,
-                    timeout=self.timeout_s,
-                    num_retries=0,
-                    drop_params=True,
-                )
-            # Providers raise litellm's exception types, but also httpx's, aiohttp's and their
-            # SDK's: each is classified, none is swallowed silently (the reason is kept).
-            except Exception as exc:
-                reason = _describe(exc)
-                if use_format and _rejects_format(litellm, exc):
-                    use_format = False  # asked again without response_format
-                    continue
-                if not _retryable(litellm, exc):
-                    raise JudgeFailed(reason, attempts=attempt, usage=usage) from exc
-                if attempt < self.max_attempts:
-                    await asyncio.sleep(self._backoff(attempt, exc))
-                continue
-            _add_usage(usage, response)
-            content = _content_of(response)
-            try:
-                scores = parse_scores(content, prompt.labels)
-            except InvalidJudgement as exc:
-                reason = f"invalid answer: {exc}"
-                ids = ", ".join(prompt.labels)
-                messages = [
-                    *prompt.messages,
-                    {"role": "assistant", "content": content or ""},
-                    {"role": "user", "content": _RETRY.format(reason=exc, ids=ids)},
-                ]
-                continue
-            return Verdict(scores, attempt, usage)
-        raise JudgeFailed(
-            f"no valid answer after {self.max_attempts} attempts; last: {reason}",
-            attempts=self.max_attempts,
-            usage=usage,
+        asking = _Asking(prompt, list(prompt.messages), "response_format" in _supported_params(litellm, self.model))
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(self.max_attempts),
+            wait=self._wait,
+            retry=retry_if_exception_type(_TryAgain),
+            reraise=True,  # the last _TryAgain, not tenacity's RetryError
         )
+        try:
+            return await retrying(self._ask, litellm, asking)
+        except _TryAgain as exc:
+            raise JudgeFailed(
+                f"no valid answer after {self.max_attempts} attempts; last: {exc}",
+                attempts=self.max_attempts,
+                usage=asking.usage,
+            ) from exc
 
-    def _backoff(self, attempt: int, exc: Exception) -> float:
-        retry_after = _retry_after(exc)
+    async def _ask(self, litellm: Any, asking: _Asking) -> Verdict:
+        """One request: a verdict, ``_TryAgain`` when another request may do better, or ``JudgeFailed``."""
+        asking.attempts += 1
+        prompt = asking.prompt
+        try:
+            response = await litellm.acompletion(
+                model=self.model,
+                messages=asking.messages,
+                api_base=self.api_base,
+                response_format=prompt.response_format() if asking.use_format else None,
+                timeout=self.timeout_s,
+                num_retries=0,
+                drop_params=True,
+            )
+        # Providers raise litellm's exception types, but also httpx's, aiohttp's and their
+        # SDK's: each is classified, none is swallowed silently (the reason is kept).
+        except Exception as exc:
+            reason = _describe(exc)
+            if asking.use_format and _rejects_format(litellm, exc):
+                asking.use_format = False  # asked again at once, without response_format
+                raise _TryAgain(reason, back_off=False) from exc
+            if not _retryable(litellm, exc):
+                raise JudgeFailed(reason, attempts=asking.attempts, usage=asking.usage) from exc
+            raise _TryAgain(reason, back_off=True) from exc
+        _add_usage(asking.usage, response)
+        content = _content_of(response)
+        try:
+            scores = parse_scores(content, prompt.labels)
+        except InvalidJudgement as exc:
+            ids = ", ".join(prompt.labels)
+            asking.messages = [
+                *prompt.messages,
+                {"role": "assistant", "content": content or ""},
+                {"role": "user", "content": _RETRY.format(reason=exc, ids=ids)},
+            ]
+            raise _TryAgain(f"invalid answer: {exc}", back_off=False) from exc  # asked again at once
+        return Verdict(scores, asking.attempts, asking.usage)
+
+    def _wait(self, state: RetryCallState) -> float:
+        """Seconds before the next request: none after an invalid answer or a refused response_format,
+        else ``Retry-After`` when the provider sent one (capped), else the exponential backoff +-20%."""
+        failure = state.outcome.exception() if state.outcome is not None else None
+        if not isinstance(failure, _TryAgain) or not failure.back_off:
+            return 0.0
+        cause = failure.__cause__
+        retry_after = _retry_after(cause) if isinstance(cause, Exception) else None
         if retry_after is not None:
             return min(retry_after, _MAX_BACKOFF_S)
-        return min(self.backoff_s * 2.0 ** (attempt - 1), _MAX_BACKOFF_S) * random.uniform(0.8, 1.2)
+        return float(self._exponential(state)) * random.uniform(0.8, 1.2)
+
+
+@dataclass(slots=True)
+class _Asking:
+    """What one request leaves to the next."""
+
+    prompt: JudgePrompt
+    messages: list[dict[str, Any]]  # the prompt, plus the last invalid answer and why once there was one
+    use_format: bool  # send the answer's JSON schema as response_format
+    attempts: int = 0
+    usage: dict[str, int] = field(default_factory=lambda: {"prompt_tokens": 0, "completion_tokens": 0})
+
+
+class _TryAgain(Exception):
+    """A request failed in a way the next one may not: retried, after a backoff when ``back_off``."""
+
+    def __init__(self, reason: str, *, back_off: bool) -> None:
+        super().__init__(reason)
+        self.back_off = back_off
 
 
 def _litellm() -> Any:
