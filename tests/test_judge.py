@@ -249,6 +249,20 @@ async def test_backoffs_double(judge_api: respx.Route) -> None:
     assert waits[0] >= 0.08 and waits[1] >= 0.16
 
 
+async def test_a_retry_after_is_honoured(judge_api: respx.Route) -> None:
+    rate_limited = httpx.Response(429, headers={"retry-after": "0.5"}, json={"error": {"message": "Slow down"}})
+    replies = iter([rate_limited, completion(answer(("t1", 0.0), ("t2", 1.0)))])
+    asked_at: list[float] = []
+
+    def reply(request: httpx.Request) -> httpx.Response:
+        asked_at.append(time.monotonic())
+        return next(replies)
+
+    judge_api.side_effect = reply
+    verdict = await openai_judge().judge(build_prompt(two_trajectories(), DEFAULT_RUBRIC))
+    assert verdict.attempts == 2 and asked_at[1] - asked_at[0] >= 0.5  # not the 0.01 s backoff
+
+
 async def test_the_attempts_are_bounded_and_the_last_reason_kept(judge_api: respx.Route) -> None:
     judge_api.side_effect = [completion("nope")] * 2 + [provider_error(429, "Rate limit reached")]
     with pytest.raises(JudgeFailed) as failed:

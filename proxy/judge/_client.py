@@ -213,8 +213,11 @@ def _rejects_format(litellm: Any, exc: Exception) -> bool:
 
 
 def _retry_after(exc: Exception) -> float | None:
-    response = getattr(exc, "response", None)
-    headers = getattr(response, "headers", None)
+    # litellm's exceptions carry the provider's headers in litellm_response_headers; their
+    # ``response`` is one litellm builds, without them. Other exceptions (httpx's) have ``response``.
+    headers = getattr(exc, "litellm_response_headers", None)
+    if headers is None:
+        headers = getattr(getattr(exc, "response", None), "headers", None)
     if headers is None:
         return None
     try:
