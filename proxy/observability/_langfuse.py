@@ -9,10 +9,11 @@ trajectory join the same trace, and the trajectory id is in the trace's metadata
 Nothing of this runs on the request path: ``call_recorded`` and ``rewards_recorded`` append
 to a bounded queue and return (full: the item is dropped and counted). One background task
 sends what is queued, ``batch_size`` items at a time or whatever arrived within
-``flush_interval_s``; it retries network errors, 429 and 5xx with exponential backoff, gives
-a request up after ``max_attempts`` (counted), and at shutdown sends what is left within
-``shutdown_timeout_s``. A Langfuse outage therefore costs exports, never a capture or a
-millisecond of a call. Delivery is at least once: a request whose answer was lost is sent again.
+``flush_interval_s``; it retries network errors, 429 and 5xx with exponential backoff
+(tenacity), gives a request up after ``max_attempts`` (counted), and at shutdown sends what
+is left within ``shutdown_timeout_s``. A Langfuse outage therefore costs exports, never a
+capture or a millisecond of a call. Delivery is at least once: a request whose answer was
+lost is sent again.
 
 Why not the ``langfuse`` SDK (5.0.4 checked). Its client is OpenTelemetry: spans leave
 through OpenTelemetry's ``BatchSpanProcessor`` and the OTLP exporter, which posts with
@@ -53,6 +54,7 @@ from typing import Any
 import httpx
 import orjson
 from pydantic import SecretStr
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from proxy._settings import Settings
 from store._store import CallWrite
@@ -84,6 +86,10 @@ class LangfuseConfig:
     max_backoff_s: float = 8.0
     timeout_s: float = 10.0
     shutdown_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
 
 
 def start_langfuse(settings: Settings) -> LangfuseExporter | None:
@@ -125,6 +131,7 @@ class LangfuseExporter:
         self._closing = False
         self._task: asyncio.Task[None] | None = None
         self._warned_at: dict[str, float] = {}
+        self._exponential = wait_exponential(multiplier=config.backoff_s, max=config.max_backoff_s)
         self._client = httpx.AsyncClient(
             base_url=config.base_url.rstrip("/"),
             auth=httpx.BasicAuth(config.public_key, config.secret_key.get_secret_value()),
@@ -248,37 +255,48 @@ class LangfuseExporter:
         gzipped: bool = False,
     ) -> None:
         headers = {"Content-Type": "application/json"} | ({"Content-Encoding": "gzip"} if gzipped else {})
-        problem = ""
-        for attempt in range(self.config.max_attempts):
-            if attempt:
-                self.retries += 1
-                await asyncio.sleep(self._backoff(attempt))
-            try:
-                response = await self._client.post(path, content=body, headers=headers)
-            except httpx.TransportError as exc:
-                problem = f"{type(exc).__name__}: {exc}"
-                continue
-            status = response.status_code
-            if status < 300:
-                rejected = min(count, rejected_in(response))
-                self.sent += count - rejected
-                if rejected:
-                    self.rejected += rejected
-                    self._warn("partial", "Langfuse rejected %d of %d %s: %s", rejected, count, what, response.text)
-                return
-            if status != 429 and status < 500:
-                self.rejected += count
-                self._warn("refused", "Langfuse refused %d %s (HTTP %d): %s", count, what, status, response.text)
-                return
-            problem = f"HTTP {status}"
-        self.failed += count
-        self.failed_batches += 1
-        tries = self.config.max_attempts
-        self._warn("failed", "Langfuse export: gave up on %d %s after %d tries (%s)", count, what, tries, problem)
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(self.config.max_attempts),
+            wait=self._wait,
+            retry=retry_if_exception_type(_Transient),
+            before_sleep=self._count_retry,
+            reraise=True,  # the last _Transient, not tenacity's RetryError
+        )
+        try:
+            response: httpx.Response = await retrying(self._post_once, path, body, headers)
+        except _Transient as exc:
+            self.failed += count
+            self.failed_batches += 1
+            tries = self.config.max_attempts
+            self._warn("failed", "Langfuse export: gave up on %d %s after %d tries (%s)", count, what, tries, exc)
+            return
+        status = response.status_code
+        if status < 300:
+            rejected = min(count, rejected_in(response))
+            self.sent += count - rejected
+            if rejected:
+                self.rejected += rejected
+                self._warn("partial", "Langfuse rejected %d of %d %s: %s", rejected, count, what, response.text)
+            return
+        self.rejected += count
+        self._warn("refused", "Langfuse refused %d %s (HTTP %d): %s", count, what, status, response.text)
 
-    def _backoff(self, attempt: int) -> float:
-        delay: float = self.config.backoff_s * 2.0 ** (attempt - 1)
-        return min(self.config.max_backoff_s, delay) * random.uniform(0.5, 1.0)
+    async def _post_once(self, path: str, body: bytes, headers: dict[str, str]) -> httpx.Response:
+        """One request: its response, or ``_Transient`` when the next may get through."""
+        try:
+            response = await self._client.post(path, content=body, headers=headers)
+        except httpx.TransportError as exc:
+            raise _Transient(f"{type(exc).__name__}: {exc}") from exc
+        if response.status_code == 429 or response.status_code >= 500:
+            raise _Transient(f"HTTP {response.status_code}")
+        return response
+
+    def _wait(self, state: RetryCallState) -> float:
+        """backoff_s, then twice that after each failed request, capped; times 0.5 to 1 (jitter)."""
+        return float(self._exponential(state)) * random.uniform(0.5, 1.0)
+
+    def _count_retry(self, state: RetryCallState) -> None:
+        self.retries += 1
 
     def _warn(self, kind: str, message: str, *args: object) -> None:
         """Log a warning of this kind at most once a minute: an outage must not flood the log."""
@@ -286,6 +304,10 @@ class LangfuseExporter:
         if now - self._warned_at.get(kind, -_WARN_EVERY_S) >= _WARN_EVERY_S:
             self._warned_at[kind] = now
             log.warning(message, *(a[:500] if isinstance(a, str) else a for a in args))
+
+
+class _Transient(Exception):
+    """A request that may get through if sent again: no connection, 429 or 5xx; the message says which."""
 
 
 def _rejected_spans(response: httpx.Response) -> int:
