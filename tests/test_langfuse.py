@@ -32,14 +32,8 @@ from langfuse import Langfuse, LangfuseOtelSpanAttributes
 from pydantic import SecretStr, ValidationError
 
 from proxy import Settings, create_app
-from proxy.observability._langfuse import (
-    SCORES_PATH,
-    TRACES_PATH,
-    LangfuseConfig,
-    LangfuseExporter,
-    generation_span,
-    trace_id,
-)
+from proxy.observability._langfuse import LangfuseConfig, LangfuseExporter
+from proxy.observability._langfuse_wire import SCORES_PATH, TRACES_PATH, generation_span, trace_id
 from tracetrain_cli._main import _serve_parser, _settings_from
 from store._store import CallWrite
 
