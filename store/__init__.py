@@ -6,6 +6,8 @@ the proxy, and the proxy never loads torch. ``Store.open(url)`` is the way in.
 """
 
 from store._adapters import ADAPTER_FIELDS, Adapters, Policies
+from store._advantages import GroupAdvantages, group_advantages
+from store._conversation import canonical_message, common_prefix, first_choice, reply_message, same_message
 from store._engine import connect
 from store._errors import SchemaTooNew, StoreError, StoreUnavailable, TransitionRefused, UnknownTrajectories
 from store._export import ExportFilter, ExportPage, ExportReads, RewardSummary
@@ -32,6 +34,7 @@ __all__ = [
     "ExportFilter",
     "ExportPage",
     "ExportReads",
+    "GroupAdvantages",
     "GroupCalls",
     "GroupChanged",
     "GroupRecord",
@@ -54,5 +57,11 @@ __all__ = [
     "TransitionRefused",
     "UnknownTrajectories",
     "allowed",
+    "canonical_message",
+    "common_prefix",
     "connect",
+    "first_choice",
+    "group_advantages",
+    "reply_message",
+    "same_message",
 ]

@@ -268,14 +268,11 @@ def test_judge_now_from_a_group_page_shows_scores_explanations_and_failures(
     assert metric(metrics, 'tracetrain_rewards_total{source="judge"}') == 2
 
 
-def test_group_advantages_match_the_trainer() -> None:
-    torch = pytest.importorskip("torch")
-    from trainer._advantages import group_advantages as trainer_advantages
-
-    rewards = [0.2, 1.0, 0.4, 0.4]
-    ours = group_advantages(rewards)
-    theirs = trainer_advantages(torch.tensor(rewards), torch.zeros(4, dtype=torch.long), scale=True)
-    assert ours[1] == pytest.approx(theirs.advantages.tolist(), abs=1e-6)
+def test_group_advantages_are_the_trainers_centered_and_scaled_ones() -> None:
+    # Mean 0.5; population variance (0.09 + 0.25 + 0.01 + 0.01) / 4 = 0.09, so std 0.3.
+    centered, scaled = group_advantages([0.2, 1.0, 0.4, 0.4])
+    assert centered == pytest.approx([-0.3, 0.5, -0.1, -0.1])
+    assert scaled == pytest.approx([-1.0, 5 / 3, -1 / 3, -1 / 3])
     assert group_advantages([0.5, 0.5]) == ([0.0, 0.0], [0.0, 0.0])  # no signal: the trainer drops the group
     assert group_advantages([1.0, None]) == ([None, None], [None, None])
 

@@ -8,6 +8,7 @@ through ``hosted_vllm/...``, as ``--reward-source judge`` does by default.
 from __future__ import annotations
 
 import argparse
+import itertools
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -23,11 +24,10 @@ from fake_vllm import FakeVLLM, Reply
 from test_publishing import wait_for as publishing_wait_for
 
 from proxy import Settings
+from proxy.judge._client import Judge, JudgeFailed
 from proxy.judge._prompt import (
     DEFAULT_RUBRIC,
     InvalidJudgement,
-    Judge,
-    JudgeFailed,
     TrajectoryText,
     build_prompt,
     call_messages,
@@ -229,6 +229,38 @@ async def test_a_rate_limit_is_retried_after_a_backoff(judge_api: respx.Route) -
     verdict = await openai_judge().judge(build_prompt(two_trajectories(), DEFAULT_RUBRIC))
     assert [s.score for s in verdict.scores] == [0.0, 1.0]
     assert verdict.attempts == 2 and judge_api.call_count == 2  # litellm retried nothing itself
+
+
+async def test_backoffs_double(judge_api: respx.Route) -> None:
+    overloaded = provider_error(503, "Overloaded")
+    replies = iter([overloaded, overloaded, completion(answer(("t1", 0.0), ("t2", 1.0)))])
+    asked_at: list[float] = []
+
+    def reply(request: httpx.Request) -> httpx.Response:
+        asked_at.append(time.monotonic())
+        return next(replies)
+
+    judge_api.side_effect = reply
+    judge = Judge("openai/gpt-4o-mini", api_base=JUDGE_API, backoff_s=0.1, max_attempts=3)
+    verdict = await judge.judge(build_prompt(two_trajectories(), DEFAULT_RUBRIC))
+    assert verdict.attempts == 3
+    waits = [later - earlier for earlier, later in itertools.pairwise(asked_at)]
+    # Lower bounds only (a loaded machine only adds): backoff_s, then twice it, each -20% at worst.
+    assert waits[0] >= 0.08 and waits[1] >= 0.16
+
+
+async def test_a_retry_after_is_honoured(judge_api: respx.Route) -> None:
+    rate_limited = httpx.Response(429, headers={"retry-after": "0.5"}, json={"error": {"message": "Slow down"}})
+    replies = iter([rate_limited, completion(answer(("t1", 0.0), ("t2", 1.0)))])
+    asked_at: list[float] = []
+
+    def reply(request: httpx.Request) -> httpx.Response:
+        asked_at.append(time.monotonic())
+        return next(replies)
+
+    judge_api.side_effect = reply
+    verdict = await openai_judge().judge(build_prompt(two_trajectories(), DEFAULT_RUBRIC))
+    assert verdict.attempts == 2 and asked_at[1] - asked_at[0] >= 0.5  # not the 0.01 s backoff
 
 
 async def test_the_attempts_are_bounded_and_the_last_reason_kept(judge_api: respx.Route) -> None:

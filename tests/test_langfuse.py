@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import base64
 import gzip
+import itertools
 import logging
 import threading
 import time
@@ -31,14 +32,8 @@ from langfuse import Langfuse, LangfuseOtelSpanAttributes
 from pydantic import SecretStr, ValidationError
 
 from proxy import Settings, create_app
-from proxy.observability._langfuse import (
-    SCORES_PATH,
-    TRACES_PATH,
-    LangfuseConfig,
-    LangfuseExporter,
-    generation_span,
-    trace_id,
-)
+from proxy.observability._langfuse import LangfuseConfig, LangfuseExporter
+from proxy.observability._langfuse_wire import SCORES_PATH, TRACES_PATH, generation_span, trace_id
 from store import CallWrite
 from tracetrain_cli._serve_command import add_serve_parser, settings_from
 
@@ -381,6 +376,25 @@ async def test_a_full_queue_drops_and_counts_then_sends_what_it_kept(langfuse_ap
     assert exporter.stats() == {
         "queued": 0, "sent": 10, "dropped": 15, "rejected": 0, "failed": 0, "failed_batches": 0, "retries": 0
     }  # fmt: skip
+
+
+async def test_retries_back_off_exponentially(langfuse_api: LangfuseAPI) -> None:
+    sent_at: list[float] = []
+    replies = iter([httpx.Response(503), httpx.Response(429), httpx.Response(200, json={})])
+
+    def reply(request: httpx.Request) -> httpx.Response:
+        sent_at.append(time.monotonic())
+        return next(replies)
+
+    langfuse_api.traces.mock(side_effect=reply)
+    exporter = LangfuseExporter(config(backoff_s=0.1, max_backoff_s=1.0))
+    exporter.start()
+    exporter.call_recorded(recorded_call(0))
+    await eventually(lambda: exporter.sent == 1)
+    await exporter.aclose()
+    waits = [later - earlier for earlier, later in itertools.pairwise(sent_at)]
+    # Lower bounds only (a loaded machine only adds): backoff_s, then twice it, each halved at worst.
+    assert exporter.retries == 2 and waits[0] >= 0.05 and waits[1] >= 0.1
 
 
 async def test_a_request_is_given_up_after_bounded_retries_and_later_ones_still_go(langfuse_api: LangfuseAPI) -> None:

@@ -184,7 +184,8 @@ def test_chunked_logprobs_and_their_gradient_equal_the_full_logits_computation(t
     torch.testing.assert_close(entropy, -(full.exp() * full).sum(-1).detach(), rtol=0, atol=1e-5)
     assert not entropy.requires_grad
     assert h_full.grad is not None and h_chunked.grad is not None
-    torch.testing.assert_close(h_chunked.grad, h_full.grad, rtol=1e-5, atol=1e-6)
+    # Chunks sum in another order: the error follows the gradient's largest element (seen: 1e-6 of it).
+    torch.testing.assert_close(h_chunked.grad, h_full.grad, rtol=1e-5, atol=1e-5 * float(h_full.grad.abs().max()))
 
 
 def test_learner_logprobs_equal_the_full_forward_whatever_the_chunk_size(tiny_model_dir: Path) -> None:
@@ -258,7 +259,10 @@ def test_micro_batches_accumulate_to_the_gradient_of_the_whole_batch(tiny_model_
         assert getattr(b, key) == pytest.approx(getattr(a, key), rel=1e-5, abs=1e-7), key
     assert grads_a.keys() == grads_b.keys() == lora_state(whole).keys()
     for name, grad in grads_a.items():
-        torch.testing.assert_close(grads_b[name], grad, rtol=1e-4, atol=1e-7)
+        # Summed in another order, float32 gradients differ by ulps of the terms summed, not of the
+        # result: an element where terms cancel is off by far more than rtol of itself. So the
+        # absolute tolerance follows the tensor's largest gradient (seen: up to 2e-5 of it).
+        torch.testing.assert_close(grads_b[name], grad, rtol=1e-4, atol=1e-4 * float(grad.abs().max()))
 
 
 def test_step_reports_its_metrics(tiny_model_dir: Path) -> None:

@@ -13,6 +13,7 @@ import torch
 from pydantic import ValidationError
 from torch import Tensor
 
+from store._advantages import group_advantages as store_advantages
 from trainer._advantages import group_advantages
 from trainer._config import LossVariant, TrainConfig
 from trainer._losses import policy_loss
@@ -153,6 +154,16 @@ def test_advantages_keep_the_reward_dtype_and_reject_bad_input() -> None:
 def test_no_rewards_give_no_groups() -> None:
     out = group_advantages(torch.tensor([]), torch.tensor([], dtype=torch.long), scale=True)
     assert (out.advantages.numel(), out.groups, out.dropped_groups) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("scale", [True, False])
+def test_tensor_advantages_are_the_pure_ones_the_dashboard_shows(scale: bool) -> None:
+    rewards = [0.2, 3.0, 1.0, 0.4, 0.4, 5.0, 7.0]
+    groups = [2, 8, 2, 2, 2, 8, 1]
+    pure = store_advantages(rewards, groups, scale=scale)
+    out = group_advantages(torch.tensor(rewards, dtype=torch.float64), torch.tensor(groups), scale=scale)
+    assert out.advantages.tolist() == pure.advantages and out.keep.tolist() == pure.keep
+    assert (out.groups, out.dropped_groups, out.dropped_samples) == (3, 1, 1)
 
 
 # --- grpo and dr_grpo -----------------------------------------------------------------------

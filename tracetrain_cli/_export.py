@@ -37,7 +37,7 @@ from typing import Any, Literal, Protocol
 
 import orjson
 
-from store import ExportFilter, Store
+from store import ExportFilter, Store, first_choice, reply_message
 
 ExportFormat = Literal["jsonl", "parquet"]
 FORMATS: tuple[ExportFormat, ...] = ("jsonl", "parquet")
@@ -146,12 +146,11 @@ def _prompt_text(prompt: Any) -> str | None:
 
 
 def _response_message(response: Mapping[str, Any] | None, chat: bool) -> dict[str, Any] | None:
-    choices = (response or {}).get("choices") or []
-    first = next((c for c in choices if isinstance(c, dict) and c.get("index", 0) == 0), None)
+    first = first_choice(response)
     if first is None:
         return None
     if chat:
-        return message({"role": "assistant", **(first.get("message") or {})})
+        return message(reply_message(response) or {"role": "assistant"})
     return message({"role": "assistant", "content": first.get("text")})
 
 

@@ -1,16 +1,8 @@
-"""Group-relative advantages: reward minus the group mean, optionally over the group std.
+"""Group-relative advantages as tensors, for callers that hold rewards and group ids as tensors.
 
-Where this departs from the papers:
-
-- The std is the *population* std (divide by n, as nano-aha-moment's ``np.std``), not
-  the sample std TRL uses (``torch.std``, n - 1). A group of two with rewards 0 and 1
-  then gets advantages -1 and +1, and every scaled group has unit variance exactly.
-- Groups whose rewards do not vary (std at most ``eps``) carry no signal: GRPO would
-  give them zero advantages and still spend a forward on them; DAPO resamples until a
-  group varies. We cannot resample an agent's traffic, so we drop them, mark their
-  members ``keep=False`` and count them, so the caller can say how much was dropped.
-  A group of one sample has no baseline and is dropped the same way.
-- With ``scale=False`` (Dr. GRPO) advantages are the centered rewards, unscaled.
+The math, and where it departs from the papers, is ``store._advantages``: pure Python, so
+that the dashboard shows exactly what the trainer trains on. A step has one reward per
+trajectory, so the round trip through lists costs nothing that matters.
 """
 
 from __future__ import annotations
@@ -19,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from store import _advantages
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,10 +26,13 @@ class GroupAdvantages:
     dropped_samples: int  # members of those groups
 
 
-def group_advantages(rewards: Tensor, group_ids: Tensor, *, scale: bool, eps: float = 1e-6) -> GroupAdvantages:
+def group_advantages(
+    rewards: Tensor, group_ids: Tensor, *, scale: bool, eps: float = _advantages.EPS
+) -> GroupAdvantages:
     """Reward minus its group's mean, divided by the group's population std when ``scale``.
 
     ``group_ids`` may be any integers, in any order; members of a group need not be adjacent.
+    The advantages keep the rewards' floating dtype and device.
 
     >>> r = group_advantages(torch.tensor([0.0, 1.0, 5.0, 5.0]), torch.tensor([7, 7, 3, 3]), scale=True)
     >>> r.advantages.tolist(), r.keep.tolist(), r.dropped_groups
@@ -45,29 +42,12 @@ def group_advantages(rewards: Tensor, group_ids: Tensor, *, scale: bool, eps: fl
         raise ValueError(f"rewards and group_ids must be 1-D of one length, got {rewards.shape}, {group_ids.shape}")
     if group_ids.dtype.is_floating_point or group_ids.dtype == torch.bool:
         raise ValueError(f"group_ids must be an integer tensor, got {group_ids.dtype}")
-    if not bool(torch.isfinite(rewards).all()):
-        raise ValueError("rewards must be finite numbers")
     out_dtype = rewards.dtype if rewards.dtype.is_floating_point else torch.get_default_dtype()
-
-    r = rewards.to(torch.float64)  # (N,) accumulate in double: means of equal rewards stay equal
-    _, group, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)  # (N,), (G,)
-    n_groups = counts.numel()
-    size = counts.to(torch.float64)  # (G,)
-    mean = torch.zeros(n_groups, dtype=torch.float64, device=r.device).index_add_(0, group, r) / size  # (G,)
-    centered = r - mean[group]  # (N,)
-    sq = torch.zeros(n_groups, dtype=torch.float64, device=r.device).index_add_(0, group, centered.square())  # (G,)
-    std = (sq / size).sqrt()  # (G,) population std
-    group_keep = (counts > 1) & (std > eps)  # (G,) bool
-    keep = group_keep[group]  # (N,) bool
-    if scale:
-        centered = centered / std.clamp_min(eps)[group]  # (N,)
-    advantages = torch.where(keep, centered, torch.zeros_like(centered)).to(out_dtype)  # (N,)
-
-    dropped_groups = int((~group_keep).sum())
+    pure = _advantages.group_advantages(rewards.tolist(), group_ids.tolist(), scale=scale, eps=eps)
     return GroupAdvantages(
-        advantages=advantages,
-        keep=keep,
-        groups=n_groups,
-        dropped_groups=dropped_groups,
-        dropped_samples=int((~keep).sum()),
+        advantages=torch.tensor(pure.advantages, dtype=out_dtype, device=rewards.device),  # (N,)
+        keep=torch.tensor(pure.keep, dtype=torch.bool, device=rewards.device),  # (N,)
+        groups=pure.groups,
+        dropped_groups=pure.dropped_groups,
+        dropped_samples=pure.dropped_samples,
     )

@@ -15,8 +15,7 @@ from typing import Any
 
 import torch
 
-from store import RewardedTrajectory
-from trainer._advantages import group_advantages
+from store import RewardedTrajectory, group_advantages
 from trainer._config import TrainConfig
 from trainer._samples import CapturedCall, Sample, SampleStats, build_samples
 
@@ -46,15 +45,15 @@ class Batch:
 
 def build_batch(trajectories: Sequence[TrajectoryData], cfg: TrainConfig, *, trained_version: int) -> Batch:
     """Samples and their advantages for one step on top of ``trained_version``."""
-    group_index: dict[str, int] = {}
     rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float64)  # (N,)
-    groups = torch.tensor([group_index.setdefault(t.group_id, len(group_index)) for t in trajectories])  # (N,)
-    adv = group_advantages(rewards, groups, scale=cfg.scale_advantages)
+    adv = group_advantages(
+        [t.reward for t in trajectories], [t.group_id for t in trajectories], scale=cfg.scale_advantages
+    )
     samples: list[Sample] = []
     advantages: list[float] = []
     stats = SampleStats()
     stale = 0
-    for trajectory, advantage, keep in zip(trajectories, adv.advantages.tolist(), adv.keep.tolist(), strict=True):
+    for trajectory, advantage, keep in zip(trajectories, adv.advantages, adv.keep, strict=True):
         if not keep:
             continue
         built, built_stats = build_samples(trajectory.calls)

@@ -30,7 +30,8 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
-from trainer._samples import Sample, common_prefix
+from store import common_prefix
+from trainer._samples import Sample
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +67,7 @@ def pack_row(samples: Sequence[Sample], members: Sequence[int], *, loss_only: bo
     token_lists = [samples[i].token_ids for i in members]
     shared = 0
     if len(token_lists) > 1:
-        shared = min(common_prefix(token_lists[0], other) for other in token_lists[1:])
+        shared = common_prefix(*token_lists)
     ids: list[int] = list(token_lists[0][:shared])
     positions: list[int] = list(range(shared))
     starts: list[int] = []  # row position of each member's first token after the prefix

@@ -170,15 +170,6 @@ def pack(samples: Sequence[Sample], max_tokens: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
 def pack_shared(samples: Sequence[Sample], max_tokens: int) -> list[list[int]]:
     """Micro-batches that put samples with the same prompt together, so the prompt is computed once.
 

@@ -13,7 +13,7 @@ from proxy._deps import Services
 from proxy.data import _service as _data
 from proxy.data._wire import trajectory_view
 from proxy.errors import NotFound, ProxyError
-from store import ADAPTER_FIELDS, JOB_FIELDS, JobState
+from store import ADAPTER_FIELDS, JOB_FIELDS, JobState, _advantages, common_prefix, reply_message, same_message
 
 # What the training page plots, from each succeeded job's metrics.
 CURVES = ("reward_mean", "loss")
@@ -78,34 +78,14 @@ async def trajectory_detail(services: Services, trajectory_id: str) -> dict[str,
         messages = call["request"].get("messages")
         if isinstance(messages, list):
             # Only what the agent added since the previous call; the rest is already shown above it.
-            same_start = len(previous) <= len(messages) and all(
-                _same_message(a, b) for a, b in zip(messages, previous, strict=False)
-            )
+            same_start = common_prefix(messages, previous, same=same_message) == len(previous)
             call["new_messages"] = messages[len(previous) :] if same_start else messages
-            reply = reply_message(call)
+            reply = reply_message(call.get("response"))
             previous = [*messages, reply] if reply else list(messages)
         else:
             call["new_messages"] = []
             previous = []
     return trajectory
-
-
-def _same_message(sent: Any, seen: Any) -> bool:
-    """The agent sent back a message it was given (vLLM's reply carries extra null fields)."""
-    if not isinstance(sent, dict) or not isinstance(seen, dict):
-        return False
-    return all(sent.get(k) == seen.get(k) for k in ("role", "content", "tool_call_id")) and (
-        (sent.get("tool_calls") or None) == (seen.get("tool_calls") or None)
-    )
-
-
-def reply_message(call: dict[str, Any]) -> dict[str, Any] | None:
-    response = call.get("response") or {}
-    choices = response.get("choices") or []
-    if not choices:
-        return None
-    message = choices[0].get("message")
-    return dict(message) if isinstance(message, dict) else None
 
 
 async def list_groups(services: Services, **filters: Any) -> dict[str, Any]:
@@ -126,7 +106,7 @@ async def group_detail(services: Services, group_id: str) -> dict[str, Any]:
     verdicts = {s["trajectory_id"]: s for s in judged["scores"]} if judged else {}
     rows = []
     for member, adv_c, adv_s in zip(members, centered, scaled, strict=True):
-        answer = reply_message({"response": last_calls.get(member["id"])})
+        answer = reply_message(last_calls.get(member["id"]))
         verdict = verdicts.get(member["id"], {})
         rows.append(
             {
@@ -150,17 +130,15 @@ def group_advantages(rewards: list[float | None]) -> tuple[list[float | None], l
     """Reward minus the group mean, and that over the population std: the trainer's two variants.
 
     None until every member is rewarded; 0.0 for a group whose rewards do not vary (the
-    trainer drops those: they carry no signal). See ``trainer._advantages``.
+    trainer drops those: they carry no signal). The math is ``store._advantages``, the trainer's.
     """
-    if not rewards or any(r is None for r in rewards):
+    values = [r for r in rewards if r is not None]
+    if not rewards or len(values) < len(rewards):
         return [None] * len(rewards), [None] * len(rewards)
-    values = [float(r) for r in rewards if r is not None]
-    mean = sum(values) / len(values)
-    std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
-    if len(values) < 2 or std <= 1e-6:
-        zeros: list[float | None] = [0.0] * len(values)
-        return zeros, list(zeros)
-    return [v - mean for v in values], [(v - mean) / std for v in values]
+    one_group = [0] * len(values)
+    centered: list[float | None] = [*_advantages.group_advantages(values, one_group, scale=False).advantages]
+    scaled: list[float | None] = [*_advantages.group_advantages(values, one_group, scale=True).advantages]
+    return centered, scaled
 
 
 async def list_jobs(services: Services, limit: int) -> dict[str, Any]:

@@ -10,14 +10,13 @@ user message, so the same task asked N times forms one GRPO group. A derived gro
 takes at most ``group_size`` trajectories, then the next one opens; a group that
 left the ``open`` state (a training job took it) takes no more.
 
-Messages are compared in a canonical form: content parts joined, tool-call ids
-dropped and arguments re-serialized, unknown fields ignored, so a framework that
-re-serializes the conversation still threads.
+Messages are compared in a canonical form (``store._conversation.canonical_message``):
+content parts joined, tool-call ids dropped and arguments re-serialized, unknown fields
+ignored, so a framework that re-serializes the conversation still threads.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import time
 import uuid
@@ -28,7 +27,7 @@ from typing import Any
 
 import orjson
 
-from store import Store
+from store import Store, canonical_message
 
 _CACHE_SIZE = 100_000
 _GROUP_RECHECK_S = 5.0
@@ -56,22 +55,6 @@ def new_trajectory_id() -> str:
     return f"traj-{uuid.uuid4().hex}"
 
 
-def _canonical(message: dict[str, Any]) -> bytes:
-    content = message.get("content")
-    if isinstance(content, list):
-        texts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-        content = "".join(texts) if len(texts) == len(content) else content
-    tool_calls = []
-    for call in message.get("tool_calls") or ():
-        function = call.get("function") or {}
-        arguments = function.get("arguments") or ""
-        with contextlib.suppress(orjson.JSONDecodeError):  # not JSON: compare it as it is
-            arguments = orjson.dumps(orjson.loads(arguments), option=orjson.OPT_SORT_KEYS).decode()
-        tool_calls.append([function.get("name"), arguments])
-    canonical = [message.get("role"), content or "", message.get("name"), tool_calls]
-    return orjson.dumps(canonical)
-
-
 class Conversation:
     """Hashes of a request's messages: its task key and the prefixes that may thread."""
 
@@ -86,7 +69,7 @@ class Conversation:
             return
         task_key = None
         for message in messages:
-            h.update(_canonical(message))
+            h.update(canonical_message(message))
             role = message.get("role")
             if role == "user" and task_key is None:
                 task_key = h.hexdigest()
@@ -101,7 +84,7 @@ class Conversation:
         if self._hasher is None:
             return None
         h = self._hasher.copy()
-        h.update(_canonical(reply))
+        h.update(canonical_message(reply))
         return h.hexdigest()
 
 

@@ -24,31 +24,22 @@ JSON schema through litellm's ``response_format`` when the provider takes that p
 pydantic (``parse_scores``): every id exactly once, no other id, a finite score in
 [0, 1]. Explanations come before scores so the model reasons before it commits.
 
-Retries (``Judge.judge``) are ours, with litellm's own off (``num_retries=0``), so every
-request is visible to tests: a rate limit, a timeout, a dropped connection or a 5xx is
-retried after an exponential backoff (``Retry-After`` honoured, capped); an invalid
-answer is retried at once with the error shown to the model; a provider refusing
-``response_format`` is asked again without it; any other error (a bad key, an unknown
-model, a prompt too long) fails at once. After ``max_attempts`` requests ``JudgeFailed``
-says why. Nothing here writes to the store: that is ``proxy.judge._service``.
-
-litellm is imported on first use only, in a worker thread: it takes seconds, which must
-not stall the proxy's event loop, and most proxies never judge.
+Asking the model (retries included) is ``proxy.judge._client``; writing the scores to the
+store is ``proxy.judge._service``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import os
-import random
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+
+from store import common_prefix, first_choice, reply_message
 
 DEFAULT_RUBRIC = """\
 - A trajectory that achieves the task's goal scores clearly higher than one that does not.
@@ -63,7 +54,6 @@ nearly equal scores, a much better one a much higher score. Use the whole range 
 
 MAX_MESSAGE_CHARS = 8000  # per message content, in the prompt; the middle is elided beyond
 MAX_EXPLANATION_CHARS = 1000  # longer explanations are cut, not rejected
-_MAX_BACKOFF_S = 30.0
 _PROMPT_VERSION = 1  # part of the cache key: bump when the prompt's wording changes
 
 _SYSTEM = """\
@@ -78,10 +68,6 @@ Rubric:
 Answer with only a JSON object, no other text: {{"scores": [{{"id": "<trajectory id>", \
 "explanation": "<one or two sentences on why>", "score": <number from 0 to 1>}}, ...]}}, \
 with exactly one entry for each of these trajectory ids: {ids}."""
-
-_RETRY = """\
-Your answer could not be used: {reason}. Answer again with only the JSON object, one \
-entry for each of the ids {ids}, each score a number from 0 to 1."""
 
 
 # ---------------------------------------------------------------- the prompt
@@ -138,13 +124,11 @@ def call_messages(
         messages = [_message(m) for m in request.get("messages") or () if isinstance(m, dict)]
     else:
         messages = [{"role": "user", "content": _content(request.get("prompt"))}]
-    choices = (response or {}).get("choices") or []
-    if choices and isinstance(choices[0], dict):
-        first = choices[0]
-        if isinstance(first.get("message"), dict):
-            messages.append(_message(first["message"]))
-        else:
-            messages.append({"role": "assistant", "content": _content(first.get("text"))})
+    first, reply = first_choice(response), reply_message(response)
+    if reply is not None:
+        messages.append(_message(reply))
+    elif first is not None:
+        messages.append({"role": "assistant", "content": _content(first.get("text"))})
     else:
         messages.append({"role": "assistant", "content": f"[the call failed: {error or 'no reply'}]"})
     return messages
@@ -170,7 +154,7 @@ def build_prompt(trajectories: Sequence[TrajectoryText], rubric: str) -> JudgePr
     if not trajectories:
         raise ValueError("a group to judge has at least one trajectory")
     labels = [f"t{i + 1}" for i in range(len(trajectories))]
-    shared = _common_prefix([t.messages for t in trajectories])
+    shared = common_prefix(*(t.messages for t in trajectories))
     parts = []
     if shared:
         parts.append("<context>\n" + _render(trajectories[0].messages[:shared]) + "\n</context>")
@@ -187,15 +171,6 @@ def build_prompt(trajectories: Sequence[TrajectoryText], rubric: str) -> JudgePr
         {"role": "user", "content": "\n\n".join(parts)},
     ]
     return JudgePrompt(messages, labels, [t.trajectory_id for t in trajectories], shared)
-
-
-def _common_prefix(conversations: Sequence[list[dict[str, Any]]]) -> int:
-    first = conversations[0]
-    n = min(len(c) for c in conversations)
-    for i in range(n):
-        if any(c[i] != first[i] for c in conversations[1:]):
-            return i
-    return n
 
 
 def _render(messages: Sequence[dict[str, Any]]) -> str:
@@ -298,190 +273,3 @@ def parse_scores(content: str | None, labels: Sequence[str]) -> list[Score]:
         by_id[label].model_copy(update={"explanation": by_id[label].explanation.strip()[:MAX_EXPLANATION_CHARS]})
         for label in labels
     ]
-
-
-# ---------------------------------------------------------------- asking the model
-
-
-@dataclass(slots=True)
-class Verdict:
-    """A valid answer: scores in label order, what it took to get them."""
-
-    scores: list[Score]
-    attempts: int
-    usage: dict[str, int] = field(default_factory=dict)
-
-
-class JudgeFailed(Exception):
-    """No valid answer within the attempts; ``reason`` is what went wrong last."""
-
-    def __init__(self, reason: str, *, attempts: int, usage: dict[str, int]) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.attempts = attempts
-        self.usage = usage
-
-
-class Judge:
-    """Asks a judge model through litellm, with bounded retries of our own.
-
-    ``model`` is a litellm model name: ``openai/gpt-4o-mini``, ``anthropic/claude-...``,
-    or ``hosted_vllm/<served model>`` with ``api_base`` at that vLLM. Provider keys come
-    from the provider's usual environment variables (``OPENAI_API_KEY``, ...).
-    """
-
-    def __init__(
-        self,
-        model: str,
-        *,
-        api_base: str | None = None,
-        max_attempts: int = 3,
-        backoff_s: float = 1.0,
-        timeout_s: float = 120.0,
-    ) -> None:
-        self.model = model
-        self.api_base = api_base
-        self.max_attempts = max_attempts
-        self.backoff_s = backoff_s
-        self.timeout_s = timeout_s
-
-    async def judge(self, prompt: JudgePrompt) -> Verdict:
-        """Scores for every label in ``prompt``, or ``JudgeFailed`` after ``max_attempts`` requests."""
-        try:
-            litellm = await asyncio.to_thread(_litellm)  # the first import takes seconds: not on the event loop
-        except ImportError as exc:
-            raise JudgeFailed(
-                f"litellm is not installed ({exc}): pip install 'tracetrain[proxy]'", attempts=0, usage={}
-            ) from exc
-        use_format = "response_format" in _supported_params(litellm, self.model)
-        messages = list(prompt.messages)
-        usage: dict[str, int] = {"prompt_tokens": 0, "completion_tokens": 0}
-        reason = "no attempt was made"
-        for attempt in range(1, self.max_attempts + 1):
-            try:
-                response = await litellm.acompletion(
-                    model=self.model,
-                    messages=messages,
-                    api_base=self.api_base,
-                    response_format=prompt.response_format() if use_format else None,
-                    timeout=self.timeout_s,
-                    num_retries=0,
-                    drop_params=True,
-                )
-            # Providers raise litellm's exception types, but also httpx's, aiohttp's and their
-            # SDK's: each is classified, none is swallowed silently (the reason is kept).
-            except Exception as exc:
-                reason = _describe(exc)
-                if use_format and _rejects_format(litellm, exc):
-                    use_format = False  # asked again without response_format
-                    continue
-                if not _retryable(litellm, exc):
-                    raise JudgeFailed(reason, attempts=attempt, usage=usage) from exc
-                if attempt < self.max_attempts:
-                    await asyncio.sleep(self._backoff(attempt, exc))
-                continue
-            _add_usage(usage, response)
-            content = _content_of(response)
-            try:
-                scores = parse_scores(content, prompt.labels)
-            except InvalidJudgement as exc:
-                reason = f"invalid answer: {exc}"
-                ids = ", ".join(prompt.labels)
-                messages = [
-                    *prompt.messages,
-                    {"role": "assistant", "content": content or ""},
-                    {"role": "user", "content": _RETRY.format(reason=exc, ids=ids)},
-                ]
-                continue
-            return Verdict(scores, attempt, usage)
-        raise JudgeFailed(
-            f"no valid answer after {self.max_attempts} attempts; last: {reason}",
-            attempts=self.max_attempts,
-            usage=usage,
-        )
-
-    def _backoff(self, attempt: int, exc: Exception) -> float:
-        retry_after = _retry_after(exc)
-        if retry_after is not None:
-            return min(retry_after, _MAX_BACKOFF_S)
-        return min(self.backoff_s * 2.0 ** (attempt - 1), _MAX_BACKOFF_S) * random.uniform(0.8, 1.2)
-
-
-def _litellm() -> Any:
-    """litellm, imported on first use, with its cost map read from the package (no fetch at import)."""
-    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-    import litellm
-
-    litellm.suppress_debug_info = True  # it would print a "Give Feedback" banner to stdout on every error
-    return litellm
-
-
-def _supported_params(litellm: Any, model: str) -> list[str]:
-    try:
-        name, provider, *_ = litellm.get_llm_provider(model)
-        return list(litellm.get_supported_openai_params(model=name, custom_llm_provider=provider) or [])
-    except Exception:  # an unknown provider: litellm.acompletion will say so, with a better message
-        return []
-
-
-def _status(exc: Exception) -> int | None:
-    status = getattr(exc, "status_code", None)
-    return status if isinstance(status, int) else None
-
-
-def _retryable(litellm: Any, exc: Exception) -> bool:
-    if isinstance(exc, litellm.ContextWindowExceededError):
-        return False
-    if isinstance(exc, litellm.Timeout | litellm.APIConnectionError | litellm.RateLimitError | TimeoutError):
-        return True
-    status = _status(exc)
-    return status is not None and (status in (408, 409, 429) or status >= 500)
-
-
-def _rejects_format(litellm: Any, exc: Exception) -> bool:
-    """A 400 that names response_format: the provider or model does not take JSON schemas."""
-    if isinstance(exc, litellm.ContextWindowExceededError) or _status(exc) not in (400, 422):
-        return False
-    text = str(exc).lower()
-    return "response_format" in text or "json_schema" in text or "response format" in text
-
-
-def _retry_after(exc: Exception) -> float | None:
-    response = getattr(exc, "response", None)
-    headers = getattr(response, "headers", None)
-    if headers is None:
-        return None
-    try:
-        value = headers.get("retry-after")
-        return max(0.0, float(value)) if value is not None else None
-    except (TypeError, ValueError):
-        return None
-
-
-def _content_of(response: Any) -> str | None:
-    try:
-        content = response.choices[0].message.content
-    except (AttributeError, IndexError, TypeError):
-        return None
-    return content if isinstance(content, str) else None
-
-
-def _add_usage(total: dict[str, int], response: Any) -> None:
-    usage = getattr(response, "usage", None)
-    for key in ("prompt_tokens", "completion_tokens"):
-        value = getattr(usage, key, None)
-        if isinstance(value, int):
-            total[key] += value
-
-
-# Values of these environment variables never appear in a recorded error.
-_SECRET_ENV = re.compile(r"(API_KEY|_TOKEN|_SECRET|_PASSWORD)$")
-
-
-def _describe(exc: Exception) -> str:
-    """A short, key-free reason for the record: ``RateLimitError: ...``."""
-    text = f"{type(exc).__name__}: {exc}".replace("litellm.", "")
-    for name, value in os.environ.items():
-        if len(value) >= 8 and _SECRET_ENV.search(name):
-            text = text.replace(value, "***")
-    return text[:1000]

@@ -65,10 +65,9 @@ from proxy._settings import Settings
 from proxy.data._wire import reward_view
 from proxy.errors import Conflict, GroupNotFound, InvalidRequest, ProxyError
 from proxy.gateway._policies import PolicyRegistry
+from proxy.judge._client import Judge, JudgeFailed
 from proxy.judge._prompt import (
     DEFAULT_RUBRIC,
-    Judge,
-    JudgeFailed,
     JudgePrompt,
     Score,
     TrajectoryText,

@@ -2,17 +2,17 @@
 
 A trajectory is a Langfuse trace, each captured call a generation in it (model, sampling
 parameters, usage, start and end time, the policy version that served it), each reward a
-score on it. The trace id is ``Langfuse.create_trace_id(seed=trajectory_id)`` (the first 16
-bytes of the id's SHA-256, as the SDK derives one), so later calls and rewards of a
-trajectory join the same trace, and the trajectory id is in the trace's metadata.
+score on it, all on the trajectory's trace id, so later calls and rewards of a trajectory
+join the same trace.
 
 Nothing of this runs on the request path: ``call_recorded`` and ``rewards_recorded`` append
 to a bounded queue and return (full: the item is dropped and counted). One background task
 sends what is queued, ``batch_size`` items at a time or whatever arrived within
-``flush_interval_s``; it retries network errors, 429 and 5xx with exponential backoff, gives
-a request up after ``max_attempts`` (counted), and at shutdown sends what is left within
-``shutdown_timeout_s``. A Langfuse outage therefore costs exports, never a capture or a
-millisecond of a call. Delivery is at least once: a request whose answer was lost is sent again.
+``flush_interval_s``; it retries network errors, 429 and 5xx with exponential backoff
+(tenacity), gives a request up after ``max_attempts`` (counted), and at shutdown sends what
+is left within ``shutdown_timeout_s``. A Langfuse outage therefore costs exports, never a
+capture or a millisecond of a call. Delivery is at least once: a request whose answer was
+lost is sent again.
 
 Why not the ``langfuse`` SDK (5.0.4 checked). Its client is OpenTelemetry: spans leave
 through OpenTelemetry's ``BatchSpanProcessor`` and the OTLP exporter, which posts with
@@ -23,46 +23,40 @@ process-wide state (one client per public key, a tracer provider, exit hooks) wh
 proxy builds one exporter per app. The older route, the batch endpoint
 ``/api/public/ingestion`` that SDK v2 used, is retired for traces: Langfuse v4 servers (in
 their default write mode) and Langfuse Cloud from 2026-11-16 accept only ``score-create``
-there. So this module speaks to the two endpoints the v5 SDK itself uses, over httpx:
-
-- ``POST /api/public/otel/v1/traces``: OTLP/HTTP JSON, gzipped, with the SDK's ``langfuse.*``
-  span attributes and ``x-langfuse-ingestion-version: 4``; one complete span per call, with
-  the trace's attributes on every span (what v4 ingestion expects);
-- ``POST /api/public/scores``: a JSON list of scores; 202, or 207 with accepted and rejected counts.
-
-Both take basic auth, public key as the user and secret key as the password.
-``tests/test_langfuse.py`` checks the attribute names and the trace id against the SDK.
+there. So this module speaks, over httpx, to the two endpoints the v5 SDK itself uses, in
+the format ``proxy.observability._langfuse_wire`` writes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import gzip
-import hashlib
 import logging
 import random
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 import httpx
 import orjson
 from pydantic import SecretStr
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from proxy._settings import Settings
+from proxy.observability._langfuse_wire import (
+    SCORES_PATH,
+    TRACES_PATH,
+    encode_spans,
+    rejected_scores,
+    rejected_spans,
+    reward_scores,
+)
 from store import CallWrite
 
 log = logging.getLogger("tracetrain.langfuse")
 
-TRACES_PATH = "/api/public/otel/v1/traces"
-SCORES_PATH = "/api/public/scores"
-# Request fields that are the prompt, who asked or the transport, not how to sample.
-_NOT_PARAMETERS = frozenset({"model", "messages", "prompt", "user", "stream"})
 _WARN_EVERY_S = 60.0
 
 _Item = CallWrite | dict[str, Any]  # a recorded call, or a score ready to send
@@ -84,6 +78,10 @@ class LangfuseConfig:
     max_backoff_s: float = 8.0
     timeout_s: float = 10.0
     shutdown_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
 
 
 def start_langfuse(settings: Settings) -> LangfuseExporter | None:
@@ -125,6 +123,7 @@ class LangfuseExporter:
         self._closing = False
         self._task: asyncio.Task[None] | None = None
         self._warned_at: dict[str, float] = {}
+        self._exponential = wait_exponential(multiplier=config.backoff_s, max=config.max_backoff_s)
         self._client = httpx.AsyncClient(
             base_url=config.base_url.rstrip("/"),
             auth=httpx.BasicAuth(config.public_key, config.secret_key.get_secret_value()),
@@ -231,10 +230,10 @@ class LangfuseExporter:
             # Serializing prompts and replies is the costly part: keep it off the event loop.
             bodies = await asyncio.to_thread(encode_spans, calls, self.config.max_batch_bytes)
             for body, count in bodies:
-                await self._post(TRACES_PATH, body, count, "generations", _rejected_spans, gzipped=True)
+                await self._post(TRACES_PATH, body, count, "generations", rejected_spans, gzipped=True)
                 self._sending -= count
         if scores:
-            await self._post(SCORES_PATH, orjson.dumps(scores), len(scores), "scores", _rejected_scores)
+            await self._post(SCORES_PATH, orjson.dumps(scores), len(scores), "scores", rejected_scores)
         self._sending = 0
 
     async def _post(
@@ -248,37 +247,48 @@ class LangfuseExporter:
         gzipped: bool = False,
     ) -> None:
         headers = {"Content-Type": "application/json"} | ({"Content-Encoding": "gzip"} if gzipped else {})
-        problem = ""
-        for attempt in range(self.config.max_attempts):
-            if attempt:
-                self.retries += 1
-                await asyncio.sleep(self._backoff(attempt))
-            try:
-                response = await self._client.post(path, content=body, headers=headers)
-            except httpx.TransportError as exc:
-                problem = f"{type(exc).__name__}: {exc}"
-                continue
-            status = response.status_code
-            if status < 300:
-                rejected = min(count, rejected_in(response))
-                self.sent += count - rejected
-                if rejected:
-                    self.rejected += rejected
-                    self._warn("partial", "Langfuse rejected %d of %d %s: %s", rejected, count, what, response.text)
-                return
-            if status != 429 and status < 500:
-                self.rejected += count
-                self._warn("refused", "Langfuse refused %d %s (HTTP %d): %s", count, what, status, response.text)
-                return
-            problem = f"HTTP {status}"
-        self.failed += count
-        self.failed_batches += 1
-        tries = self.config.max_attempts
-        self._warn("failed", "Langfuse export: gave up on %d %s after %d tries (%s)", count, what, tries, problem)
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(self.config.max_attempts),
+            wait=self._wait,
+            retry=retry_if_exception_type(_Transient),
+            before_sleep=self._count_retry,
+            reraise=True,  # the last _Transient, not tenacity's RetryError
+        )
+        try:
+            response: httpx.Response = await retrying(self._post_once, path, body, headers)
+        except _Transient as exc:
+            self.failed += count
+            self.failed_batches += 1
+            tries = self.config.max_attempts
+            self._warn("failed", "Langfuse export: gave up on %d %s after %d tries (%s)", count, what, tries, exc)
+            return
+        status = response.status_code
+        if status < 300:
+            rejected = min(count, rejected_in(response))
+            self.sent += count - rejected
+            if rejected:
+                self.rejected += rejected
+                self._warn("partial", "Langfuse rejected %d of %d %s: %s", rejected, count, what, response.text)
+            return
+        self.rejected += count
+        self._warn("refused", "Langfuse refused %d %s (HTTP %d): %s", count, what, status, response.text)
 
-    def _backoff(self, attempt: int) -> float:
-        delay: float = self.config.backoff_s * 2.0 ** (attempt - 1)
-        return min(self.config.max_backoff_s, delay) * random.uniform(0.5, 1.0)
+    async def _post_once(self, path: str, body: bytes, headers: dict[str, str]) -> httpx.Response:
+        """One request: its response, or ``_Transient`` when the next may get through."""
+        try:
+            response = await self._client.post(path, content=body, headers=headers)
+        except httpx.TransportError as exc:
+            raise _Transient(f"{type(exc).__name__}: {exc}") from exc
+        if response.status_code == 429 or response.status_code >= 500:
+            raise _Transient(f"HTTP {response.status_code}")
+        return response
+
+    def _wait(self, state: RetryCallState) -> float:
+        """backoff_s, then twice that after each failed request, capped; times 0.5 to 1 (jitter)."""
+        return float(self._exponential(state)) * random.uniform(0.5, 1.0)
+
+    def _count_retry(self, state: RetryCallState) -> None:
+        self.retries += 1
 
     def _warn(self, kind: str, message: str, *args: object) -> None:
         """Log a warning of this kind at most once a minute: an outage must not flood the log."""
@@ -288,164 +298,5 @@ class LangfuseExporter:
             log.warning(message, *(a[:500] if isinstance(a, str) else a for a in args))
 
 
-def _rejected_spans(response: httpx.Response) -> int:
-    """OTLP partial success: ``{"partialSuccess": {"rejectedSpans": N}}``; an empty object is full success."""
-    with contextlib.suppress(ValueError, TypeError, AttributeError):
-        return int((orjson.loads(response.content).get("partialSuccess") or {}).get("rejectedSpans") or 0)
-    return 0
-
-
-def _rejected_scores(response: httpx.Response) -> int:
-    """Scores: 202 accepts all; 207 says ``{"accepted": A, "rejected": R, "errors": [...]}``."""
-    if response.status_code != 207:
-        return 0
-    with contextlib.suppress(ValueError, TypeError, AttributeError):
-        return int(orjson.loads(response.content).get("rejected") or 0)
-    return 0
-
-
-# -- the wire format ----------------------------------------------------------------------
-
-
-def trace_id(trajectory_id: str) -> str:
-    """The Langfuse trace id of a trajectory: ``Langfuse.create_trace_id(seed=trajectory_id)``."""
-    return hashlib.sha256(trajectory_id.encode()).digest()[:16].hex()
-
-
-def _span_id(call_id: str) -> str:
-    return hashlib.sha256(call_id.encode()).digest()[:8].hex()
-
-
-def _iso(epoch_s: float) -> str:
-    return datetime.fromtimestamp(epoch_s, UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
-
-
-def _json(value: Any) -> str:
-    return orjson.dumps(value).decode()
-
-
-def _otlp_value(value: str | bool | int | float) -> dict[str, Any]:
-    if isinstance(value, bool):
-        return {"boolValue": value}
-    if isinstance(value, int):
-        return {"intValue": str(value)}  # OTLP JSON writes 64-bit integers as strings
-    if isinstance(value, float):
-        return {"doubleValue": value}
-    return {"stringValue": value}
-
-
-def _output(call: Mapping[str, Any]) -> Any:
-    choices = (call.get("response") or {}).get("choices") or []
-    if call["endpoint"] == "chat.completions":
-        outputs = [choice.get("message") for choice in choices]
-    else:
-        outputs = [choice.get("text") for choice in choices]
-    return outputs[0] if len(outputs) == 1 else outputs or None
-
-
-def generation_span(write: CallWrite) -> dict[str, Any]:
-    """One recorded call as an OTLP span that Langfuse reads as a generation."""
-    call = write.call
-    request: dict[str, Any] = call["request"]
-    start_ns = round(float(call["started_at"]) * 1e9)
-    end_ns = start_ns + round(float(call["latency_ms"]) * 1e6)
-    prompt_tokens, completion_tokens = int(call["prompt_tokens"]), int(call["completion_tokens"])
-    parameters = {
-        k: v
-        for k, v in request.items()
-        if k not in _NOT_PARAMETERS and (isinstance(v, str | int | float | bool) or k == "stop")
-    }
-    attributes: dict[str, str | bool | int | float | None] = {
-        # the trace: on every span, as Langfuse v4 expects
-        "langfuse.trace.name": write.policy,
-        "session.id": write.group_id,  # a GRPO group (one task, several samples) is a session
-        "user.id": request.get("user") if isinstance(request.get("user"), str) else None,
-        "langfuse.trace.metadata.trajectory_id": write.trajectory_id,
-        "langfuse.trace.metadata.group_id": write.group_id,
-        "langfuse.trace.metadata.policy": write.policy,
-        # the generation
-        "langfuse.observation.type": "generation",
-        "langfuse.observation.model.name": call["served_model"],
-        "langfuse.observation.model.parameters": _json(parameters),
-        "langfuse.observation.usage_details": _json(
-            {"input": prompt_tokens, "output": completion_tokens, "total": prompt_tokens + completion_tokens}
-        ),
-        "langfuse.observation.input": _json(request.get("messages", request.get("prompt"))),
-        "langfuse.observation.output": _json(_output(call)),
-        "langfuse.version": f"{write.policy}@{write.version}",
-        "langfuse.observation.metadata.call_id": call["id"],
-        "langfuse.observation.metadata.requested_model": call["model"],
-        "langfuse.observation.metadata.endpoint": call["endpoint"],
-        "langfuse.observation.metadata.stream": bool(call["stream"]),
-        "langfuse.observation.metadata.status_code": int(call["status_code"]),
-        "langfuse.observation.metadata.finish_reason": call["finish_reason"],
-        "langfuse.observation.metadata.keyed_by": write.keyed_by,
-        "langfuse.observation.metadata.latency_ms": float(call["latency_ms"]),
-    }
-    if call.get("ttft_ms") is not None:
-        first_token = float(call["started_at"]) + float(call["ttft_ms"]) / 1000
-        attributes["langfuse.observation.completion_start_time"] = _json(_iso(first_token))
-    span: dict[str, Any] = {
-        "traceId": trace_id(write.trajectory_id),
-        "spanId": _span_id(call["id"]),
-        "name": call["endpoint"],
-        "kind": 3,  # CLIENT: a call to the model server
-        "startTimeUnixNano": str(start_ns),
-        "endTimeUnixNano": str(end_ns),
-    }
-    if call["status_code"] != 200:
-        attributes["langfuse.observation.level"] = "WARNING" if call["status_code"] == 499 else "ERROR"
-        attributes["langfuse.observation.status_message"] = call["error"]
-        span["status"] = {"code": 2, "message": call["error"] or ""}  # ERROR
-    span["attributes"] = [{"key": k, "value": _otlp_value(v)} for k, v in attributes.items() if v is not None]
-    return span
-
-
-_ENVELOPE_HEAD = (
-    b'{"resourceSpans":[{"resource":{"attributes":[{"key":"service.name","value":{"stringValue":"tracetrain"}}]},'
-    b'"scopeSpans":[{"scope":{"name":"tracetrain"},"spans":['
-)
-_ENVELOPE_TAIL = b"]}]}]}"
-
-
-def encode_spans(calls: list[CallWrite], max_bytes: int) -> list[tuple[bytes, int]]:
-    """Gzipped OTLP export requests for ``calls``, each under ``max_bytes`` of JSON (one span at least)."""
-    requests: list[tuple[bytes, int]] = []
-    chunk: list[bytes] = []
-    size = 0
-
-    def flush() -> None:
-        requests.append((gzip.compress(_ENVELOPE_HEAD + b",".join(chunk) + _ENVELOPE_TAIL, 5), len(chunk)))
-
-    for write in calls:
-        span = orjson.dumps(generation_span(write))
-        if chunk and size + len(span) > max_bytes:
-            flush()
-            chunk, size = [], 0
-        chunk.append(span)
-        size += len(span) + 1
-    if chunk:
-        flush()
-    return requests
-
-
-def reward_scores(reward: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """A reward as Langfuse scores on its trajectory's trace: ``reward``, then one per metric."""
-    trajectory_id = str(reward["trajectory_id"])
-    source = str(reward.get("source") or "external")
-    common = {
-        "traceId": trace_id(trajectory_id),
-        "dataType": "NUMERIC",
-        "timestamp": _iso(float(reward.get("created_at") or time.time())),
-        "metadata": {
-            "trajectory_id": trajectory_id,
-            "group_id": reward.get("group_id"),
-            "source": source,
-        },
-    }
-    name = "reward" if source == "external" else f"reward.{source}"  # the judge's: reward.judge
-    comment = {"comment": reward["explanation"]} if reward.get("explanation") else {}
-    scores = [{"id": uuid.uuid4().hex, "name": name, "value": float(reward["reward"]), **common, **comment}]
-    for metric, value in (reward.get("metrics") or {}).items():
-        scores.append({"id": uuid.uuid4().hex, "name": str(metric), "value": float(value), **common})
-    return scores
+class _Transient(Exception):
+    """A request that may get through if sent again: no connection, 429 or 5xx; the message says which."""

@@ -1,0 +1,196 @@
+"""What the Langfuse exporter sends, and how it reads the answers: pure functions, no I/O.
+
+A trajectory is a trace, each captured call a generation in it, each reward a score on it.
+The trace id is ``Langfuse.create_trace_id(seed=trajectory_id)`` (the first 16 bytes of the
+id's SHA-256, as the SDK derives one), and the trajectory id is in the trace's metadata.
+Two endpoints, the ones the v5 SDK itself uses:
+
+- ``POST /api/public/otel/v1/traces``: OTLP/HTTP JSON, gzipped, with the SDK's ``langfuse.*``
+  span attributes and ``x-langfuse-ingestion-version: 4``; one complete span per call, with
+  the trace's attributes on every span (what v4 ingestion expects);
+- ``POST /api/public/scores``: a JSON list of scores; 202, or 207 with accepted and rejected counts.
+
+Both take basic auth, public key as the user and secret key as the password.
+``tests/test_langfuse.py`` checks the attribute names and the trace id against the SDK.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import hashlib
+import time
+import uuid
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+import orjson
+
+from store import CallWrite
+
+TRACES_PATH = "/api/public/otel/v1/traces"
+SCORES_PATH = "/api/public/scores"
+# Request fields that are the prompt, who asked or the transport, not how to sample.
+_NOT_PARAMETERS = frozenset({"model", "messages", "prompt", "user", "stream"})
+
+
+def rejected_spans(response: httpx.Response) -> int:
+    """OTLP partial success: ``{"partialSuccess": {"rejectedSpans": N}}``; an empty object is full success."""
+    with contextlib.suppress(ValueError, TypeError, AttributeError):
+        return int((orjson.loads(response.content).get("partialSuccess") or {}).get("rejectedSpans") or 0)
+    return 0
+
+
+def rejected_scores(response: httpx.Response) -> int:
+    """Scores: 202 accepts all; 207 says ``{"accepted": A, "rejected": R, "errors": [...]}``."""
+    if response.status_code != 207:
+        return 0
+    with contextlib.suppress(ValueError, TypeError, AttributeError):
+        return int(orjson.loads(response.content).get("rejected") or 0)
+    return 0
+
+
+def trace_id(trajectory_id: str) -> str:
+    """The Langfuse trace id of a trajectory: ``Langfuse.create_trace_id(seed=trajectory_id)``."""
+    return hashlib.sha256(trajectory_id.encode()).digest()[:16].hex()
+
+
+def _span_id(call_id: str) -> str:
+    return hashlib.sha256(call_id.encode()).digest()[:8].hex()
+
+
+def _iso(epoch_s: float) -> str:
+    return datetime.fromtimestamp(epoch_s, UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def _json(value: Any) -> str:
+    return orjson.dumps(value).decode()
+
+
+def _otlp_value(value: str | bool | int | float) -> dict[str, Any]:
+    if isinstance(value, bool):
+        return {"boolValue": value}
+    if isinstance(value, int):
+        return {"intValue": str(value)}  # OTLP JSON writes 64-bit integers as strings
+    if isinstance(value, float):
+        return {"doubleValue": value}
+    return {"stringValue": value}
+
+
+def _output(call: Mapping[str, Any]) -> Any:
+    choices = (call.get("response") or {}).get("choices") or []
+    if call["endpoint"] == "chat.completions":
+        outputs = [choice.get("message") for choice in choices]
+    else:
+        outputs = [choice.get("text") for choice in choices]
+    return outputs[0] if len(outputs) == 1 else outputs or None
+
+
+def generation_span(write: CallWrite) -> dict[str, Any]:
+    """One recorded call as an OTLP span that Langfuse reads as a generation."""
+    call = write.call
+    request: dict[str, Any] = call["request"]
+    start_ns = round(float(call["started_at"]) * 1e9)
+    end_ns = start_ns + round(float(call["latency_ms"]) * 1e6)
+    prompt_tokens, completion_tokens = int(call["prompt_tokens"]), int(call["completion_tokens"])
+    parameters = {
+        k: v
+        for k, v in request.items()
+        if k not in _NOT_PARAMETERS and (isinstance(v, str | int | float | bool) or k == "stop")
+    }
+    attributes: dict[str, str | bool | int | float | None] = {
+        # the trace: on every span, as Langfuse v4 expects
+        "langfuse.trace.name": write.policy,
+        "session.id": write.group_id,  # a GRPO group (one task, several samples) is a session
+        "user.id": request.get("user") if isinstance(request.get("user"), str) else None,
+        "langfuse.trace.metadata.trajectory_id": write.trajectory_id,
+        "langfuse.trace.metadata.group_id": write.group_id,
+        "langfuse.trace.metadata.policy": write.policy,
+        # the generation
+        "langfuse.observation.type": "generation",
+        "langfuse.observation.model.name": call["served_model"],
+        "langfuse.observation.model.parameters": _json(parameters),
+        "langfuse.observation.usage_details": _json(
+            {"input": prompt_tokens, "output": completion_tokens, "total": prompt_tokens + completion_tokens}
+        ),
+        "langfuse.observation.input": _json(request.get("messages", request.get("prompt"))),
+        "langfuse.observation.output": _json(_output(call)),
+        "langfuse.version": f"{write.policy}@{write.version}",
+        "langfuse.observation.metadata.call_id": call["id"],
+        "langfuse.observation.metadata.requested_model": call["model"],
+        "langfuse.observation.metadata.endpoint": call["endpoint"],
+        "langfuse.observation.metadata.stream": bool(call["stream"]),
+        "langfuse.observation.metadata.status_code": int(call["status_code"]),
+        "langfuse.observation.metadata.finish_reason": call["finish_reason"],
+        "langfuse.observation.metadata.keyed_by": write.keyed_by,
+        "langfuse.observation.metadata.latency_ms": float(call["latency_ms"]),
+    }
+    if call.get("ttft_ms") is not None:
+        first_token = float(call["started_at"]) + float(call["ttft_ms"]) / 1000
+        attributes["langfuse.observation.completion_start_time"] = _json(_iso(first_token))
+    span: dict[str, Any] = {
+        "traceId": trace_id(write.trajectory_id),
+        "spanId": _span_id(call["id"]),
+        "name": call["endpoint"],
+        "kind": 3,  # CLIENT: a call to the model server
+        "startTimeUnixNano": str(start_ns),
+        "endTimeUnixNano": str(end_ns),
+    }
+    if call["status_code"] != 200:
+        attributes["langfuse.observation.level"] = "WARNING" if call["status_code"] == 499 else "ERROR"
+        attributes["langfuse.observation.status_message"] = call["error"]
+        span["status"] = {"code": 2, "message": call["error"] or ""}  # ERROR
+    span["attributes"] = [{"key": k, "value": _otlp_value(v)} for k, v in attributes.items() if v is not None]
+    return span
+
+
+_ENVELOPE_HEAD = (
+    b'{"resourceSpans":[{"resource":{"attributes":[{"key":"service.name","value":{"stringValue":"tracetrain"}}]},'
+    b'"scopeSpans":[{"scope":{"name":"tracetrain"},"spans":['
+)
+_ENVELOPE_TAIL = b"]}]}]}"
+
+
+def encode_spans(calls: list[CallWrite], max_bytes: int) -> list[tuple[bytes, int]]:
+    """Gzipped OTLP export requests for ``calls``, each under ``max_bytes`` of JSON (one span at least)."""
+    requests: list[tuple[bytes, int]] = []
+    chunk: list[bytes] = []
+    size = 0
+
+    def flush() -> None:
+        requests.append((gzip.compress(_ENVELOPE_HEAD + b",".join(chunk) + _ENVELOPE_TAIL, 5), len(chunk)))
+
+    for write in calls:
+        span = orjson.dumps(generation_span(write))
+        if chunk and size + len(span) > max_bytes:
+            flush()
+            chunk, size = [], 0
+        chunk.append(span)
+        size += len(span) + 1
+    if chunk:
+        flush()
+    return requests
+
+
+def reward_scores(reward: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A reward as Langfuse scores on its trajectory's trace: ``reward``, then one per metric."""
+    trajectory_id = str(reward["trajectory_id"])
+    source = str(reward.get("source") or "external")
+    common = {
+        "traceId": trace_id(trajectory_id),
+        "dataType": "NUMERIC",
+        "timestamp": _iso(float(reward.get("created_at") or time.time())),
+        "metadata": {
+            "trajectory_id": trajectory_id,
+            "group_id": reward.get("group_id"),
+            "source": source,
+        },
+    }
+    name = "reward" if source == "external" else f"reward.{source}"  # the judge's: reward.judge
+    comment = {"comment": reward["explanation"]} if reward.get("explanation") else {}
+    scores = [{"id": uuid.uuid4().hex, "name": name, "value": float(reward["reward"]), **common, **comment}]
+    for metric, value in (reward.get("metrics") or {}).items():
+        scores.append({"id": uuid.uuid4().hex, "name": str(metric), "value": float(value), **common})
+    return scores
