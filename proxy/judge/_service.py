@@ -114,6 +114,9 @@ class JudgeService:
         self._rubric = settings.judge_rubric or DEFAULT_RUBRIC
         self._slots = asyncio.Semaphore(settings.judge_concurrency)
         self._queued: set[str] = set()  # groups the scan handed to a background task
+        # When each group's last judgement here ended: a scan that read the store before then
+        # has not seen what that judgement wrote, so it must not start the group again.
+        self._ended: dict[str, float] = {}
         self._locks: dict[str, asyncio.Lock] = {}  # one judgement of a group at a time, per process
         self._lock_users: dict[str, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -283,8 +286,9 @@ class JudgeService:
     async def scan_once(self) -> list[str]:
         """Start judging every complete group not judged yet; returns the groups started."""
         started = []
+        scan_began = time.monotonic()
         for group_id, trigger in await self._due():
-            if group_id in self._queued or group_id in self._locks:
+            if group_id in self._queued or group_id in self._locks or self._ended.get(group_id, 0.0) >= scan_began:
                 continue
             self._queued.add(group_id)
             task = asyncio.create_task(self._judge_in_background(group_id, trigger), name=f"judge-{group_id}")
@@ -303,6 +307,10 @@ class JudgeService:
             log.exception("judging group %s failed", group_id)
         finally:
             self._queued.discard(group_id)
+            self._ended[group_id] = time.monotonic()
+            if len(self._ended) > 10_000:  # only recent ends matter: forget the older half
+                for stale in sorted(self._ended, key=self._ended.__getitem__)[:5_000]:
+                    del self._ended[stale]
 
     async def _due(self) -> list[tuple[str, str]]:
         """(group id, trigger) of the groups to judge now."""
