@@ -358,7 +358,9 @@ def test_model_pull_help_explains(capsys) -> None:
 
 
 def test_model_pull_without_the_training_extra_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tracetrain_cli._main, "_TRAIN_MODULES", ("torch", "tracetrain_no_such_module"))
+    import tracetrain_cli._models
+
+    monkeypatch.setattr(tracetrain_cli._models, "TRAIN_MODULES", ("torch", "tracetrain_no_such_module"))
     with pytest.raises(SystemExit) as excinfo:
         tracetrain_cli._main.main(["model", "pull"])
     message = str(excinfo.value.code)
