@@ -303,6 +303,14 @@ def test_the_plans_defaults_are_the_trainers_and_vllms() -> None:
     assert VLLMLaunch(model="m", port=1, data_dir=Path(".")).max_loras == VLLM_ADAPTER_SLOTS
 
 
+def test_the_micro_batch_flag_the_plan_suggests_reaches_the_trainers_config(tmp_path: Path) -> None:
+    from trainer.__main__ import main as trainer_main
+
+    base = ["--database-url", "sqlite+aiosqlite:///x.db", "--data-dir", str(tmp_path), "--base-model", str(tmp_path)]
+    with pytest.raises(SystemExit, match="micro_batch_tokens"):
+        trainer_main([*base, "--micro-batch-tokens=0"])  # checked by TrainConfig: the flag is read
+
+
 def test_the_children_get_their_gpus_share_and_tensor_parallel_size_from_the_plan(tmp_path: Path) -> None:
     from proxy import Settings
     from tracetrain_cli._serve import ServePlan, _trainer_env, trainer_argv
