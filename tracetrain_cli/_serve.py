@@ -37,6 +37,7 @@ import uvicorn
 from proxy._app import create_app
 from proxy._settings import Settings
 from tracetrain_cli._child import ChildExited, ChildProcess
+from tracetrain_cli._gpu_plan import CpuPlan, GpuPlan
 from tracetrain_cli._vllm_process import Device, VLLMLaunch, VLLMProcess, VLLMStartError
 
 __all__ = ["TRAINER_READY_LINE", "ServePlan", "pick_device", "serve", "vllm_install_problem"]
@@ -59,10 +60,16 @@ class ServePlan:
     vllm: VLLMLaunch | None  # None: settings.upstream is a server someone else runs
     trainer_argv: list[str] | None  # None: --no-train
     log_level: str = "info"
+    devices: GpuPlan | CpuPlan | None = None  # where vLLM and the trainer run (_gpu_plan.py)
 
     @property
     def log_dir(self) -> Path:
         return self.settings.data_dir / "logs"
+
+    @property
+    def shared(self) -> bool:
+        """vLLM and the trainer on the same GPU: vLLM must sleep around each training step."""
+        return self.devices is not None and self.devices.shared
 
 
 def pick_device(requested: Literal["auto", "cpu", "cuda"]) -> Device:
@@ -281,4 +288,6 @@ def _trainer_env(plan: ServePlan) -> dict[str, str]:
         # thread per core in the trainer too, and sampling and training would slow each other
         # down; half the cores (1 of 2 here) lets them overlap.
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // 2))
+    if plan.devices is not None:
+        env.update(plan.devices.trainer_env())  # CUDA_VISIBLE_DEVICES: the trainer's GPUs
     return env

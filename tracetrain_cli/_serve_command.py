@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import SecretStr, ValidationError
 
 from tracetrain_cli._models import DEFAULT_MODEL, TRAIN_MODULES, missing_modules, resolve_model_dir, setting_default
+from tracetrain_cli._serve_devices import add_device_flags
 
 
 def add_serve_parser(sub: Any) -> None:
@@ -154,6 +155,7 @@ def add_serve_parser(sub: Any) -> None:
     )
     p.add_argument("--no-train", action="store_true", help="serve and capture only; start no trainer")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default info)")
+    add_device_flags(p)
 
 
 def settings_from(args: argparse.Namespace) -> Any:
@@ -190,10 +192,15 @@ def settings_from(args: argparse.Namespace) -> Any:
 def run_serve(args: argparse.Namespace) -> int:
     import uvloop
 
+    from tracetrain_cli._gpu_render import render_plan
     from tracetrain_cli._serve import ServePlan, pick_device, serve, trainer_argv, vllm_install_problem
+    from tracetrain_cli._serve_devices import device_plan, launch_options
     from tracetrain_cli._vllm_process import VLLMLaunch
 
     settings = settings_from(args)
+    if args.plan_only:  # before anything is checked, written or started: a GPU box may not have vLLM yet
+        print(render_plan(device_plan(args, pick_device(args.device), _model_dir(args, settings.data_dir))))
+        return 0
     if settings.admin_token is None:
         settings = settings.model_copy(update={"admin_token": _admin_token(settings.data_dir)})
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -207,7 +214,9 @@ def run_serve(args: argparse.Namespace) -> int:
             f"tracetrain serve: the trainer needs the training extra ({', '.join(missing)} not installed): "
             "pip install 'tracetrain[train]', or pass --no-train to serve and capture only"
         )
-    model_dir = resolve_model_dir(args.model, settings.data_dir) if args.upstream is None or not args.no_train else None
+    model_dir = _model_dir(args, settings.data_dir)
+    devices = device_plan(args, device, model_dir)
+    print(render_plan(devices), flush=True)
     if args.upstream is None:
         assert model_dir is not None
         launch = VLLMLaunch(
@@ -218,16 +227,22 @@ def run_serve(args: argparse.Namespace) -> int:
             device=device,
             tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
             extra_args=tuple(args.vllm_arg),
+            **launch_options(devices),
         )
         settings = settings.model_copy(update={"upstream": launch.base_url, "served_model": model_dir.name})
     trainer = (
         None if model_dir is None or args.no_train else trainer_argv(settings, model_dir, device, args.trainer_arg)
     )
-    plan = ServePlan(settings=settings, vllm=launch, trainer_argv=trainer, log_level=args.log_level)
+    plan = ServePlan(settings=settings, vllm=launch, trainer_argv=trainer, log_level=args.log_level, devices=devices)
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(serve(plan))
     return 0
+
+
+def _model_dir(args: argparse.Namespace, data_dir: Path) -> Path | None:
+    """The base model's directory (pulled on first use), unless nothing here needs it."""
+    return resolve_model_dir(args.model, data_dir) if args.upstream is None or not args.no_train else None
 
 
 def _admin_token(data_dir: Path) -> SecretStr:

@@ -62,6 +62,8 @@ class VLLMLaunch:
 
     `model` is a local model directory (or a hub id when `offline` is False).
     `served_model_name` is the name clients send; it defaults to `model`.
+    On CUDA, `gpu_memory_utilization` (vLLM's share of each of its GPUs), `tensor_parallel_size`
+    and `cuda_visible_devices` (nvidia-smi's indices, e.g. "0,1") come from serve's GPU plan.
     `max_lora_rank` must be one of vLLM's ranks (1, 8, 16, 32, 64, ...) and at least
     the rank of every adapter that will be loaded; `max_loras` is how many adapters
     one batch can mix. `dtype="auto"` lets vLLM choose (a bf16 checkpoint runs in bf16),
@@ -79,6 +81,9 @@ class VLLMLaunch:
     host: str = "127.0.0.1"
     served_model_name: str | None = None
     device: Device = "cpu"
+    gpu_memory_utilization: float | None = None
+    tensor_parallel_size: int = 1
+    cuda_visible_devices: str | None = None
     dtype: Dtype = "auto"
     max_lora_rank: int = 16
     max_loras: int = 4
@@ -104,6 +109,10 @@ class VLLMLaunch:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.kv_cache_space_gib < 1:
             raise ValueError(f"kv_cache_space_gib must be at least 1, got {self.kv_cache_space_gib}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
 
     @property
     def base_url(self) -> str:
@@ -137,6 +146,10 @@ class VLLMLaunch:
         ]  # fmt: skip
         if self.served_model_name is not None:
             args += ["--served-model-name", self.served_model_name]
+        if self.device == "cuda":
+            args += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
+            if self.gpu_memory_utilization is not None:
+                args += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
         if self.max_model_len is not None:
             args += ["--max-model-len", str(self.max_model_len)]
         if self.tool_call_parser is not None:
@@ -156,6 +169,9 @@ class VLLMLaunch:
             VLLM_NO_USAGE_STATS="1",
             PYTHONUNBUFFERED="1",
         )
+        if self.device == "cuda" and self.cuda_visible_devices is not None:
+            # The plan's indices are nvidia-smi's (PCI bus order); CUDA's default order may differ.
+            env.update(CUDA_VISIBLE_DEVICES=self.cuda_visible_devices, CUDA_DEVICE_ORDER="PCI_BUS_ID")
         if self.offline:
             env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         if self.device == "cpu":

