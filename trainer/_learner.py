@@ -63,7 +63,8 @@ class StepResult:
     step_skipped: bool  # the grad norm was not finite: no optimizer step, the weights did not move
     # |trainer - sampler| log-prob per sampled token, mean and max, in nats, from the step's own forward
     # (before the update). On-policy samples: numerics alone (kernels, dtype, a temperature or top-p the
-    # two disagree on; ~1e-3 or below when honest). Stale samples add how far the policy moved since.
+    # two disagree on): ~1e-5 with both in float32, ~0.05 with vLLM in bf16 (docs/BENCHMARKS.md).
+    # Stale samples add how far the policy has moved since they were sampled.
     logprob_mismatch_mean: float
     logprob_mismatch_max: float
     log_ratio_clamped: int  # sampled tokens whose |log ratio| exceeded cfg.log_ratio_clamp
