@@ -37,6 +37,11 @@ class StoredCall:
     logprobs: list[float]
     status_code: int
     version: int
+    # The sampling parameters the client's request named (None: it left them to the server's default).
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: float | None = None
+    min_p: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,14 +181,15 @@ class Jobs:
             calls = (
                 await conn.execute(
                     select(C.c.trajectory_id, C.c.prompt_token_ids, C.c.completion_token_ids, C.c.logprobs,
-                           C.c.status_code, C.c.version)
+                           C.c.status_code, C.c.version, *(C.c.request[name] for name in _SAMPLING))
                     .where(C.c.trajectory_id.in_(ids))
                     .order_by(C.c.started_at, C.c.pk)
                 )
             ).all()  # fmt: skip
         by_trajectory: dict[str, list[StoredCall]] = {i: [] for i in ids}
         for call in calls:
-            by_trajectory[call.trajectory_id].append(StoredCall(*call))
+            fixed, sampling = call[: -len(_SAMPLING)], call[-len(_SAMPLING) :]
+            by_trajectory[call.trajectory_id].append(StoredCall(*fixed, *(_number(v) for v in sampling)))
         return [RewardedTrajectory(t.id, t.group_id, float(t.reward), by_trajectory[t.id]) for t in trajectories]
 
     # -- read by the dashboard and /metrics --------------------------------------------
@@ -208,3 +214,12 @@ class Jobs:
 
 class _TakenMeanwhile(Exception):
     pass
+
+
+# The request's sampling parameters training reads: JSON paths into each call's stored request, read in
+# the query so the messages never leave the database.
+_SAMPLING = ("temperature", "top_p", "top_k", "min_p")
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None

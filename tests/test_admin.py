@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -358,6 +359,23 @@ def test_the_training_page_charts_reward_and_loss_per_step(proxy: RunningProxy, 
         assert re.findall(r"<title>version \d+: ([\d.]+)</title>", chart) == values
         assert len(re.findall(r"<circle", chart)) == 3
     assert '<progress max="1" value="0.6">' in page
+
+
+def test_the_training_page_shows_each_steps_logprob_mismatch_and_a_skipped_step(proxy: RunningProxy) -> None:
+    steps = [{"logprob_mismatch_mean": 0.00012, "logprob_mismatch_max": 0.004, "log_ratio_clamped": 0},
+             {"logprob_mismatch_mean": 0.031, "logprob_mismatch_max": 21.5, "log_ratio_clamped": 1,
+              "step_skipped": True}]  # fmt: skip
+    for version, metrics in enumerate(steps, start=1):
+        proxy.rows(
+            "INSERT INTO training_jobs (policy, state, group_ids, version, metrics, progress, created_at, finished_at)"
+            " VALUES ('agent', 'succeeded', '[]', ?, ?, 1.0, 0, 0)",
+            version, json.dumps(metrics),
+        )  # fmt: skip
+    page = httpx.get(f"{proxy.url}/admin/ui/training").text
+    charts = re.findall(r'<svg class="chart".*?</svg>', page, re.S)
+    assert re.findall(r"<title>version \d+: ([\d.]+)</title>", charts[-1]) == ["0.00012", "0.031"]
+    assert ">0.00012</td>" in page and ">0.031</td>" in page and "1 tokens clamped" in page
+    assert "step skipped: the gradient was not finite" in page
 
 
 def test_train_now_from_the_adapters_page(proxy: RunningProxy) -> None:

@@ -92,6 +92,30 @@ def test_capture_rewards_groups_and_jobs_on_postgres(
     assert job["group_ids"] == ["g0"] and job["state"] == "queued"
 
 
+def test_training_reads_each_calls_sampling_parameters_on_postgres(
+    start_proxy: Callable[..., RunningProxy], pg_url: str
+) -> None:
+    from store import Store
+
+    proxy = start_proxy(database_url=pg_url, batch_groups=1, min_group_size=2)
+    client = proxy.client()
+    for i, extra in enumerate([{"temperature": 0.5, "top_p": 0.9, "extra_body": {"top_k": 20}}, {}]):
+        headers = {"X-Trajectory-Id": f"t{i}", "X-Group-Id": "g"}
+        client.chat.completions.create(model="agent", messages=TASK, extra_headers=headers, **extra)
+    rewards = [{"trajectory_id": f"t{i}", "reward": float(i)} for i in range(2)]
+    httpx.post(f"{proxy.v1}/rewards", json={"rewards": rewards}).raise_for_status()
+
+    async def read() -> list[tuple[float | None, ...]]:
+        store = await Store.open(pg_url, capture=False)
+        try:
+            trajectories = await store.jobs.rewarded_trajectories(["g"])
+        finally:
+            await store.close()
+        return [(c.temperature, c.top_p, c.top_k, c.min_p) for t in trajectories for c in t.calls]
+
+    assert asyncio.run(read()) == [(0.5, 0.9, 20.0, None), (None, None, None, None)]
+
+
 def test_threading_survives_a_restart_on_postgres(
     start_proxy: Callable[..., RunningProxy], fake: FakeVLLM, pg_url: str
 ) -> None:

@@ -106,6 +106,14 @@ def test_serve_refuses_a_model_path_that_is_not_a_model(tmp_path: Path) -> None:
         main(["serve", "--model", str(tmp_path), "--data-dir", str(tmp_path), "--no-train"])
 
 
+def test_the_vllm_serve_starts_returns_logprobs_after_temperature(tmp_path: Path) -> None:
+    # vLLM's default (raw_logprobs) is taken before temperature: the trainer's ratio needs the sampled distribution.
+    from tracetrain_cli._vllm_process import VLLMLaunch
+
+    argv = VLLMLaunch(model="m", port=8001, data_dir=tmp_path).argv()
+    assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"
+
+
 @pytest.mark.integration
 async def test_serve_starts_vllm_trains_publishes_and_survives_a_vllm_crash(tmp_path: Path,
                                                                             tiny_model_dir: Path) -> None:  # fmt: skip

@@ -278,10 +278,66 @@ def test_step_reports_its_metrics(tiny_model_dir: Path) -> None:
     assert result.micro_batches >= 3
     assert result.ratio_mean == pytest.approx(1.0, abs=1e-5)  # on-policy: the old logprobs are the learner's own
     assert result.clip_fraction == 0.0
+    assert result.logprob_mismatch_mean < 1e-5 and result.logprob_mismatch_max < 1e-4
+    assert (result.log_ratio_clamped, result.step_skipped) == (0, False)
     assert 0.0 < result.entropy <= math.log(learner.model.config.vocab_size)
     assert result.seconds > 0 and result.tokens_per_second > 0
     assert result.peak_memory_kind == "process_max_rss" and (result.peak_memory_bytes or 0) > 0
     assert json.loads(json.dumps(result.to_dict())) == result.to_dict()
+
+
+def test_scored_at_the_sampling_temperature_the_model_matches_its_own_sampling_logprobs(tiny_model_dir: Path) -> None:
+    # Old logprobs from the plain forward at T=0.7, as vLLM's processed logprobs of a call at 0.7 would be.
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    prompts = [6, 9, 4]
+    raw = [sample(24 + 4 * k, prompts[k], seed=10 + k) for k in range(3)]
+
+    def at(temperature: float) -> list[Tensor]:
+        """Each sample's sampled-token logprobs from full logits / T: (n - prompt,) each."""
+        out = []
+        for s, n_prompt in zip(raw, prompts, strict=True):
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([s.token_ids])).logits[0, :-1].float() / temperature
+            logp = logits.log_softmax(-1).gather(-1, torch.tensor(s.token_ids[1:])[:, None]).squeeze(-1)
+            out.append(logp[n_prompt - 1 :])
+        return out
+
+    old, at_one = at(0.7), at(1.0)
+
+    def items(claimed: float) -> list[TrainItem]:
+        built = []
+        for s, n_prompt, logp, adv in zip(raw, prompts, old, [1.0, -1.0, 0.5], strict=True):
+            n = len(s.token_ids)
+            temperatures = [1.0] * n_prompt + [claimed] * (n - n_prompt)
+            built.append(TrainItem(Sample(s.token_ids, s.loss_mask, [0.0] * n_prompt + logp.tolist(), 1, 0,
+                                          temperatures), adv))  # fmt: skip
+        return built
+
+    cfg = TrainConfig(lora_r=8, lora_alpha=16, dtype="float32", micro_batch_tokens=64)
+    honest = Learner(tiny_model_dir, cfg).step(items(0.7))
+    scale = float(torch.cat(old).abs().mean())  # the values' size: float32 rounding is relative to it
+    assert honest.logprob_mismatch_mean <= 1e-6 * scale and honest.logprob_mismatch_max <= 1e-5 * scale
+    assert honest.ratio_mean == pytest.approx(1.0, abs=1e-5)
+
+    # The same tokens said to be sampled at 1.0: the trainer scores another distribution than vLLM's.
+    wrong = Learner(tiny_model_dir, cfg).step(items(1.0))
+    expected = torch.cat([(a - b).abs() for a, b in zip(at_one, old, strict=True)])
+    assert wrong.logprob_mismatch_mean == pytest.approx(float(expected.mean()), rel=1e-4)
+    assert wrong.logprob_mismatch_max == pytest.approx(float(expected.max()), rel=1e-4)
+    assert wrong.logprob_mismatch_mean > 1000 * honest.logprob_mismatch_mean
+    assert abs(wrong.ratio_mean - 1.0) > 100 * abs(honest.ratio_mean - 1.0) + 1e-4
+
+
+def test_a_step_with_a_non_finite_gradient_is_skipped_and_says_so(tiny_model_dir: Path) -> None:
+    learner = Learner(tiny_model_dir, TrainConfig())
+    items = batch(learner)
+    lora_b = next(p for n, p in learner.model.named_parameters() if "lora_B" in n)
+    with torch.no_grad():
+        lora_b[0, 0] = math.inf  # a diverged weight: the forward overflows, the gradient is not finite
+    before = lora_state(learner)
+    result = learner.step(items)
+    assert result.step_skipped and not math.isfinite(result.grad_norm)
+    assert all(torch.equal(v, lora_state(learner)[k]) for k, v in before.items())
 
 
 def test_kl_to_the_base_is_zero_from_a_fresh_lora_and_grows_as_it_trains(tiny_model_dir: Path) -> None:
@@ -300,6 +356,9 @@ def test_kl_to_the_base_is_zero_from_a_fresh_lora_and_grows_as_it_trains(tiny_mo
         (TrainItem(Sample([1, 5000], [False, True], [0.0, 0.0], 1, 0), 1.0), "vocabulary"),
         (TrainItem(Sample([1, 2], [False, True], [0.0, 0.0], 1, 0), math.nan), "not finite"),
         (TrainItem(Sample([1, 2], [False, False], [0.0, 0.0], 1, 0), 1.0), "no sampled tokens"),
+        (TrainItem(Sample([1, 2], [False, True], [0.0, math.nan], 1, 0), 1.0), "old logprob"),
+        (TrainItem(Sample([1, 2], [False, True], [0.0, 0.0], 1, 0, [1.0, 0.0]), 1.0), "temperatures"),
+        (TrainItem(Sample([1, 2], [False, True], [0.0, 0.0], 1, 0, [1.0]), 1.0), "temperatures"),
     ],
 )
 def test_step_rejects_a_malformed_batch_before_touching_weights(

@@ -16,7 +16,8 @@ from torch import Tensor
 from store._advantages import group_advantages as store_advantages
 from trainer._advantages import group_advantages
 from trainer._config import LossVariant, TrainConfig
-from trainer._losses import policy_loss
+from trainer._logprobs import chunked_logprobs
+from trainer._losses import Mismatch, logprob_mismatch, policy_loss
 
 VARIANTS: tuple[LossVariant, ...] = ("grpo", "dr_grpo", "gspo", "cispo")
 
@@ -75,6 +76,8 @@ def test_config_from_an_older_file_takes_defaults_for_missing_keys() -> None:
         ("dtype", "float16"),
         ("min_group_size", 1),
         ("max_staleness", -1),
+        ("log_ratio_clamp", 0.0),
+        ("default_temperature", -0.5),
     ],
 )
 def test_config_rejects_bad_values_when_built_naming_the_field(field: str, value: object) -> None:
@@ -417,3 +420,110 @@ def test_mismatched_shapes_and_non_bool_masks_are_rejected() -> None:
         policy_loss(logp, torch.zeros(3), torch.zeros(2), all_on(2), one_seq(2), TrainConfig())
     with pytest.raises(ValueError, match="bool"):
         policy_loss(logp, torch.zeros(2), torch.zeros(2), torch.ones(2), one_seq(2), TrainConfig())
+
+
+# --- scoring at the sampling temperature ---------------------------------------------------
+
+# A 2-d hidden state and a 3-token vocabulary: logits = W h, with W the rows below.
+W = [[1.0, 0.0], [0.0, 2.0], [-1.0, 1.0]]
+
+
+def head() -> torch.nn.Linear:
+    lm_head = torch.nn.Linear(2, 3, bias=False)
+    with torch.no_grad():
+        lm_head.weight.copy_(torch.tensor(W))
+    return lm_head
+
+
+def by_hand(h: list[float], target: int, temperature: float) -> tuple[float, float]:
+    """log softmax(W h / T)[target] and the entropy of softmax(W h / T), with math."""
+    logits = [sum(w * x for w, x in zip(row, h, strict=True)) / temperature for row in W]
+    log_z = math.log(sum(math.exp(v) for v in logits))
+    logp = [v - log_z for v in logits]
+    return logp[target], -sum(math.exp(v) * v for v in logp)
+
+
+HIDDEN = [[0.5, -1.0], [1.0, 1.0], [-0.3, 0.8]]
+TARGETS = [1, 0, 2]
+
+
+def test_temperature_one_scores_the_plain_log_softmax() -> None:
+    hidden, targets = torch.tensor(HIDDEN), torch.tensor(TARGETS)
+    logp, entropy = chunked_logprobs(hidden, targets, head(), 2, torch.ones(3))
+    default, _ = chunked_logprobs(hidden, targets, head(), 2)
+    expected = [by_hand(h, t, 1.0) for h, t in zip(HIDDEN, TARGETS, strict=True)]
+    assert logp.tolist() == pytest.approx([e[0] for e in expected], abs=1e-6)
+    assert entropy.tolist() == pytest.approx([e[1] for e in expected], abs=1e-6)
+    assert torch.equal(default, logp)
+
+
+def test_temperature_one_half_is_log_softmax_of_twice_the_logits() -> None:
+    hidden, targets = torch.tensor(HIDDEN), torch.tensor(TARGETS)
+    logp, _ = chunked_logprobs(hidden, targets, head(), 2, torch.full((3,), 0.5))
+    twice = (2 * torch.tensor(HIDDEN) @ torch.tensor(W).T).log_softmax(-1)  # (3, 3)
+    assert logp.tolist() == pytest.approx(twice.gather(-1, targets[:, None]).squeeze(-1).tolist(), abs=1e-6)
+    assert logp.tolist() == pytest.approx([by_hand(h, t, 0.5)[0] for h, t in zip(HIDDEN, TARGETS, strict=True)])
+
+
+def test_each_token_is_scored_at_its_own_temperature_across_chunks() -> None:
+    # One row whose tokens came from calls at 0.7 and 1.0 (a merged sample); chunks of 2 split them.
+    temperatures = [0.7, 0.7, 1.0]
+    hidden = torch.tensor(HIDDEN, requires_grad=True)
+    logp, entropy = chunked_logprobs(hidden, torch.tensor(TARGETS), head(), 2, torch.tensor(temperatures))
+    expected = [by_hand(h, t, temp) for h, t, temp in zip(HIDDEN, TARGETS, temperatures, strict=True)]
+    assert logp.tolist() == pytest.approx([e[0] for e in expected], abs=1e-6)
+    assert entropy.tolist() == pytest.approx([e[1] for e in expected], abs=1e-6)
+    # d log softmax(W h / T)[y] / dh = W^T (onehot(y) - softmax(W h / T)) / T, through the checkpointed chunks
+    logp.sum().backward()
+    assert hidden.grad is not None
+    for i, (h, y, temp) in enumerate(zip(HIDDEN, TARGETS, temperatures, strict=True)):
+        probs = [math.exp(by_hand(h, k, temp)[0]) for k in range(3)]
+        grad = [sum(W[k][j] * ((k == y) - probs[k]) for k in range(3)) / temp for j in range(2)]
+        assert hidden.grad[i].tolist() == pytest.approx(grad, abs=1e-6)
+
+
+# --- the log-ratio clamp and the mismatch metric ---------------------------------------------
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_log_ratio_beyond_float32_exp_gives_a_finite_loss_and_is_counted(variant: LossVariant) -> None:
+    # exp(100) overflows float32; clamped at 20, the token's ratio is e^20 and it gets no gradient through it.
+    logp = leaf([-1.0, -0.5])
+    old = torch.tensor([-101.0, -0.6])
+    loss, m = policy_loss(logp, old, torch.tensor([-1.0, 1.0]), all_on(2), one_seq(2), TrainConfig(loss=variant))
+    loss.backward()
+    assert math.isfinite(loss.item()) and logp.grad is not None and torch.isfinite(logp.grad).all()
+    assert m["log_ratio_clamped"] == 1.0
+    assert m["logprob_mismatch_max"] == pytest.approx(100.0)  # reported before the clamp
+
+
+def test_the_clamped_ratio_is_exp_of_the_bound_and_carries_no_gradient() -> None:
+    cfg = TrainConfig(log_ratio_clamp=2.0, clip_high=100.0)  # a wide clip, so only the clamp bounds the ratio
+    logp = leaf([-1.0, -1.0, -1.0])
+    old = torch.tensor([-4.0, 2.0, -1.5])  # log ratios 3 (clamped to 2), -3 (clamped to -2), 0.5
+    loss, m = policy_loss(logp, old, torch.tensor([1.0, -1.0, 1.0]), all_on(3), one_seq(3), cfg)
+    # per token -min(r A, clip(r) A): e^2 (A=+1, inside the wide clip); e^-2 (A=-1, below 1 - 0.2: -0.8); e^0.5
+    expected = (-math.exp(2.0) + 0.8 - math.exp(0.5)) / 3
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert m["log_ratio_clamped"] == 2.0
+    assert m["ratio_mean"] == pytest.approx((math.exp(2.0) + math.exp(-2.0) + math.exp(0.5)) / 3, rel=1e-6)
+    loss.backward()
+    assert logp.grad is not None
+    assert logp.grad.tolist() == pytest.approx([0.0, 0.0, -math.exp(0.5) / 3], abs=1e-6)
+
+
+def test_logprob_mismatch_is_the_mean_and_max_absolute_difference() -> None:
+    logp = torch.tensor([-1.0, -2.0, -0.25, -3.0])
+    old = torch.tensor([-1.5, -2.0, -0.5, -2.0])
+    assert logprob_mismatch(logp, old) == Mismatch(mean=(0.5 + 0.0 + 0.25 + 1.0) / 4, max=1.0, tokens=4)
+    assert logprob_mismatch(torch.zeros(0), torch.zeros(0)) == Mismatch(0.0, 0.0, 0)
+
+
+def test_policy_loss_reports_the_mismatch_of_its_loss_tokens_only() -> None:
+    logp = leaf([-1.0, -2.0, -0.5])
+    old = torch.tensor([-1.25, -1.5, -40.0])  # the third token is masked: its 39.5 must not count
+    mask = torch.tensor([True, True, False])
+    _, m = policy_loss(logp, old, torch.ones(3), mask, one_seq(3), TrainConfig())
+    assert m["logprob_mismatch_mean"] == pytest.approx((0.25 + 0.5) / 2)
+    assert m["logprob_mismatch_max"] == pytest.approx(0.5)
+    assert m["log_ratio_clamped"] == 0.0

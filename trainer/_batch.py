@@ -4,7 +4,8 @@ Each trajectory's calls become samples (``build_samples``: token ids only); ever
 sample of a trajectory carries the trajectory's group-relative advantage. Samples
 sampled by a policy more than ``max_staleness`` versions older than the one being
 trained are skipped, and so are the groups whose rewards do not vary. Everything
-dropped is counted in the step's metrics.
+dropped is counted in the step's metrics. Each call carries the temperature it was sampled
+at: the request's, else the server's default (``trainer._sampling``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from store import RewardedTrajectory, group_advantages
 from trainer._config import TrainConfig
 from trainer._samples import CapturedCall, Sample, SampleStats, build_samples
+from trainer._sampling import SamplingDefaults
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,9 +30,19 @@ class TrajectoryData:
     calls: list[CapturedCall]
 
     @classmethod
-    def from_store(cls, stored: RewardedTrajectory) -> TrajectoryData:
+    def from_store(cls, stored: RewardedTrajectory, defaults: SamplingDefaults | None = None) -> TrajectoryData:
+        """The trajectory's calls; a sampling parameter a request left out takes ``defaults`` (vLLM's)."""
+        defaults = defaults or SamplingDefaults()
         calls = [
-            CapturedCall(c.prompt_token_ids, c.completion_token_ids, c.logprobs, c.status_code, c.version)
+            CapturedCall(
+                c.prompt_token_ids,
+                c.completion_token_ids,
+                c.logprobs,
+                c.status_code,
+                c.version,
+                temperature=defaults.temperature_of(c.temperature),
+                truncated=defaults.truncates(c.top_p, c.top_k, c.min_p),
+            )
             for c in stored.calls
         ]
         return cls(stored.id, stored.group_id, stored.reward, calls)
@@ -52,7 +64,7 @@ def build_batch(trajectories: Sequence[TrajectoryData], cfg: TrainConfig, *, tra
     samples: list[Sample] = []
     advantages: list[float] = []
     stats = SampleStats()
-    stale = 0
+    stale = off_policy = 0
     for trajectory, advantage, keep in zip(trajectories, adv.advantages, adv.keep, strict=True):
         if not keep:
             continue
@@ -62,6 +74,7 @@ def build_batch(trajectories: Sequence[TrajectoryData], cfg: TrainConfig, *, tra
             if sample.oldest_version < trained_version - cfg.max_staleness:
                 stale += 1
                 continue
+            off_policy += sample.oldest_version < trained_version
             samples.append(sample)
             advantages.append(advantage)
     metrics: dict[str, Any] = {
@@ -70,6 +83,8 @@ def build_batch(trajectories: Sequence[TrajectoryData], cfg: TrainConfig, *, tra
         "dropped_groups_zero_variance": adv.dropped_groups,
         "dropped_trajectories_zero_variance": adv.dropped_samples,
         "skipped_stale_samples": stale,
+        # Trained samples some of whose tokens an older version sampled: their logprob mismatch includes that move.
+        "off_policy_samples": off_policy,
         "reward_mean": float(rewards.mean()) if len(trajectories) else None,
         "reward_std": float(rewards.std(unbiased=False)) if len(trajectories) else None,
         **{f"samples_{name}": value for name, value in asdict(stats).items()},

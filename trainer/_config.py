@@ -52,6 +52,11 @@ class TrainConfig(BaseModel):
     # Dr. GRPO uses the generation budget; a sample here can span several calls, so set it near the
     # largest number of sampled tokens one sample carries. Only the gradient's scale depends on it.
     dr_grpo_norm_tokens: int = Field(default=1024, ge=1)
+    # |logp - old_logp| is clamped to this before exp, in every variant: e^20 keeps the ratio and its
+    # gradient finite in float32 (exp overflows past 88) and is verl's bound. A token beyond it is a
+    # broken sample, not a policy change (on-policy tokens differ by ~1e-3); it gets no gradient through
+    # the ratio and is counted in `log_ratio_clamped`.
+    log_ratio_clamp: float = Field(default=20.0, gt=0)
 
     # --- the adapter (peft LoRA) ---
     lora_r: int = Field(default=16, ge=1)
@@ -75,6 +80,12 @@ class TrainConfig(BaseModel):
     # bfloat16 measured 10x slower here than float32).
     dtype: TrainDType = "auto"
     seed: int = Field(default=0, ge=0)
+
+    # --- how the sampler sampled ---
+    # The temperature of calls whose request named none. None: what vLLM does by default
+    # (`--generation-config auto`): the base model's generation_config.json temperature, else 1.0.
+    # Set it when your vLLM runs with `--generation-config vllm` (1.0) or `--override-generation-config`.
+    default_temperature: float | None = Field(default=None, ge=0)
 
     # --- which data trains ---
     # Calls served by a policy more than this many versions behind the one being trained are dropped.

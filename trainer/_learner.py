@@ -60,6 +60,14 @@ class StepResult:
     kl: float | None  # k3 estimate of KL(policy || base), mean over loss tokens; None when kl_coef is 0
     entropy: float  # mean over loss tokens of the policy's next-token entropy, in nats
     grad_norm: float  # global L2 norm before clipping; if not finite, the step was skipped
+    step_skipped: bool  # the grad norm was not finite: no optimizer step, the weights did not move
+    # |trainer - sampler| log-prob per sampled token, mean and max, in nats, from the step's own forward
+    # (before the update). On-policy samples: numerics alone (kernels, dtype, a temperature or top-p the
+    # two disagree on): ~1e-5 with both in float32, ~0.05 with vLLM in bf16 (docs/BENCHMARKS.md).
+    # Stale samples add how far the policy has moved since they were sampled.
+    logprob_mismatch_mean: float
+    logprob_mismatch_max: float
+    log_ratio_clamped: int  # sampled tokens whose |log ratio| exceeded cfg.log_ratio_clamp
     tokens: int  # all tokens forwarded (prompts included)
     loss_tokens: int
     samples: int
@@ -153,9 +161,11 @@ class Learner:
     def step(self, batch: Sequence[TrainItem]) -> StepResult:
         """One optimizer step over the whole batch; samples without sampled tokens are skipped.
 
-        Raises ValueError for a malformed item (lengths that disagree, a token id outside
-        the vocabulary, a sampled first token, a non-finite advantage) or a batch with no
-        sampled tokens at all (a step over nothing would still decay weights).
+        Raises ValueError for a malformed item (lengths that disagree, a temperature that is not
+        positive, a NaN old logprob, a token id outside the vocabulary, a sampled first token,
+        a non-finite advantage) or a batch with no sampled tokens at all (a step over nothing
+        would still decay weights). An infinite old logprob is not an error: the log-ratio clamp
+        bounds it (vLLM writes -inf as -9999.0).
         """
         start = time.perf_counter()
         for k, item in enumerate(batch):
@@ -170,7 +180,8 @@ class Learner:
         micro_batches = pack_shared(samples, self.cfg.micro_batch_tokens)
 
         self.model.train()
-        totals = dict.fromkeys(("loss", "clipped", "ratio", "kl", "entropy"), 0.0)
+        totals = dict.fromkeys(("loss", "clipped", "ratio", "kl", "entropy", "mismatch", "clamped"), 0.0)
+        mismatch_max = 0.0
         for members in micro_batches:
             row = pack_row(samples, members, loss_only=True, device=self.device)
             ref_logp = None
@@ -199,6 +210,10 @@ class Learner:
             totals["ratio"] += m["ratio_mean"] * ratio_weight
             totals["kl"] += m.get("kl", 0.0)
             totals["entropy"] += float(entropy.sum())
+            # Every micro-batch's forward runs before the one optimizer step: this is the pre-update mismatch.
+            totals["mismatch"] += m["logprob_mismatch_mean"] * m["tokens"]
+            mismatch_max = max(mismatch_max, m["logprob_mismatch_max"])
+            totals["clamped"] += m["log_ratio_clamped"]
 
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, self.cfg.max_grad_norm))
         if math.isfinite(grad_norm):
@@ -216,6 +231,10 @@ class Learner:
             kl=totals["kl"] if self.cfg.kl_coef > 0 else None,
             entropy=totals["entropy"] / loss_tokens,
             grad_norm=grad_norm,
+            step_skipped=not math.isfinite(grad_norm),
+            logprob_mismatch_mean=totals["mismatch"] / loss_tokens,
+            logprob_mismatch_max=mismatch_max,
+            log_ratio_clamped=int(totals["clamped"]),
             tokens=tokens,
             loss_tokens=loss_tokens,
             samples=len(samples),
@@ -230,7 +249,8 @@ class Learner:
     def logprobs(self, samples: Sequence[Sample]) -> list[Tensor]:
         """Each sample's per-token log-probs under the current policy (eval mode), float32 on the CPU.
 
-        Entry t is log p(token t | tokens < t); entry 0, which has no prefix, is 0.0 (as
+        Entry t is log p(token t | tokens < t) at the token's temperature (``Sample.temperatures``,
+        1.0 when empty); entry 0, which has no prefix, is 0.0 (as
         ``Sample.old_logprobs`` is where nothing was sampled). Packed like a training step.
         """
         was_training = self.model.training
@@ -260,7 +280,7 @@ class Learner:
 
     def _score(self, row: PackedRow) -> tuple[Tensor, Tensor]:
         hidden = hidden_states(self._causal_lm, row)  # (P, H)
-        return chunked_logprobs(hidden, row.targets, self._lm_head, self.cfg.logprob_chunk_tokens)
+        return chunked_logprobs(hidden, row.targets, self._lm_head, self.cfg.logprob_chunk_tokens, row.temperature)
 
     def _gather(self, per_sample: Sequence[Sequence[float]], row: PackedRow) -> Tensor:
         """Per-token values of the row's members, taken at its scored tokens: (P,) float32."""
@@ -278,6 +298,10 @@ class Learner:
         n = len(s.token_ids)
         if not (len(s.loss_mask) == len(s.old_logprobs) == n):
             raise ValueError(f"item {k}: token_ids, loss_mask and old_logprobs differ in length")
+        if any(math.isnan(v) for v in s.old_logprobs):
+            raise ValueError(f"item {k}: an old logprob is NaN")
+        if len(s.temperatures) not in (0, n) or not all(t > 0 and math.isfinite(t) for t in s.temperatures):
+            raise ValueError(f"item {k}: temperatures must be one positive number per token (or none)")
         if n and s.loss_mask[0]:
             raise ValueError(f"item {k}: its first token is marked sampled, but nothing precedes it to score it")
         if any(t < 0 or t >= self._vocab for t in s.token_ids):

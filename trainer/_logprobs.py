@@ -18,6 +18,8 @@ runs under ``torch.utils.checkpoint``: its (C, V) logits are freed after the for
 rebuilt in the backward, so neither pass holds more than one chunk's logits.
 The logits are taken to be ``lm_head(hidden)``; models that scale or soft-cap them
 (Gemma 2's ``final_logit_softcapping``, Cohere's ``logit_scale``) are refused by the learner.
+Each scored token is scored at the temperature it was sampled at: ``log_softmax(logits / T)``
+is the distribution vLLM sampled from, and the one its processed logprobs describe.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class PackedRow:
     seq: Tensor  # (P,) long in [0, len(members)): the member each scored token belongs to
     offset: Tensor  # (P,) long: each scored token's index within its own sample
     members: tuple[int, ...]  # indices into the caller's samples, in row order
+    temperature: Tensor  # (P,) float32: the temperature each scored token was sampled at (1.0 if not sampled)
 
 
 def pack_row(samples: Sequence[Sample], members: Sequence[int], *, loss_only: bool, device: torch.device) -> PackedRow:
@@ -75,8 +78,10 @@ def pack_row(samples: Sequence[Sample], members: Sequence[int], *, loss_only: bo
     targets: list[int] = []
     seq: list[int] = []
     offset: list[int] = []
+    temperature: list[float] = []
     for k, i in enumerate(members):
         sample = samples[i]
+        temperatures = sample.temperatures or [1.0] * len(sample.token_ids)
         start = len(ids)
         starts.append(start)
         ids += sample.token_ids[shared:]
@@ -87,6 +92,7 @@ def pack_row(samples: Sequence[Sample], members: Sequence[int], *, loss_only: bo
                 targets.append(sample.token_ids[t])
                 seq.append(k)
                 offset.append(t)
+                temperature.append(temperatures[t])
 
     def longs(values: list[int]) -> Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
@@ -109,6 +115,7 @@ def pack_row(samples: Sequence[Sample], members: Sequence[int], *, loss_only: bo
         seq=longs(seq),  # (P,)
         offset=longs(offset),  # (P,)
         members=tuple(members),
+        temperature=torch.tensor(temperature, dtype=torch.float32, device=device),  # (P,)
     )
 
 
@@ -126,32 +133,39 @@ def hidden_states(model: PreTrainedModel, row: PackedRow) -> Tensor:
     return hidden[row.score_at]  # (P, H)
 
 
-def _score_chunk(lm_head: nn.Module, hidden: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-    logp_all = lm_head(hidden).float().log_softmax(-1)  # (C, V)
+def _score_chunk(lm_head: nn.Module, hidden: Tensor, targets: Tensor, temperature: Tensor) -> tuple[Tensor, Tensor]:
+    logits = lm_head(hidden).float() / temperature[:, None]  # (C, V) as vLLM samples: logits / T, in float32
+    logp_all = logits.log_softmax(-1)  # (C, V)
     logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)  # (C,)
     # Computed after everything the backward needs, so checkpoint's recompute (which stops
     # early once it has rebuilt the saved tensors) does not redo it.
     with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(-1)  # (C,) nats, of the full next-token distribution
+        entropy = -(logp_all.exp() * logp_all).sum(-1)  # (C,) nats, of the full next-token distribution at T
     return logp, entropy
 
 
-def chunked_logprobs(hidden: Tensor, targets: Tensor, lm_head: nn.Module, chunk_tokens: int) -> tuple[Tensor, Tensor]:
-    """Log-prob of each target under ``log_softmax(lm_head(hidden))`` and that distribution's entropy.
+def chunked_logprobs(
+    hidden: Tensor, targets: Tensor, lm_head: nn.Module, chunk_tokens: int, temperature: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Log-prob of each target under ``log_softmax(lm_head(hidden) / temperature)`` and that distribution's entropy.
 
-    ``hidden`` (P, H), ``targets`` (P,) -> ``logp`` (P,) float32 (with grad when ``hidden``
-    has one) and ``entropy`` (P,) float32 (never with grad).
+    ``hidden`` (P, H), ``targets`` (P,), ``temperature`` (P,) positive (None: all 1.0) ->
+    ``logp`` (P,) float32 (with grad when ``hidden`` has one) and ``entropy`` (P,) float32
+    (never with grad).
     """
+    if temperature is None:
+        temperature = torch.ones(targets.shape, dtype=torch.float32, device=hidden.device)  # (P,)
     logps: list[Tensor] = []
     entropies: list[Tensor] = []
     with_grad = torch.is_grad_enabled() and hidden.requires_grad
     for lo in range(0, hidden.shape[0], chunk_tokens):
         h = hidden[lo : lo + chunk_tokens]  # (C, H)
         t = targets[lo : lo + chunk_tokens]  # (C,)
+        temp = temperature[lo : lo + chunk_tokens]  # (C,)
         if with_grad:
-            logp, entropy = checkpoint(_score_chunk, lm_head, h, t, use_reentrant=False)
+            logp, entropy = checkpoint(_score_chunk, lm_head, h, t, temp, use_reentrant=False)
         else:
-            logp, entropy = _score_chunk(lm_head, h, t)
+            logp, entropy = _score_chunk(lm_head, h, t, temp)
         logps.append(logp)
         entropies.append(entropy)
     if not logps:

@@ -3,11 +3,12 @@
 Inputs are per token over a packed micro-batch of T positions; ``mask`` marks the L
 sampled tokens that carry loss and ``seq_index`` says which sample each belongs to.
 ``cfg.loss`` picks one variant from a table built at import; each is a small function.
-Let r_t = exp(logp_t - old_logp_t) and A the (per-token) advantage:
+Let r_t = exp(clamp(logp_t - old_logp_t, -c, c)) with c = ``log_ratio_clamp`` and A the
+(per-token) advantage:
 
 - ``grpo``:    -min(r_t A, clip(r_t, 1 - clip_low, 1 + clip_high) A), mean over all loss tokens.
 - ``dr_grpo``: the same per-token term, summed, divided by (sequences x ``dr_grpo_norm_tokens``).
-- ``gspo``:    s_i = exp(mean over sample i's loss tokens of (logp - old_logp)),
+- ``gspo``:    s_i = exp(mean over sample i's loss tokens of clamp(logp - old_logp, -c, c)),
                -min(s_i A_i, clip(s_i, 1 - gspo_clip_low, 1 + gspo_clip_high) A_i), mean over sequences.
 - ``cispo``:   -sg(min(r_t, 1 + cispo_clip_high)) A logp_t, mean over all loss tokens.
 - KL (any variant, ``kl_coef > 0``): k3 = exp(ref - logp) - (ref - logp) - 1, mean over loss
@@ -19,6 +20,10 @@ Where this departs from the papers:
   sampled, not a trainer forward of the previous weights. So even a fully on-policy
   batch shows r != 1 where vLLM's and the trainer's numerics differ, and the clip also
   bounds that mismatch. Staler calls (``max_staleness``) are corrected by the same ratio.
+  ``logprob_mismatch`` measures it; ``old_logp`` must be vLLM's processed logprobs (after
+  temperature) and ``logp`` scored at the same temperature (``trainer._logprobs``).
+- The log-ratio is clamped before exp (verl does the same at 20), so one broken token cannot
+  overflow the ratio; a clamped token gets no gradient through its ratio.
 - ``grpo`` averages over all loss tokens of the batch (DAPO's token-level mean), not
   per sequence then per group as DeepSeekMath wrote it: long samples are not down-weighted.
 - ``dr_grpo``'s constant is a config field, not the generation budget, since one sample
@@ -52,7 +57,7 @@ class _LossTokens:
     """The loss tokens of a micro-batch, gathered out of the packed (T,) tensors."""
 
     logp: Tensor  # (L,) float32, carries the gradient
-    old_logp: Tensor  # (L,) float32, vLLM's sampling logprobs
+    log_ratio: Tensor  # (L,) float32, clamp(logp - old_logp, -c, c): carries the gradient inside the clamp
     adv: Tensor  # (L,) float32
     seq: Tensor  # (L,) long in [0, S): which of the S sequences each token belongs to
     n_seqs: int  # S
@@ -75,7 +80,7 @@ def _clipped_surrogate(ratio: Tensor, adv: Tensor, low: float, high: float) -> t
 
 
 def _token_clipped(tok: _LossTokens, cfg: TrainConfig) -> tuple[Tensor, Tensor, Tensor]:
-    ratio = (tok.logp - tok.old_logp).exp()  # (L,)
+    ratio = tok.log_ratio.exp()  # (L,)
     per_token, clipped = _clipped_surrogate(ratio, tok.adv, cfg.clip_low, cfg.clip_high)  # (L,), (L,)
     return per_token, clipped, ratio.detach().mean()
 
@@ -92,7 +97,7 @@ def _dr_grpo(tok: _LossTokens, cfg: TrainConfig) -> _Term:
 
 def _gspo(tok: _LossTokens, cfg: TrainConfig) -> _Term:
     length = tok.logp.new_zeros(tok.n_seqs).index_add(0, tok.seq, torch.ones_like(tok.logp))  # (S,)
-    log_ratio = tok.logp.new_zeros(tok.n_seqs).index_add(0, tok.seq, tok.logp - tok.old_logp)  # (S,)
+    log_ratio = tok.logp.new_zeros(tok.n_seqs).index_add(0, tok.seq, tok.log_ratio)  # (S,)
     seq_ratio = (log_ratio / length).exp()  # (S,) geometric mean of the token ratios
     seq_adv = tok.logp.new_zeros(tok.n_seqs).index_add(0, tok.seq, tok.adv) / length  # (S,)
     per_seq, seq_clipped = _clipped_surrogate(seq_ratio, seq_adv, cfg.gspo_clip_low, cfg.gspo_clip_high)  # (S,)
@@ -100,7 +105,7 @@ def _gspo(tok: _LossTokens, cfg: TrainConfig) -> _Term:
 
 
 def _cispo(tok: _LossTokens, cfg: TrainConfig) -> _Term:
-    ratio = (tok.logp - tok.old_logp).exp().detach()  # (L,)
+    ratio = tok.log_ratio.exp().detach()  # (L,)
     cap = 1.0 + cfg.cispo_clip_high
     weight = ratio.clamp(max=cap)  # (L,) stop-gradient IS weight
     per_token = -weight * tok.adv * tok.logp  # (L,)
@@ -113,6 +118,29 @@ _VARIANTS: dict[LossVariant, Callable[[_LossTokens, TrainConfig], _Term]] = {
     "gspo": _gspo,
     "cispo": _cispo,
 }
+
+
+class Mismatch(NamedTuple):
+    mean: float  # mean |logp - old_logp| over the tokens, nats
+    max: float  # largest |logp - old_logp|, nats
+    tokens: int
+
+
+def logprob_mismatch(logp: Tensor, old_logp: Tensor) -> Mismatch:
+    """How far the trainer's log-probs are from the sampler's, per sampled token: mean and max of |difference|.
+
+    ``logp``, ``old_logp`` (L,) of the sampled tokens. Scored with the weights that sampled
+    them (an on-policy batch, before the update), it measures the numerics alone: vLLM's
+    kernels and dtype against the trainer's, a temperature or top-p the two disagree on.
+    For stale samples it adds how far the policy has moved since.
+
+    >>> logprob_mismatch(torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -2.0]))
+    Mismatch(mean=0.25, max=0.5, tokens=2)
+    """
+    if logp.numel() == 0:
+        return Mismatch(0.0, 0.0, 0)
+    diff = (logp.detach().float() - old_logp.float()).abs()  # (L,)
+    return Mismatch(float(diff.mean()), float(diff.max()), logp.numel())
 
 
 def _k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
@@ -145,7 +173,9 @@ def policy_loss(
     Metrics: ``loss``; ``clip_fraction``, the share of loss tokens whose update the clip
     bounded (grpo/dr_grpo: zero-gradient tokens; gspo: tokens of clipped sequences; cispo:
     tokens whose weight hit the cap); ``ratio_mean`` (token ratio, or sequence ratio for
-    gspo); ``kl`` when ``ref_logp`` is given; ``tokens`` and ``sequences`` carrying loss.
+    gspo); ``kl`` when ``ref_logp`` is given; ``tokens`` and ``sequences`` carrying loss;
+    ``log_ratio_clamped``, loss tokens whose |log-ratio| exceeded ``cfg.log_ratio_clamp``;
+    ``logprob_mismatch_mean`` / ``_max``, ``logprob_mismatch`` of the loss tokens.
     A micro-batch without loss tokens gives a zero loss that still backpropagates (zeros).
     """
     shape = logp.shape
@@ -163,15 +193,18 @@ def policy_loss(
     n_tokens = int(mask.sum())
     if n_tokens == 0:
         empty = logp[mask].sum()  # () zero, yet connected to logp: backward gives zero grads
-        metrics = {"loss": 0.0, "clip_fraction": 0.0, "ratio_mean": 0.0, "tokens": 0.0, "sequences": 0.0}
+        metrics = {"loss": 0.0, "clip_fraction": 0.0, "ratio_mean": 0.0, "tokens": 0.0, "sequences": 0.0,
+                   "log_ratio_clamped": 0.0, "logprob_mismatch_mean": 0.0, "logprob_mismatch_max": 0.0}  # fmt: skip
         if ref_logp is not None:
             metrics["kl"] = 0.0
         return empty, metrics
 
     seq_ids, seq = torch.unique(seq_index[mask], return_inverse=True)  # (S,), (L,)
+    raw_log_ratio = logp[mask].float() - old_logp[mask].float()  # (L,)
+    bound = cfg.log_ratio_clamp
     tok = _LossTokens(
         logp=logp[mask].float(),  # (L,)
-        old_logp=old_logp[mask].float(),  # (L,)
+        log_ratio=raw_log_ratio.clamp(-bound, bound),  # (L,)
         adv=advantages[mask].float(),  # (L,)
         seq=seq,  # (L,)
         n_seqs=seq_ids.numel(),
@@ -181,11 +214,15 @@ def policy_loss(
     term = _VARIANTS[cfg.loss](tok, cfg)
     loss = term.loss  # ()
 
+    mismatch = logprob_mismatch(logp[mask], old_logp[mask])
     metrics = {
         "clip_fraction": float(term.clipped.float().mean()),
         "ratio_mean": float(term.ratio_mean),
         "tokens": float(n_tokens),
         "sequences": float(tok.n_seqs),
+        "log_ratio_clamped": float((raw_log_ratio.detach().abs() > bound).sum()),
+        "logprob_mismatch_mean": mismatch.mean,
+        "logprob_mismatch_max": mismatch.max,
     }
     if ref_logp is not None:
         kl = _k3(tok.logp, ref_logp[mask].float()).sum() / tok.token_denom  # ()

@@ -13,12 +13,24 @@ an agent's template keeps breaking the merge.
 Calls that cannot train are skipped and counted: failed (status != 200), inconsistent
 (logprobs not one per completion token, or an empty prompt: the first token of a
 sample has no logit to score it), and empty completions.
+
+Each sampled token keeps the temperature its call was sampled at: the trainer scores it
+with ``log_softmax(logits / T)``, the distribution vLLM sampled from and whose logprob
+it returned (``--logprobs-mode processed_logprobs``). A greedy call (T below vLLM's
+1e-5) sampled nothing: its completion joins the sample as context without loss (so the
+next call still merges) and is counted (``skipped_greedy``); a sample left with no
+sampled token is dropped. Calls sampled with top-p, top-k or min-p are counted
+(``truncated``): vLLM's logprob is renormalized over the tokens it kept, the trainer's is
+not, so their ratio sits below 1 by the probability mass that truncation cut.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
+
+# vLLM samples greedily below this temperature (its _SAMPLING_EPS); such a call's logprobs are not a sampler's.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +42,8 @@ class CapturedCall:
     logprobs: Sequence[float]  # sampling logprob of each completion token
     status_code: int = 200
     version: int = 0  # the policy version that served the call
+    temperature: float = 1.0  # the sampling temperature vLLM applied (the request's, else the server default)
+    truncated: bool = False  # sampled with top-p < 1, top-k > 0 or min-p > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +55,8 @@ class Sample:
     old_logprobs: list[float]  # vLLM's sampling logprob per token; 0.0 where loss_mask is False
     n_calls: int
     oldest_version: int  # the oldest policy version that sampled any of its tokens (for staleness)
+    # The sampling temperature of each token; 1.0 where loss_mask is False. Empty: every token at 1.0.
+    temperatures: list[float] = field(default_factory=list)
 
     @property
     def loss_tokens(self) -> int:
@@ -59,6 +75,8 @@ class SampleStats:
     skipped_failed: int = 0  # status != 200
     skipped_inconsistent: int = 0  # logprobs length != completion length, or empty prompt
     skipped_empty: int = 0  # no completion tokens
+    skipped_greedy: int = 0  # temperature 0: the completion is context, not loss (its logprobs are not a sampler's)
+    truncated: int = 0  # trained calls sampled with top-p/top-k/min-p (their ratio is biased below 1)
 
     def __add__(self, other: SampleStats) -> SampleStats:
         return SampleStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
@@ -71,25 +89,37 @@ class _Open:
     token_ids: list[int] = field(default_factory=list)
     loss_mask: list[bool] = field(default_factory=list)
     old_logprobs: list[float] = field(default_factory=list)
+    temperatures: list[float] = field(default_factory=list)
     n_calls: int = 0
+    n_trained: int = 0  # calls whose completion carries loss
     oldest_version: int = 0
 
     def extends(self, prompt: list[int]) -> bool:
         n = len(self.token_ids)
         return len(prompt) >= n and prompt[:n] == self.token_ids
 
-    def append(self, call: CapturedCall, new_prompt: list[int]) -> None:
+    def append(self, call: CapturedCall, new_prompt: list[int], *, sampled: bool = True) -> None:
+        """The call's new prompt tokens as context, then its completion: loss only if ``sampled``."""
         self.token_ids += new_prompt
         self.loss_mask += [False] * len(new_prompt)
         self.old_logprobs += [0.0] * len(new_prompt)
+        self.temperatures += [1.0] * len(new_prompt)
+        n = len(call.completion_token_ids)
         self.token_ids += call.completion_token_ids
-        self.loss_mask += [True] * len(call.completion_token_ids)
-        self.old_logprobs += [float(x) for x in call.logprobs]
-        self.oldest_version = call.version if self.n_calls == 0 else min(self.oldest_version, call.version)
+        self.loss_mask += [sampled] * n
+        self.old_logprobs += [float(x) for x in call.logprobs] if sampled else [0.0] * n
+        self.temperatures += [float(call.temperature) if sampled else 1.0] * n
+        if sampled:
+            self.oldest_version = call.version if self.n_trained == 0 else min(self.oldest_version, call.version)
+            self.n_trained += 1
         self.n_calls += 1
 
-    def close(self) -> Sample:
-        return Sample(self.token_ids, self.loss_mask, self.old_logprobs, self.n_calls, self.oldest_version)
+    def close(self) -> Sample | None:
+        """The sample, or None when no call of it was sampled (only greedy ones): nothing to train."""
+        if self.n_trained == 0:
+            return None
+        return Sample(self.token_ids, self.loss_mask, self.old_logprobs, self.n_calls, self.oldest_version,
+                      self.temperatures)  # fmt: skip
 
 
 def build_samples(calls: Sequence[CapturedCall]) -> tuple[list[Sample], SampleStats]:
@@ -102,8 +132,14 @@ def build_samples(calls: Sequence[CapturedCall]) -> tuple[list[Sample], SampleSt
     ([1, 2, 3, 4, 5, 6], [False, False, True, True, False, True], 1)
     """
     samples: list[Sample] = []
-    failed = inconsistent = empty = merged = mismatched = 0
+    failed = inconsistent = empty = greedy = truncated = merged = mismatched = 0
     current: _Open | None = None
+
+    def close(sample: _Open | None) -> None:
+        closed = sample.close() if sample is not None else None
+        if closed is not None:
+            samples.append(closed)
+
     for call in calls:
         if call.status_code != 200:
             failed += 1
@@ -114,18 +150,20 @@ def build_samples(calls: Sequence[CapturedCall]) -> tuple[list[Sample], SampleSt
         if not call.completion_token_ids:
             empty += 1
             continue
+        sampled = call.temperature >= GREEDY_BELOW
+        greedy += not sampled
+        truncated += sampled and call.truncated
         prompt = list(call.prompt_token_ids)
         if current is not None and current.extends(prompt):
-            current.append(call, prompt[len(current.token_ids) :])
+            current.append(call, prompt[len(current.token_ids) :], sampled=sampled)
             merged += 1
             continue
         if current is not None:
-            samples.append(current.close())
+            close(current)
             mismatched += 1
         current = _Open()
-        current.append(call, prompt)
-    if current is not None:
-        samples.append(current.close())
+        current.append(call, prompt, sampled=sampled)
+    close(current)
 
     stats = SampleStats(
         calls=len(calls),
@@ -136,6 +174,8 @@ def build_samples(calls: Sequence[CapturedCall]) -> tuple[list[Sample], SampleSt
         skipped_failed=failed,
         skipped_inconsistent=inconsistent,
         skipped_empty=empty,
+        skipped_greedy=greedy,
+        truncated=truncated,
     )
     return samples, stats
 

@@ -29,6 +29,7 @@ from store import Store
 from trainer._batch import TrajectoryData, build_batch
 from trainer._config import TrainConfig
 from trainer._learner import Learner, TrainItem
+from trainer._sampling import SamplingDefaults
 
 log = logging.getLogger("tracetrain.trainer")
 
@@ -140,8 +141,10 @@ class Worker:
         base = await self._version_to_train_on()
         learner = await asyncio.to_thread(self._learner_at, base)
         stored = await self._store.jobs.rewarded_trajectories(job["group_ids"])
-        trajectories = [TrajectoryData.from_store(t) for t in stored]
-        batch = build_batch(trajectories, self.settings.config, trained_version=base)
+        config = self.settings.config
+        defaults = SamplingDefaults.of_model(self.settings.base_model, temperature=config.default_temperature)
+        trajectories = [TrajectoryData.from_store(t, defaults) for t in stored]
+        batch = build_batch(trajectories, config, trained_version=base)
         if not batch.samples:
             log.warning("job %s: nothing to learn from (%s)", job["id"], batch.metrics)
             return {**batch.metrics, "skipped": "no sample carries a signal"}, None

@@ -315,6 +315,7 @@ async def training(request: Request, services: ServicesDep) -> Response:
         refresh=10 if running else None,
         reward_chart=line_chart(curves["reward_mean"], title="Reward mean", x_label="version"),
         loss_chart=line_chart(curves["loss"], title="Loss", x_label="version"),
+        mismatch_chart=line_chart(curves["logprob_mismatch_mean"], title="Log-prob mismatch", x_label="version"),
     )  # fmt: skip
 
 

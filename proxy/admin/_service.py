@@ -16,7 +16,7 @@ from proxy.errors import NotFound, ProxyError
 from store import ADAPTER_FIELDS, JOB_FIELDS, JobState, _advantages, common_prefix, reply_message, same_message
 
 # What the training page plots, from each succeeded job's metrics.
-CURVES = ("reward_mean", "loss")
+CURVES = ("reward_mean", "loss", "logprob_mismatch_mean")
 
 
 async def overview(services: Services) -> dict[str, Any]:
