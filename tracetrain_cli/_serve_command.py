@@ -82,6 +82,14 @@ def add_serve_parser(sub: Any) -> None:
         "--trainer-arg=--learning-rate=1e-4; repeatable",
     )
     p.add_argument(
+        "--trainer-procs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="train on N processes (torchrun, data parallel; on CUDA one GPU each, cuda:0 to cuda:N-1); they "
+        "take the same step as one process would. On a CPU they share the trainer's threads (default 1)",
+    )
+    p.add_argument(
         "--data-dir",
         type=Path,
         default=None,
@@ -193,6 +201,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from tracetrain_cli._serve import ServePlan, pick_device, serve, trainer_argv, vllm_install_problem
     from tracetrain_cli._vllm_process import VLLMLaunch
 
+    if args.trainer_procs < 1:
+        raise SystemExit(f"tracetrain serve: --trainer-procs must be at least 1, got {args.trainer_procs}")
     settings = settings_from(args)
     if settings.admin_token is None:
         settings = settings.model_copy(update={"admin_token": _admin_token(settings.data_dir)})
@@ -221,7 +231,9 @@ def run_serve(args: argparse.Namespace) -> int:
         )
         settings = settings.model_copy(update={"upstream": launch.base_url, "served_model": model_dir.name})
     trainer = (
-        None if model_dir is None or args.no_train else trainer_argv(settings, model_dir, device, args.trainer_arg)
+        None
+        if model_dir is None or args.no_train
+        else trainer_argv(settings, model_dir, device, args.trainer_arg, args.trainer_procs)
     )
     plan = ServePlan(settings=settings, vllm=launch, trainer_argv=trainer, log_level=args.log_level)
 
