@@ -165,6 +165,7 @@ class Worker:
         ]
         self._tell(Step(base, holds, tuple(items)))
         result = await asyncio.to_thread(learner.step, items)
+        self._held.version = -1  # the weights moved: no version until they are saved as one
         version = await self._next_version()
         metrics = {**batch.metrics, **result.to_dict(), "version": version, "trained_from": base}
         out_dir = self.settings.adapters_dir / str(version)
