@@ -48,7 +48,7 @@ METRICS = ("loss", "clip_fraction", "ratio_mean", "entropy", "grad_norm")
 
 def child_env() -> dict[str, str]:
     path = os.pathsep.join([str(REPO), str(REPO / "sdk"), os.environ.get("PYTHONPATH", "")])
-    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "2"}
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}  # 2 ranks on 2 cores: 1 thread each
 
 
 def assert_same_lora(one: dict[str, torch.Tensor], two: dict[str, torch.Tensor]) -> None:
