@@ -24,7 +24,6 @@ With one process none of this runs: no process group, no broadcast.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -37,8 +36,6 @@ from torch import Tensor
 
 if TYPE_CHECKING:
     from trainer._learner import TrainItem
-
-log = logging.getLogger("tracetrain.trainer")
 
 
 class StepFailed(RuntimeError):
