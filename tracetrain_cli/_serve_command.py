@@ -83,6 +83,14 @@ def add_serve_parser(sub: Any) -> None:
         "--trainer-arg=--learning-rate=1e-4; repeatable",
     )
     p.add_argument(
+        "--trainer-procs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="train on N processes (torchrun, data parallel; on CUDA one GPU each, cuda:0 to cuda:N-1); they "
+        "take the same step as one process would. On a CPU they share the trainer's threads (default 1)",
+    )
+    p.add_argument(
         "--data-dir",
         type=Path,
         default=None,
@@ -197,6 +205,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from tracetrain_cli._serve_devices import device_plan, launch_options
     from tracetrain_cli._vllm_process import VLLMLaunch
 
+    if args.trainer_procs < 1:
+        raise SystemExit(f"tracetrain serve: --trainer-procs must be at least 1, got {args.trainer_procs}")
     settings = settings_from(args)
     if args.plan_only:  # before anything is checked, written or started: a GPU box may not have vLLM yet
         print(render_plan(device_plan(args, pick_device(args.device), _model_dir(args, settings.data_dir))))
@@ -231,7 +241,9 @@ def run_serve(args: argparse.Namespace) -> int:
         )
         settings = settings.model_copy(update={"upstream": launch.base_url, "served_model": model_dir.name})
     trainer = (
-        None if model_dir is None or args.no_train else trainer_argv(settings, model_dir, device, args.trainer_arg)
+        None
+        if model_dir is None or args.no_train
+        else trainer_argv(settings, model_dir, device, args.trainer_arg, args.trainer_procs)
     )
     plan = ServePlan(settings=settings, vllm=launch, trainer_argv=trainer, log_level=args.log_level, devices=devices)
 

@@ -3,6 +3,10 @@
 It claims queued training jobs of one policy from the store, trains a GRPO step on the
 LoRA and records the adapter; the proxy publishes it. Run it beside the proxy, or on a
 GPU machine of its own against the same Postgres database.
+
+``--procs N`` trains on N processes: the command runs itself again under torchrun
+(``python -m torch.distributed.run --standalone --nproc-per-node N -m trainer ...``);
+under torchrun (``WORLD_SIZE`` set) it reads RANK, WORLD_SIZE and LOCAL_RANK instead.
 """
 
 from __future__ import annotations
@@ -11,14 +15,18 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from pydantic import ValidationError
 
+from trainer import _distributed
 from trainer._config import TrainConfig
-from trainer._worker import Worker, WorkerSettings
+from trainer._distributed import Ranks
+from trainer._worker import Worker, WorkerSettings, follow
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -32,6 +40,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--base-model", type=Path, required=True, help="the HF model directory vLLM serves")
     p.add_argument("--init-adapter", type=Path, help="a LoRA directory to start from (e.g. an SFT warm start)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
+    p.add_argument(
+        "--procs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="train on N processes (data parallel, started with torchrun; with --device cuda, one GPU each); "
+        "rank 0 alone talks to the store and writes adapters (default 1). Under torchrun its world size decides",
+    )
     p.add_argument("--config", type=Path, help="a JSON file of TrainConfig fields; the flags below override it")
     p.add_argument("--loss", choices=["grpo", "dr_grpo", "gspo", "cispo"], help="the objective (default grpo)")
     p.add_argument("--learning-rate", type=float, help="AdamW learning rate (default 3e-4)")
@@ -54,7 +70,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    group = Ranks.from_env()
+    where = f" [rank {group.rank}]" if group is not None else ""
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s %(levelname)s %(name)s{where}: %(message)s")
     flags = {"loss": args.loss, "learning_rate": args.learning_rate, "lora_r": args.lora_r,
              "max_staleness": args.max_staleness, "kl_coef": args.kl_coef}  # fmt: skip
     flags["micro_batch_tokens"] = args.micro_batch_tokens
@@ -65,22 +83,48 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"python -m trainer: bad training configuration: {exc}") from None
     if not (args.base_model / "config.json").is_file():
         raise SystemExit(f"python -m trainer: {args.base_model} is not a Hugging Face model directory")
+    if args.procs < 1 or (args.procs > 1 and args.device not in ("cpu", "cuda")):
+        raise SystemExit(f"python -m trainer: --procs {args.procs} with --device {args.device}: N is at least 1, "
+                         "and several processes take --device cpu or cuda (rank k on cuda:LOCAL_RANK)")  # fmt: skip
+    if args.procs > 1 and not _distributed.under_torchrun():
+        return _relaunch(args.procs, sys.argv[1:] if argv is None else argv)
+    device = args.device
+    if group is not None:
+        try:
+            device = _distributed.start(group, device)
+        except ValueError as exc:
+            raise SystemExit(f"python -m trainer: {exc}") from None
     settings = WorkerSettings(
         database_url=args.database_url, data_dir=args.data_dir, policy=args.policy, base_model=args.base_model,
-        config=config, init_adapter=args.init_adapter, device=args.device,
+        config=config, init_adapter=args.init_adapter, device=device,
     )  # fmt: skip
+    try:
+        if group is not None and not group.leads:
+            follow(settings)
+        else:
+            _lead(settings, group, once=args.once)
+    finally:
+        _distributed.finish()
+    return 0
 
+
+def _lead(settings: WorkerSettings, group: Ranks | None, *, once: bool) -> None:
     async def run() -> None:
-        worker = await Worker.open(settings)
+        worker = await Worker.open(settings, group)
         try:
             await worker.prepare()
-            await worker.run(once=args.once)
+            await worker.run(once=once)
         finally:
             await worker.close()
 
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(run())
-    return 0
+
+
+def _relaunch(procs: int, argv: Sequence[str]) -> NoReturn:
+    """Become torchrun running this command on ``procs`` processes (same pid: a supervisor still holds it)."""
+    command, env = _distributed.torchrun_command(procs, argv, os.environ)
+    os.execve(sys.executable, command, env)
 
 
 if __name__ == "__main__":

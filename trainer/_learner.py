@@ -10,6 +10,10 @@ One step: the batch's samples are packed into micro-batches of at most
 its share of the whole batch's loss (``policy_loss``'s ``batch_tokens`` /
 ``batch_sequences``), so the accumulated gradient equals the gradient of the batch taken
 at once. Then the global gradient norm is clipped and AdamW steps once.
+
+Under torchrun (``trainer._distributed``) each rank takes every world-th micro-batch of
+the same packing, and the ranks' gradients and metric totals are summed before the clip:
+N ranks take the step one process would, and hold the same LoRA afterwards.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from trainer._adapters import load_optimizer_state, write_adapter_dir
 from trainer._config import TrainConfig, TrainDType
+from trainer._distributed import all_or_none, max_over_ranks, rank_and_world, sum_over_ranks
 from trainer._logprobs import PackedRow, chunked_logprobs, hidden_states, pack_row
 from trainer._losses import policy_loss
 from trainer._samples import Sample, pack_shared
@@ -178,47 +183,23 @@ class Learner:
         samples = [item.sample for item in items]
         loss_tokens = sum(s.loss_tokens for s in samples)
         micro_batches = pack_shared(samples, self.cfg.micro_batch_tokens)
+        rank, world = rank_and_world()  # (0, 1) in a single process
 
         self.model.train()
         totals = dict.fromkeys(("loss", "clipped", "ratio", "kl", "entropy", "mismatch", "clamped"), 0.0)
         mismatch_max = 0.0
-        for members in micro_batches:
-            row = pack_row(samples, members, loss_only=True, device=self.device)
-            ref_logp = None
-            if self.cfg.kl_coef > 0:
-                with torch.no_grad(), self.model.disable_adapter(), self._precision_context():
-                    ref_logp, _ = self._score(row)  # (L,)
-            with self._precision_context():
-                logp, entropy = self._score(row)  # (L,), (L,)
-            old_logp = self._gather([samples[i].old_logprobs for i in members], row)  # (L,)
-            advantages = torch.tensor([items[i].advantage for i in members], device=self.device)[row.seq]  # (L,)
-            loss, m = policy_loss(
-                logp,
-                old_logp,
-                advantages,
-                torch.ones_like(row.seq, dtype=torch.bool),  # (L,) every scored token is a sampled one
-                row.seq,
-                self.cfg,
-                ref_logp=ref_logp,
-                batch_tokens=loss_tokens,
-                batch_sequences=len(samples),
-            )
-            torch.autograd.backward(loss)
-            ratio_weight = m["sequences"] / len(samples) if self.cfg.loss == "gspo" else m["tokens"] / loss_tokens
-            totals["loss"] += m["loss"]
-            totals["clipped"] += m["clip_fraction"] * m["tokens"]
-            totals["ratio"] += m["ratio_mean"] * ratio_weight
-            totals["kl"] += m.get("kl", 0.0)
-            totals["entropy"] += float(entropy.sum())
-            # Every micro-batch's forward runs before the one optimizer step: this is the pre-update mismatch.
-            totals["mismatch"] += m["logprob_mismatch_mean"] * m["tokens"]
-            mismatch_max = max(mismatch_max, m["logprob_mismatch_max"])
-            totals["clamped"] += m["log_ratio_clamped"]
-
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, self.cfg.max_grad_norm))
-        if math.isfinite(grad_norm):
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        try:
+            with all_or_none():  # several ranks: one failing rank fails the step on all of them
+                for members in micro_batches[rank::world]:  # this rank's share; every rank packed the same list
+                    mismatch_max = max(mismatch_max, self._accumulate(items, samples, members, loss_tokens, totals))
+            if world > 1:
+                totals = sum_over_ranks(self._params, totals)  # each rank's loss is its share: SUM is the batch's
+                mismatch_max = max_over_ranks(mismatch_max)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, self.cfg.max_grad_norm))
+            if math.isfinite(grad_norm):
+                self.optimizer.step()
+        finally:  # a failed step leaves no gradient behind for the next one to add to
+            self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
@@ -244,6 +225,44 @@ class Learner:
             peak_memory_bytes=peak,
             peak_memory_kind=kind,
         )
+
+    def _accumulate(self, items: Sequence[TrainItem], samples: Sequence[Sample], members: list[int],
+                    loss_tokens: int, totals: dict[str, float]) -> float:  # fmt: skip
+        """Forward and backward one micro-batch (``members`` index ``samples``); adds its metrics to ``totals``.
+
+        Returns the micro-batch's largest |trainer - sampler| log-prob.
+        """
+        row = pack_row(samples, members, loss_only=True, device=self.device)
+        ref_logp = None
+        if self.cfg.kl_coef > 0:
+            with torch.no_grad(), self.model.disable_adapter(), self._precision_context():
+                ref_logp, _ = self._score(row)  # (L,)
+        with self._precision_context():
+            logp, entropy = self._score(row)  # (L,), (L,)
+        old_logp = self._gather([samples[i].old_logprobs for i in members], row)  # (L,)
+        advantages = torch.tensor([items[i].advantage for i in members], device=self.device)[row.seq]  # (L,)
+        loss, m = policy_loss(
+            logp,
+            old_logp,
+            advantages,
+            torch.ones_like(row.seq, dtype=torch.bool),  # (L,) every scored token is a sampled one
+            row.seq,
+            self.cfg,
+            ref_logp=ref_logp,
+            batch_tokens=loss_tokens,
+            batch_sequences=len(samples),
+        )
+        torch.autograd.backward(loss)
+        ratio_weight = m["sequences"] / len(samples) if self.cfg.loss == "gspo" else m["tokens"] / loss_tokens
+        totals["loss"] += m["loss"]
+        totals["clipped"] += m["clip_fraction"] * m["tokens"]
+        totals["ratio"] += m["ratio_mean"] * ratio_weight
+        totals["kl"] += m.get("kl", 0.0)
+        totals["entropy"] += float(entropy.sum())
+        # Every micro-batch's forward runs before the one optimizer step: this is the pre-update mismatch.
+        totals["mismatch"] += m["logprob_mismatch_mean"] * m["tokens"]
+        totals["clamped"] += m["log_ratio_clamped"]
+        return float(m["logprob_mismatch_max"])
 
     @torch.no_grad()
     def logprobs(self, samples: Sequence[Sample]) -> list[Tensor]:

@@ -12,6 +12,9 @@ A claimed job carries a lease that the worker renews while it trains. A worker t
 stops renewing: after the lease any proxy replica queues the job again (``store._jobs``).
 A worker that restarts on the same host gives back at once the claims of its dead
 predecessor, without waiting for the lease.
+
+Under torchrun (``--procs N``) the ``Worker`` runs on rank 0 only and tells the other ranks
+what to do; they run ``follow``, which never opens the store (``trainer._distributed``).
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from store import Store
+from trainer import _distributed
 from trainer._batch import TrajectoryData, build_batch
 from trainer._config import TrainConfig
+from trainer._distributed import Idle, Load, Ranks, Step, StepFailed, Stop, Word
 from trainer._learner import Learner, TrainItem
 from trainer._sampling import SamplingDefaults
 
@@ -57,16 +62,18 @@ class WorkerSettings:
 
 
 class Worker:
-    def __init__(self, settings: WorkerSettings, store: Store) -> None:
+    """The worker of one process, or rank 0 of several (``group``): the only one that talks to the store."""
+
+    def __init__(self, settings: WorkerSettings, store: Store, group: Ranks | None = None) -> None:
         self.settings = settings
         self._store = store
+        self._group = group
         self._name = f"{socket.gethostname()}:{os.getpid()}"
-        self._learner: Learner | None = None
-        self._learner_version = -1  # the adapter version the learner's weights are
+        self._held = HeldLearner(settings)
 
     @classmethod
-    async def open(cls, settings: WorkerSettings) -> Worker:
-        return cls(settings, await Store.open(settings.database_url, capture=False))
+    async def open(cls, settings: WorkerSettings, group: Ranks | None = None) -> Worker:
+        return cls(settings, await Store.open(settings.database_url, capture=False), group)
 
     async def prepare(self) -> None:
         """Requeue the jobs a dead worker of this host left running, and load the model now.
@@ -75,7 +82,11 @@ class Worker:
         ``tracetrain serve`` say the trainer is ready when it is (it waits for ``READY_LINE``).
         """
         await self._requeue_orphans()
-        await asyncio.to_thread(self._learner_at, await self._version_to_train_on())
+        version = await self._version_to_train_on()
+        self._tell(Load(version))
+        await asyncio.to_thread(self._held.at, version)
+        if self._group is not None:
+            await asyncio.to_thread(_distributed.barrier)  # every rank has loaded the model
         log.info("%s: policy %s, base model %s, device %s", READY_LINE, self.settings.policy,
                  self.settings.base_model, self.settings.device)  # fmt: skip
 
@@ -97,7 +108,9 @@ class Worker:
             job = await self.claim()
             if job is None:
                 if once:
+                    self._tell(Stop())
                     return done
+                self._tell(Idle())
                 await asyncio.sleep(self.settings.poll_s)
                 continue
             await self.run_job(job)
@@ -138,8 +151,9 @@ class Worker:
                 log.exception("job %s: renewing the lease failed", job_id)
 
     async def _train(self, job: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
+        holds = self._held.version
         base = await self._version_to_train_on()
-        learner = await asyncio.to_thread(self._learner_at, base)
+        learner = await asyncio.to_thread(self._held.at, base)
         stored = await self._store.jobs.rewarded_trajectories(job["group_ids"])
         config = self.settings.config
         defaults = SamplingDefaults.of_model(self.settings.base_model, temperature=config.default_temperature)
@@ -152,28 +166,22 @@ class Worker:
         items = [
             TrainItem(sample, advantage) for sample, advantage in zip(batch.samples, batch.advantages, strict=True)
         ]
+        self._tell(Step(base, holds, tuple(items)))
         result = await asyncio.to_thread(learner.step, items)
+        self._held.version = -1  # the weights moved: no version until they are saved as one
         version = await self._next_version()
         metrics = {**batch.metrics, **result.to_dict(), "version": version, "trained_from": base}
         out_dir = self.settings.adapters_dir / str(version)
         await asyncio.to_thread(learner.save, out_dir, metrics)
-        self._learner_version = version
+        self._held.version = version
         await self._store.adapters.record(self.settings.policy, version, str(out_dir.resolve()), job["id"], metrics)
         log.info("job %s: trained %s@%d (loss %.4f, reward mean %.3f, %.1f s)", job["id"], self.settings.policy,
                  version, result.loss, batch.metrics["reward_mean"], result.seconds)  # fmt: skip
         return metrics, version
 
-    def _learner_at(self, version: int) -> Learner:
-        """The learner holding ``version``'s weights (built or reloaded when it holds another)."""
-        if self._learner is not None and self._learner_version == version:
-            return self._learner
-        settings = self.settings
-        adapter = settings.adapters_dir / str(version) if version > 0 else settings.init_adapter
-        if adapter is not None and not adapter.is_dir():
-            raise FileNotFoundError(f"the adapter to train from is missing: {adapter}")
-        self._learner = Learner(settings.base_model, settings.config, adapter=adapter, device=settings.device)
-        self._learner_version = version
-        return self._learner
+    def _tell(self, word: Word) -> None:
+        if self._group is not None:
+            _distributed.tell(word)
 
     async def _version_to_train_on(self) -> int:
         return await self._store.adapters.version_to_train_on(self.settings.policy)
@@ -181,6 +189,51 @@ class Worker:
     async def _next_version(self) -> int:
         on_disk = [int(p.name) for p in self.settings.adapters_dir.glob("*") if p.name.isdigit()]
         return max([await self._store.adapters.newest_version(self.settings.policy), *on_disk]) + 1
+
+
+class HeldLearner:
+    """The learner a process holds, and the adapter version its weights are."""
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        self.learner: Learner | None = None
+        self.version = -1
+
+    def at(self, version: int) -> Learner:
+        """The learner holding ``version``'s weights (built or reloaded when it holds another)."""
+        if self.learner is not None and self.version == version:
+            return self.learner
+        settings = self.settings
+        adapter = settings.adapters_dir / str(version) if version > 0 else settings.init_adapter
+        if adapter is not None and not adapter.is_dir():
+            raise FileNotFoundError(f"the adapter to train from is missing: {adapter}")
+        self.learner = Learner(settings.base_model, settings.config, adapter=adapter, device=settings.device)
+        self.version = version
+        return self.learner
+
+
+def follow(settings: WorkerSettings) -> None:
+    """A rank above 0: do what rank 0 says until it says stop. Never touches the store.
+
+    Its weights are always rank 0's (same start, same summed gradients), so rank 0's
+    version label for them is this rank's too. A step that fails fails on every rank
+    (``ValueError`` from the batch's checks, ``StepFailed``); rank 0 records why and goes
+    on, and so does this rank. Any other error ends the process, and torchrun the others.
+    """
+    held = HeldLearner(settings)
+    while True:
+        word = _distributed.listen()
+        if isinstance(word, Stop):
+            return
+        if isinstance(word, Load):
+            held.at(word.version)
+            _distributed.barrier()
+        elif isinstance(word, Step):
+            held.version = word.holds
+            try:
+                held.at(word.version).step(word.items)
+            except (ValueError, StepFailed) as exc:
+                log.debug("the step failed on every rank: %s", exc)
 
 
 def _alive(pid: int) -> bool:
