@@ -51,12 +51,12 @@ def test_store_public_names() -> None:
 
     assert sorted(store.__all__) == [
         "ADAPTER_FIELDS", "AdapterState", "Adapters", "Call", "CallWrite", "DueRule", "ExportFilter", "ExportPage",
-        "ExportReads", "GROUP_VIEW_STATES", "GroupAdvantages", "GroupCalls", "GroupChanged", "GroupRecord",
-        "GroupState", "JOB_FIELDS", "JUDGEMENT_STATES", "JobState", "Jobs", "Judgements", "MOVES", "Policies", "Reads",
-        "RewardIn", "RewardSummary", "RewardedTrajectory", "SchemaTooNew", "Store", "StoreError", "StoreUnavailable",
-        "StoredCall", "TrajectoryFilter", "TrajectoryRecord", "TransitionRefused", "UnknownTrajectories", "allowed",
-        "canonical_message", "common_prefix", "connect", "first_choice", "group_advantages", "reply_message",
-        "same_message",
+        "ExportReads", "GROUP_VIEW_STATES", "GpuHandover", "GroupAdvantages", "GroupCalls", "GroupChanged",
+        "GroupRecord", "GroupState", "JOB_FIELDS", "JUDGEMENT_STATES", "JobState", "Jobs", "Judgements", "MOVES",
+        "Policies", "Reads", "RewardIn", "RewardSummary", "RewardedTrajectory", "SchemaTooNew", "Store", "StoreError",
+        "StoreUnavailable", "StoredCall", "TrajectoryFilter", "TrajectoryRecord", "TransitionRefused",
+        "UnknownTrajectories", "allowed", "canonical_message", "common_prefix", "connect", "first_choice",
+        "group_advantages", "reply_message", "same_message",
     ]  # fmt: skip
 
 
