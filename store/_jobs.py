@@ -34,8 +34,8 @@ from store._tables import trajectories as T
 JOB_FIELDS = ("id", "policy", "state", "group_ids", "version", "metrics", "progress", "error", "worker",
               "lease_expires_at", "reclaimed", "created_at", "started_at", "finished_at", "gpu_state",
               "gpu_requested_at", "gpu_granted_at", "gpu_released_at", "gpu_asleep_s")  # fmt: skip
-_HANDOVER_FIELDS = (J.c.id, J.c.policy, J.c.state, J.c.worker, J.c.gpu_state, J.c.gpu_requested_at,
-                    J.c.gpu_granted_at, J.c.gpu_released_at, J.c.gpu_asleep_s)  # fmt: skip
+_HANDOVER_FIELDS = (J.c.id, J.c.policy, J.c.state, J.c.worker, J.c.lease_expires_at, J.c.gpu_state,
+                    J.c.gpu_requested_at, J.c.gpu_granted_at, J.c.gpu_released_at, J.c.gpu_asleep_s)  # fmt: skip
 _OPEN_HANDOVER = (GpuHandover.REQUESTED.value, GpuHandover.GRANTED.value)
 
 
@@ -194,7 +194,7 @@ class Jobs:
             return [dict(row._mapping) for row in rows.all()]
 
     async def gpu_handover(self, job_id: int) -> dict[str, Any] | None:
-        """A job's hand-over as it stands: its state, worker, ``gpu_state`` and times."""
+        """A job's hand-over as it stands: its state, worker and lease, ``gpu_state`` and times."""
         async with self._engine.connect() as conn:
             row = (await conn.execute(select(*_HANDOVER_FIELDS).where(J.c.id == job_id))).first()
         return dict(row._mapping) if row else None

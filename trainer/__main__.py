@@ -42,6 +42,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="skip samples served by a version more than this many versions old (default 2)",
     )
     p.add_argument("--kl-coef", type=float, help="weight of the KL to the base model (default 0: off)")
+    p.add_argument(
+        "--share-gpu",
+        action="store_true",
+        help="the GPU is vLLM's too: each step waits until the proxy (tracetrain serve --share-gpu) has put vLLM to "
+        "sleep, and gives the GPU back after recording its adapter",
+    )
     p.add_argument("--once", action="store_true", help="run the queued jobs, then exit")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default info)")
     return p.parse_args(argv)
@@ -61,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"python -m trainer: {args.base_model} is not a Hugging Face model directory")
     settings = WorkerSettings(
         database_url=args.database_url, data_dir=args.data_dir, policy=args.policy, base_model=args.base_model,
-        config=config, init_adapter=args.init_adapter, device=args.device,
+        config=config, init_adapter=args.init_adapter, device=args.device, share_gpu=args.share_gpu,
     )  # fmt: skip
 
     async def run() -> None:

@@ -12,6 +12,9 @@ A claimed job carries a lease that the worker renews while it trains. A worker t
 stops renewing: after the lease any proxy replica queues the job again (``store._jobs``).
 A worker that restarts on the same host gives back at once the claims of its dead
 predecessor, without waiting for the lease.
+
+With ``share_gpu`` (one GPU for vLLM and the trainer) the step, saving and recording run
+while vLLM sleeps: the worker asks for the GPU through the store (``trainer._handover``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 from store import Store
 from trainer._batch import TrajectoryData, build_batch
 from trainer._config import TrainConfig
+from trainer._handover import gpu_handed_over
 from trainer._learner import Learner, TrainItem
 
 log = logging.getLogger("tracetrain.trainer")
@@ -49,6 +53,7 @@ class WorkerSettings:
     device: str = "cpu"
     poll_s: float = 1.0
     lease_s: float = JOB_LEASE_S
+    share_gpu: bool = False  # the GPU is vLLM's but for each step, which waits for the proxy's grant
 
     @property
     def adapters_dir(self) -> Path:
@@ -149,16 +154,24 @@ class Worker:
         items = [
             TrainItem(sample, advantage) for sample, advantage in zip(batch.samples, batch.advantages, strict=True)
         ]
-        result = await asyncio.to_thread(learner.step, items)
-        version = await self._next_version()
-        metrics = {**batch.metrics, **result.to_dict(), "version": version, "trained_from": base}
-        out_dir = self.settings.adapters_dir / str(version)
-        await asyncio.to_thread(learner.save, out_dir, metrics)
-        self._learner_version = version
-        await self._store.adapters.record(self.settings.policy, version, str(out_dir.resolve()), job["id"], metrics)
+        async with self._gpu(job["id"]):
+            result = await asyncio.to_thread(learner.step, items)
+            version = await self._next_version()
+            metrics = {**batch.metrics, **result.to_dict(), "version": version, "trained_from": base}
+            out_dir = self.settings.adapters_dir / str(version)
+            await asyncio.to_thread(learner.save, out_dir, metrics)
+            self._learner_version = version
+            await self._store.adapters.record(self.settings.policy, version, str(out_dir.resolve()), job["id"],
+                                              metrics)  # fmt: skip
         log.info("job %s: trained %s@%d (loss %.4f, reward mean %.3f, %.1f s)", job["id"], self.settings.policy,
                  version, result.loss, batch.metrics["reward_mean"], result.seconds)  # fmt: skip
         return metrics, version
+
+    def _gpu(self, job_id: int) -> contextlib.AbstractAsyncContextManager[None]:
+        """The step's hold on a GPU shared with vLLM (asked from the proxy through the store); else nothing."""
+        if not self.settings.share_gpu:
+            return contextlib.nullcontext()
+        return gpu_handed_over(self._store, job_id, self._name)
 
     def _learner_at(self, version: int) -> Learner:
         """The learner holding ``version``'s weights (built or reloaded when it holds another)."""
