@@ -122,6 +122,6 @@ async def move(
     for state in olds:
         if not allowed(state, new):
             raise TransitionRefused(f"{table.name}: {state.value} -> {new.value} is not a move of the life cycle")
-    state = table.c[column]
-    stmt = update(table).where(where, state.in_([s.value for s in olds])).values({column: new.value, **values})
+    current = table.c[column]
+    stmt = update(table).where(where, current.in_([s.value for s in olds])).values({column: new.value, **values})
     return int((await conn.execute(stmt)).rowcount)
