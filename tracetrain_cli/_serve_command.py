@@ -152,6 +152,28 @@ def add_serve_parser(sub: Any) -> None:
         "background; keys from LANGFUSE_PUBLIC_KEY and LANGFUSE_SECRET_KEY, server from LANGFUSE_BASE_URL "
         "(default https://cloud.langfuse.com)",
     )
+    p.add_argument(
+        "--share-gpu",
+        action="store_true",
+        default=None,
+        help="one GPU for vLLM and the trainer: around each training step new calls wait in the proxy, vLLM "
+        "finishes what it runs and sleeps, the trainer steps, vLLM wakes with the new adapter and the calls go on "
+        "(vLLM gets VLLM_SERVER_DEV_MODE=1 and, on CUDA, --enable-sleep-mode; the trainer --share-gpu)",
+    )
+    p.add_argument(
+        "--handover-wait",
+        type=float,
+        metavar="SECONDS",
+        help="with --share-gpu: a call held through a training step longer than this is answered 503 with "
+        f"Retry-After{setting_default('handover_wait_s')}",
+    )
+    p.add_argument(
+        "--handover-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="with --share-gpu: a step that keeps the GPU longer than this loses it, and vLLM serves again"
+        + setting_default("handover_timeout_s"),
+    )
     p.add_argument("--no-train", action="store_true", help="serve and capture only; start no trainer")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default info)")
 
@@ -179,6 +201,9 @@ def settings_from(args: argparse.Namespace) -> Any:
         "judge_model": args.judge_model,
         "judge_rubric": args.judge_rubric,
         "langfuse": args.langfuse or None,  # unset: TRACETRAIN_LANGFUSE decides
+        "share_gpu": args.share_gpu,  # unset: TRACETRAIN_SHARE_GPU decides
+        "handover_wait_s": args.handover_wait,
+        "handover_timeout_s": args.handover_timeout,
     }
     try:
         return Settings(**{k: v for k, v in flags.items() if v is not None})
@@ -217,12 +242,12 @@ def run_serve(args: argparse.Namespace) -> int:
             served_model_name=model_dir.name,
             device=device,
             tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
+            sleep_mode=settings.share_gpu,
             extra_args=tuple(args.vllm_arg),
         )
         settings = settings.model_copy(update={"upstream": launch.base_url, "served_model": model_dir.name})
-    trainer = (
-        None if model_dir is None or args.no_train else trainer_argv(settings, model_dir, device, args.trainer_arg)
-    )
+    trainer_extra = [*(["--share-gpu"] if settings.share_gpu else []), *args.trainer_arg]
+    trainer = None if model_dir is None or args.no_train else trainer_argv(settings, model_dir, device, trainer_extra)
     plan = ServePlan(settings=settings, vllm=launch, trainer_argv=trainer, log_level=args.log_level)
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
