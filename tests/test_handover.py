@@ -270,6 +270,30 @@ async def test_a_vllm_that_will_not_sleep_is_woken_serves_again_and_the_request_
     await until_gpu(trainer, job_id, GpuHandover.GRANTED)  # tried again after a back-off of 2 s
 
 
+async def test_the_dashboard_says_when_a_hand_over_is_under_way_and_how_long_vllm_slept(
+    start_proxy: Callable[..., RunningProxy], fake: FakeVLLM, store: Any
+) -> None:
+    proxy = start_proxy(share_gpu=True)
+    trainer = await store(proxy)
+    job_id = await claimed_job(trainer)
+    async with httpx.AsyncClient(base_url=proxy.url) as http:
+        assert (await http.get("/admin/overview")).json()["gpu_handover"] is None
+        await trainer.jobs.request_gpu(job_id, WORKER)
+        await until_gpu(trainer, job_id, GpuHandover.GRANTED)
+        under_way = (await http.get("/admin/overview")).json()["gpu_handover"]
+        page = (await http.get("/admin")).text
+        await trainer.jobs.release_gpu(job_id, WORKER)
+        await eventually(lambda: _asleep_s(trainer, job_id))
+        asleep = await _asleep_s(trainer, job_id)
+        training = (await http.get("/admin/ui/training")).text
+        job = (await http.get("/admin/jobs")).json()["data"][0]
+
+    assert (under_way["job_id"], under_way["gpu_state"]) == (job_id, "granted")
+    assert "GPU hand-over under way" in page and "vLLM sleeps" in page
+    assert job["gpu_state"] == "released" and job["gpu_asleep_s"] == asleep
+    assert "Asleep s" in training and f"{asleep:.3g}" in training
+
+
 @contextmanager
 def serve_app(settings: Settings, **kwargs: Any) -> Iterator[tuple[str, FastAPI]]:
     app = create_app(settings, **kwargs)
