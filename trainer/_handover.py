@@ -31,7 +31,7 @@ class GpuLost(RuntimeError):
 
 
 @asynccontextmanager
-async def gpu_handed_over(store: Store, job_id: int, owner: str, *, poll_s: float = 0.1) -> AsyncIterator[None]:
+async def gpu_handed_over(store: Store, job_id: int, owner: str, *, poll_s: float = 0.05) -> AsyncIterator[None]:
     """Hold the shared GPU for the block: ask, wait for the grant, give it back however the block ends."""
     if not await store.jobs.request_gpu(job_id, owner):
         raise GpuLost(f"job {job_id} is no longer {owner}'s: the GPU was not asked for")

@@ -55,6 +55,9 @@ log = logging.getLogger("tracetrain.handover")
 
 _RETRY_MIN_S, _RETRY_MAX_S = 2.0, 60.0  # after a failed pause or sleep, doubling
 _WAKE_RETRY_S = 5.0
+# While calls are held, the release is looked for more often than new requests are: each poll of
+# it is time serving stands still (one indexed read of one row).
+_RELEASE_POLL_S = 0.05
 _DEV_MODE_HINT = (
     " (vLLM serves /pause and /sleep only when started with VLLM_SERVER_DEV_MODE=1, and, on a GPU, "
     "--enable-sleep-mode: tracetrain serve --share-gpu starts it so)"
@@ -185,7 +188,7 @@ class HandoverCoordinator:
                 log.error("job %s kept the GPU longer than %.0f s (--handover-timeout); the GPU goes back to vLLM",
                           job_id, self._timeout_s)  # fmt: skip
                 await self._store.jobs.revoke_gpu(job_id)
-            await asyncio.sleep(self._poll_s)
+            await asyncio.sleep(min(self._poll_s, _RELEASE_POLL_S))
 
     async def _wake(self, publish: Callable[[], Awaitable[None]]) -> float:
         """Wake every vLLM (until they are), publish what the step recorded, resume, open the gate.
