@@ -359,7 +359,7 @@ async def test_without_share_gpu_no_hand_over_runs_and_the_open_gate_costs_nothi
     gate.leave()
 
 
-async def test_the_shared_gpu_worker_steps_saves_and_records_between_the_grant_and_its_release(
+async def test_the_shared_gpu_worker_keeps_its_lease_while_it_waits_and_steps_between_grant_and_release(
     start_proxy: Callable[..., RunningProxy], fake: FakeVLLM, store: Any, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
     from trainer import TrainConfig
@@ -372,10 +372,18 @@ async def test_the_shared_gpu_worker_steps_saves_and_records_between_the_grant_a
     settings = WorkerSettings(
         database_url=proxy.settings.resolved_database_url, data_dir=proxy.settings.data_dir, policy="agent",
         base_model=tiny_model_dir, config=TrainConfig(lora_r=8, lora_alpha=16, dtype="float32"), share_gpu=True,
+        lease_s=0.6,
     )  # fmt: skip
+    fake.handover.failing = {"sleep"}  # the first try fails: the worker waits for the next, 2 s later
     worker = await Worker.open(settings)
     try:
-        assert await worker.run(once=True) == 1
+        running = asyncio.create_task(worker.run(once=True))
+        await until_gpu(trainer, job_id, GpuHandover.REQUESTED, timeout=60)
+        await eventually(lambda: serving_again(fake))
+        await asyncio.sleep(1.0)  # longer than the lease
+        assert await trainer.jobs.reclaim_expired() == [], "the lease ran out while the worker waited"
+        fake.handover.failing = set()
+        assert await asyncio.wait_for(running, 60) == 1
     finally:
         await worker.close()
     await eventually(lambda: serving_again(fake))
@@ -385,8 +393,8 @@ async def test_the_shared_gpu_worker_steps_saves_and_records_between_the_grant_a
     assert row is not None and adapter is not None and row["state"] == JobState.SUCCEEDED
     assert row["gpu_state"] == GpuHandover.RELEASED
     assert row["gpu_granted_at"] <= adapter["created_at"] <= row["gpu_released_at"]
-    assert since_pause(fake) == ["pause mode=wait", "sleep level=1 mode=wait", "wake_up", "is_sleeping",
-                                 "load agent@1", "resume"]  # fmt: skip
+    assert since_pause(fake)[-6:] == ["pause mode=wait", "sleep level=1 mode=wait", "wake_up", "is_sleeping",
+                                      "load agent@1", "resume"]  # fmt: skip
 
 
 # -- tracetrain serve --share-gpu ---------------------------------------------------------------------------------
