@@ -294,6 +294,37 @@ async def test_the_dashboard_says_when_a_hand_over_is_under_way_and_how_long_vll
     assert "Asleep s" in training and f"{asleep:.3g}" in training
 
 
+async def test_a_proxy_restarted_mid_step_puts_vllm_back_to_sleep_until_the_release(
+    start_proxy: Callable[..., RunningProxy], fake: FakeVLLM, store: Any, tmp_path: Path
+) -> None:
+    first = start_proxy(share_gpu=True)
+    trainer = await store(first)
+    job_id = await claimed_job(trainer)
+    await trainer.jobs.request_gpu(job_id, WORKER)
+    await until_gpu(trainer, job_id, GpuHandover.GRANTED)
+    first.stop()  # it wakes vLLM as it stops; the step goes on
+    woken_at = len(fake.handover.calls)
+    assert fake.handover.calls[-3:] == ["wake_up", "is_sleeping", "resume"]
+
+    second = start_proxy(share_gpu=True)
+    await eventually(lambda: _called(fake, "sleep level=1 mode=wait", after=woken_at))
+    async with second.async_client() as client:
+        held = asyncio.create_task(client.chat.completions.create(model="agent", messages=TASK))
+        await asyncio.sleep(0.3)
+        assert not held.done()
+        await trainer.adapters.record("agent", 1, adapter_dir(tmp_path, 1), job_id, {})
+        await trainer.jobs.release_gpu(job_id, WORKER)
+        assert (await asyncio.wait_for(held, 10)).model == "agent@1"
+
+    assert fake.handover.calls[woken_at:] == ["pause mode=wait", "sleep level=1 mode=wait", "wake_up", "is_sleeping",
+                                              "load agent@1", "resume", "chat agent@1"]  # fmt: skip
+    assert fake.handover.refused == []
+
+
+async def _called(fake: FakeVLLM, name: str, after: int) -> bool:
+    return name in fake.handover.calls[after:]
+
+
 @contextmanager
 def serve_app(settings: Settings, **kwargs: Any) -> Iterator[tuple[str, FastAPI]]:
     app = create_app(settings, **kwargs)

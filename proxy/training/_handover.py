@@ -104,7 +104,10 @@ class HandoverCoordinator:
         self.not_awake: str | None = None  # why serving stopped: a vLLM did not wake up
 
     async def run(self) -> None:
-        await self._wake_what_was_left_asleep()
+        try:
+            await self._wake_what_was_left_asleep()
+        except Exception:
+            log.exception("looking for a vLLM left asleep failed")
         while True:
             try:
                 await self.poll_once()
