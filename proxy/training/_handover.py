@@ -41,7 +41,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from proxy.errors import ProxyError, UpstreamHTTPError
@@ -62,15 +61,6 @@ _DEV_MODE_HINT = (
     " (vLLM serves /pause and /sleep only when started with VLLM_SERVER_DEV_MODE=1, and, on a GPU, "
     "--enable-sleep-mode: tracetrain serve --share-gpu starts it so)"
 )
-
-
-@dataclass(slots=True)
-class UnderWay:
-    """The hand-over in progress, as /readyz and the logs tell it."""
-
-    job_id: int
-    phase: str  # pausing, training, waking
-    since: float  # time.time()
 
 
 class HandoverCoordinator:
@@ -100,7 +90,6 @@ class HandoverCoordinator:
         self._on_stuck = on_stuck
         self._retry_s = _RETRY_MIN_S
         self._retry_at = 0.0
-        self.under_way: UnderWay | None = None
         self.not_awake: str | None = None  # why serving stopped: a vLLM did not wake up
 
     async def run(self) -> None:
@@ -129,7 +118,6 @@ class HandoverCoordinator:
     async def _hand_over(self, job: dict[str, Any], *, adopted: bool) -> None:
         """Steps 2 to 4: hold calls, put vLLM to sleep, grant, wait for the release, wake, publish, resume."""
         job_id = int(job["id"])
-        self.under_way = under_way = UnderWay(job_id, "pausing", time.time())
         closed_at = time.monotonic()
         asleep_at: float | None = None
         outcome = "failed"
@@ -147,7 +135,6 @@ class HandoverCoordinator:
                         return
                     log.info("job %s: the GPU is the trainer's (%.2f s to pause and sleep)", job_id,
                              asleep_at - closed_at)  # fmt: skip
-                under_way.phase = "training"
                 outcome = await self._until_released(job)
                 self._retry_s = _RETRY_MIN_S
             except Exception as exc:
@@ -157,9 +144,7 @@ class HandoverCoordinator:
                 self._retry_at = time.monotonic() + self._retry_s
                 self._retry_s = min(self._retry_s * 2, _RETRY_MAX_S)
             finally:
-                under_way.phase = "waking"
                 woke_at = await self._wake(publish)
-                self.under_way = None
                 self._metrics.handovers.labels(outcome).inc()
                 self._metrics.serving_held_seconds.observe(time.monotonic() - closed_at)
                 if asleep_at is not None:
@@ -176,7 +161,7 @@ class HandoverCoordinator:
             row = await self._store.jobs.gpu_handover(job_id)
             if row is None or row["gpu_state"] in (GpuHandover.RELEASED, GpuHandover.REVOKED):
                 if row is None or row["gpu_state"] == GpuHandover.REVOKED:
-                    log.warning("job %s: its worker stopped (lease expired); the GPU goes back to vLLM", job_id)
+                    log.warning("job %s: the hand-over was revoked; the GPU goes back to vLLM", job_id)
                     return "revoked"
                 return "released"
             if row["state"] != JobState.RUNNING or row["worker"] != worker:
