@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -25,9 +25,10 @@ from proxy.admin._auth import AdminAuth
 from proxy.admin._dashboard import PageResponse, bad_page_request
 from proxy.admin._token_texts import TokenTexts
 from proxy.data import _routes as _data_routes
-from proxy.errors import InvalidRequest, NotFound, ProxyError, UpstreamError, error_body
+from proxy.errors import GpuBusy, InvalidRequest, NotFound, ProxyError, UpstreamError, error_body
 from proxy.gateway import _routes as _openai_routes
 from proxy.gateway._forward import Forwarder, error_response
+from proxy.gateway._gate import NOT_AWAKE, RETRY_AFTER_FAILED_S, Gate
 from proxy.gateway._keying import Keyer
 from proxy.gateway._policies import PolicyRegistry
 from proxy.gateway._upstream import Upstream
@@ -35,6 +36,7 @@ from proxy.judge import _routes as _judge_routes
 from proxy.judge._service import JudgeService
 from proxy.observability._langfuse import start_langfuse
 from proxy.observability._metrics import Metrics
+from proxy.training._handover import HandoverCoordinator
 from proxy.training._publisher import Publisher
 from proxy.training._scheduler import JobScheduler
 from store import Store
@@ -45,8 +47,17 @@ log = logging.getLogger("tracetrain.proxy")
 _UPSTREAM_POOLS = 8
 
 
-def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
-    """Build the proxy. ``transport`` replaces the network for tests (``httpx.MockTransport``)."""
+def create_app(
+    settings: Settings,
+    *,
+    transport: httpx.AsyncBaseTransport | None = None,
+    on_upstream_stuck: Callable[[str], None] | None = None,
+) -> FastAPI:
+    """Build the proxy. ``transport`` replaces the network for tests (``httpx.MockTransport``).
+
+    ``on_upstream_stuck`` is called when vLLM did not wake up after a training step
+    (``--share-gpu``), with the reason: ``tracetrain serve`` restarts its vLLM child then.
+    """
 
     metrics = Metrics()
 
@@ -72,7 +83,8 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         registry.active_version = await store.policies.ensure(settings.policy, registry.base_model or "")
         keyer = Keyer(store, group_size=settings.group_size, thread_ttl_s=settings.thread_ttl_s)
         langfuse = start_langfuse(settings)  # None unless --langfuse
-        forwarder = Forwarder(upstream, store, keyer, registry, metrics, langfuse)
+        gate = Gate(settings.handover_wait_s, metrics)  # closed only by the hand-over's coordinator
+        forwarder = Forwarder(upstream, store, keyer, registry, metrics, langfuse, gate)
         scheduler = JobScheduler(
             store,
             keyer,
@@ -86,6 +98,13 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         )
         await publisher.sync_once()
         publishing = asyncio.create_task(publisher.run(), name="tracetrain-publisher")
+        handover, handing_over = None, None
+        if settings.share_gpu:
+            handover = HandoverCoordinator(
+                store, publisher, replicas, gate, metrics, policy=settings.policy,
+                timeout_s=settings.handover_timeout_s, on_stuck=on_upstream_stuck,
+            )  # fmt: skip
+            handing_over = asyncio.create_task(handover.run(), name="tracetrain-gpu-handover")
 
         def report_rewards(rewards: list[dict[str, Any]]) -> None:
             metrics.rewards_recorded([r["source"] for r in rewards])
@@ -96,15 +115,17 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         judging.start()  # scans for complete groups unless rewards are external only
         app.state.services = Services(
             settings, store, upstream, registry, keyer, forwarder, scheduler, publisher, metrics, TokenTexts(upstream),
-            judging, report_rewards, langfuse=langfuse,
+            judging, report_rewards, langfuse=langfuse, handover=handover,
         )
         try:
             yield
         finally:
             await judging.close()
-            publishing.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await publishing
+            for task in (handing_over, publishing):  # a hand-over under way wakes vLLM as it ends
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
             if langfuse is not None:
                 await langfuse.aclose()  # sends what is still queued, within its time limit
             for client in clients:
@@ -143,7 +164,10 @@ def _add_health_routes(app: FastAPI) -> None:
 
     @app.get("/readyz", tags=["health"])
     async def readyz(services: ServicesDep) -> Response:
-        """Readiness: the upstream answers and serves a base model."""
+        """Readiness: the upstream answers and serves a base model (and woke up after the last training step)."""
+        if services.handover is not None and services.handover.not_awake is not None:
+            problem = f"vLLM did not wake up after a training step: {services.handover.not_awake}"
+            return error_response(GpuBusy(problem, retry_after_s=RETRY_AFTER_FAILED_S, code=NOT_AWAKE))
         try:
             model = await services.upstream.base_model()
         except UpstreamError as exc:

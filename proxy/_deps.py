@@ -24,6 +24,7 @@ from proxy.gateway._upstream import Upstream
 from proxy.judge._service import JudgeService
 from proxy.observability._langfuse import LangfuseExporter
 from proxy.observability._metrics import Metrics
+from proxy.training._handover import HandoverCoordinator
 from proxy.training._publisher import Publisher
 from proxy.training._scheduler import JobScheduler
 from store import Store
@@ -45,6 +46,7 @@ class Services:
     # Told of every reward just written, posted or judged (as POST /v1/rewards answers them): metrics, Langfuse.
     report_rewards: Callable[[list[dict[str, Any]]], None]
     langfuse: LangfuseExporter | None = None  # with --langfuse
+    handover: HandoverCoordinator | None = None  # with --share-gpu
 
 
 async def get_services(request: Request) -> Services:

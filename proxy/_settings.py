@@ -70,6 +70,14 @@ class Settings(BaseSettings):
     # `upstream` is a load balancer in front of several.
     replicas: Annotated[tuple[str, ...], NoDecode] = ()
 
+    # One GPU for vLLM and the trainer (proxy.training._handover): around each training step new calls wait
+    # in the proxy, vLLM finishes what runs, sleeps, the trainer steps, vLLM wakes with the new adapter.
+    share_gpu: bool = False
+    # A call held through a step longer than this is answered 503 with Retry-After.
+    handover_wait_s: float = Field(default=300.0, gt=0)
+    # A step that keeps the GPU longer than this loses it: vLLM is woken and serves again.
+    handover_timeout_s: float = Field(default=1800.0, gt=0)
+
     # Rewards: POSTed by the user's service ("external"), scored by an LLM judge over each group
     # ("judge"), or both: external rewards train, the judge's scores are recorded beside them.
     reward_source: Literal["external", "judge", "both"] = "external"

@@ -14,10 +14,14 @@
     │   ├── UpstreamNotReady            503 (the base model is not known yet)
     │   ├── UpstreamTimeout             504
     │   └── UpstreamHTTPError           the upstream's own status and body, passed through
+    ├── GpuBusy                     503 + Retry-After: held through a training step (--share-gpu) longer than
+    │                                   --handover-wait; code vllm_not_awake: vLLM did not wake after one
     └── StoreUnavailable            503 the call could not be recorded, so it is not answered
 
 Upstream httpx errors are translated in one place, ``upstream_errors()``; the store's
-errors (``store.StoreError``) in another, ``from_store_error()``.
+errors (``store.StoreError``) in another, ``from_store_error()``. An error with
+``retry_after_s`` also sends a ``Retry-After`` header (OpenAI's SDKs wait that long, up to a
+minute, before their automatic retry).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class ProxyError(Exception):
     status_code = 500
     type = "server_error"
     code: str | None = None
+    retry_after_s: int | None = None  # sent as Retry-After
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -131,6 +136,18 @@ class UpstreamHTTPError(UpstreamError):
         if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
             return parsed
         return error_body(self.message, self.type, None, str(self.status_code))
+
+
+class GpuBusy(ProxyError):
+    """The GPU is the trainer's for a step (``--share-gpu``), or vLLM did not wake after one."""
+
+    status_code = 503
+    type = "server_error"
+    code = "gpu_busy_training"
+
+    def __init__(self, message: str, *, retry_after_s: int, code: str | None = None) -> None:
+        super().__init__(message, code=code)
+        self.retry_after_s = retry_after_s
 
 
 class StoreUnavailable(ProxyError):

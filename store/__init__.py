@@ -13,7 +13,7 @@ from store._errors import SchemaTooNew, StoreError, StoreUnavailable, Transition
 from store._export import ExportFilter, ExportPage, ExportReads, RewardSummary
 from store._jobs import JOB_FIELDS, Jobs, RewardedTrajectory, StoredCall
 from store._judgements import JUDGEMENT_STATES, DueRule, GroupCalls, GroupChanged, Judgements
-from store._lifecycle import MOVES, AdapterState, GroupState, JobState, allowed
+from store._lifecycle import MOVES, AdapterState, GpuHandover, GroupState, JobState, allowed
 from store._reads import GROUP_VIEW_STATES, GroupRecord, Reads, TrajectoryFilter, TrajectoryRecord
 from store._rewards import RewardIn
 from store._store import Store
@@ -34,6 +34,7 @@ __all__ = [
     "ExportFilter",
     "ExportPage",
     "ExportReads",
+    "GpuHandover",
     "GroupAdvantages",
     "GroupCalls",
     "GroupChanged",

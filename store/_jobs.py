@@ -5,6 +5,14 @@ least ``min_group_size`` of them. One transaction creates a queued job and moves
 groups to ``training``, so a group is trained once whichever replica asked. A worker
 claims the oldest queued job with a lease and renews it while it trains; a job whose
 lease ran out (the worker died) is queued again by whoever notices first, exactly once.
+
+When the worker shares its GPU with vLLM (``--share-gpu``), each step is a hand-over in the
+job's ``gpu_state`` (``store.GpuHandover``): the worker asks (``request_gpu``) and waits; the
+proxy finds the request (``pending_gpu_requests``), puts vLLM to sleep and grants it
+(``grant_gpu``); the worker steps, records its adapter and gives the GPU back
+(``release_gpu``); the proxy wakes vLLM. A job queued again because its worker died has its
+hand-over revoked in the same transaction; the proxy revokes one that outlived its time
+limit (``revoke_gpu``). The store is the only channel: the proxy and the worker never talk.
 """
 
 from __future__ import annotations
@@ -17,14 +25,18 @@ from typing import Any
 from sqlalchemy import and_, func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from store._lifecycle import GroupState, JobState, move
+from store._lifecycle import GpuHandover, GroupState, JobState, move
 from store._tables import calls as C
 from store._tables import groups as G
 from store._tables import training_jobs as J
 from store._tables import trajectories as T
 
 JOB_FIELDS = ("id", "policy", "state", "group_ids", "version", "metrics", "progress", "error", "worker",
-              "lease_expires_at", "reclaimed", "created_at", "started_at", "finished_at")  # fmt: skip
+              "lease_expires_at", "reclaimed", "created_at", "started_at", "finished_at", "gpu_state",
+              "gpu_requested_at", "gpu_granted_at", "gpu_released_at", "gpu_asleep_s")  # fmt: skip
+_HANDOVER_FIELDS = (J.c.id, J.c.policy, J.c.state, J.c.worker, J.c.lease_expires_at, J.c.gpu_state,
+                    J.c.gpu_requested_at, J.c.gpu_granted_at, J.c.gpu_released_at, J.c.gpu_asleep_s)  # fmt: skip
+_OPEN_HANDOVER = (GpuHandover.REQUESTED.value, GpuHandover.GRANTED.value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +172,61 @@ class Jobs:
                 )  # fmt: skip
                 if won:
                     taken.append((int(job_id), worker))
+                    # Its worker is gone: a hand-over it asked for ends here, and the proxy wakes vLLM.
+                    await move(conn, J, J.c.id == job_id, (GpuHandover.REQUESTED, GpuHandover.GRANTED),
+                               GpuHandover.REVOKED, column="gpu_state", gpu_released_at=time.time())  # fmt: skip
         return taken
+
+    # -- the GPU hand-over (shared mode: the worker steps while vLLM sleeps) -------------
+
+    async def request_gpu(self, job_id: int, owner: str) -> bool:
+        """The worker asks for the GPU for its step; False when the job is no longer its own."""
+        mine = (J.c.id == job_id) & (J.c.worker == owner) & (J.c.state == JobState.RUNNING.value)
+        async with self._engine.begin() as conn:
+            return bool(
+                await move(
+                    conn, J, mine, (GpuHandover.NONE, GpuHandover.RELEASED, GpuHandover.REVOKED),
+                    GpuHandover.REQUESTED, column="gpu_state", gpu_requested_at=time.time(), gpu_granted_at=None,
+                    gpu_released_at=None, gpu_asleep_s=None,
+                )
+            )  # fmt: skip
+
+    async def pending_gpu_requests(self, policy: str) -> list[dict[str, Any]]:
+        """The open hand-overs of ``policy`` (requested or granted), oldest request first: the proxy's to serve."""
+        query = select(*_HANDOVER_FIELDS).where(J.c.policy == policy, J.c.gpu_state.in_(_OPEN_HANDOVER))
+        async with self._engine.connect() as conn:
+            rows = await conn.execute(query.order_by(J.c.gpu_requested_at, J.c.id))
+            return [dict(row._mapping) for row in rows.all()]
+
+    async def gpu_handover(self, job_id: int) -> dict[str, Any] | None:
+        """A job's hand-over as it stands: its state, worker and lease, ``gpu_state`` and times."""
+        async with self._engine.connect() as conn:
+            row = (await conn.execute(select(*_HANDOVER_FIELDS).where(J.c.id == job_id))).first()
+        return dict(row._mapping) if row else None
+
+    async def grant_gpu(self, job_id: int) -> bool:
+        """vLLM sleeps: the GPU is the worker's. False when the job stopped running meanwhile."""
+        running = (J.c.id == job_id) & (J.c.state == JobState.RUNNING.value)
+        async with self._engine.begin() as conn:
+            return bool(await move(conn, J, running, GpuHandover.REQUESTED, GpuHandover.GRANTED, column="gpu_state",
+                                   gpu_granted_at=time.time()))  # fmt: skip
+
+    async def release_gpu(self, job_id: int, owner: str) -> bool:
+        """The worker's step is over (its adapter recorded, or it failed); False when it was revoked meanwhile."""
+        async with self._engine.begin() as conn:
+            return bool(await move(conn, J, (J.c.id == job_id) & (J.c.worker == owner), GpuHandover.GRANTED,
+                                   GpuHandover.RELEASED, column="gpu_state", gpu_released_at=time.time()))  # fmt: skip
+
+    async def revoke_gpu(self, job_id: int) -> bool:
+        """The proxy ends a hand-over whose worker is gone or whose step took too long; False if it ended first."""
+        async with self._engine.begin() as conn:
+            return bool(await move(conn, J, J.c.id == job_id, (GpuHandover.REQUESTED, GpuHandover.GRANTED),
+                                   GpuHandover.REVOKED, column="gpu_state", gpu_released_at=time.time()))  # fmt: skip
+
+    async def record_gpu_asleep(self, job_id: int, seconds: float) -> None:
+        """How long vLLM slept for the job's step, written by the proxy once vLLM is awake again."""
+        async with self._engine.begin() as conn:
+            await conn.execute(update(J).where(J.c.id == job_id).values(gpu_asleep_s=seconds))
 
     async def running(self, policy: str) -> list[dict[str, Any]]:
         async with self._engine.connect() as conn:

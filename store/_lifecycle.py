@@ -8,6 +8,12 @@
     adapter:  trained ──claimed──▶ loading ──▶ published ──▶ retired ──activated──▶ published
                  ▲                   │   └───▶ failed ──────activated──────────────▶ published
                  └──lease expired────┘          (its proxy died while publishing)
+    gpu:      none ──asked──▶ requested ──vLLM asleep──▶ granted ──adapter recorded──▶ released
+                                  └──────────┬──────────────┘
+                                             ▼
+                                          revoked      (its worker died, or the step outlived --handover-timeout)
+              released | revoked ──the job runs again──▶ requested
+              (a running job's hand-over of the GPU it shares with vLLM: column ``gpu_state``, see ``store._jobs``)
 
 ``MOVES`` is the whole table. ``move`` is the only way a state changes: one
 ``UPDATE ... WHERE state = :from`` whose row count says whether this process won,
@@ -49,7 +55,17 @@ class AdapterState(enum.StrEnum):
     RETIRED = "retired"
 
 
-State = GroupState | JobState | AdapterState
+class GpuHandover(enum.StrEnum):
+    """Where a running job stands with the one GPU it shares with vLLM (``tracetrain serve --share-gpu``)."""
+
+    NONE = "none"  # never asked (a dedicated GPU, or not at its step yet)
+    REQUESTED = "requested"  # the worker waits; the proxy is putting vLLM to sleep
+    GRANTED = "granted"  # vLLM sleeps; the worker steps
+    RELEASED = "released"  # the worker recorded its adapter; the proxy wakes vLLM
+    REVOKED = "revoked"  # ended by the proxy: the worker died, or the step took too long
+
+
+State = GroupState | JobState | AdapterState | GpuHandover
 
 MOVES: frozenset[tuple[State, State]] = frozenset(
     {
@@ -70,6 +86,14 @@ MOVES: frozenset[tuple[State, State]] = frozenset(
         (AdapterState.RETIRED, AdapterState.PUBLISHED),
         (AdapterState.FAILED, AdapterState.PUBLISHED),
         (AdapterState.TRAINED, AdapterState.PUBLISHED),
+        (GpuHandover.NONE, GpuHandover.REQUESTED),
+        (GpuHandover.REQUESTED, GpuHandover.GRANTED),
+        (GpuHandover.GRANTED, GpuHandover.RELEASED),
+        (GpuHandover.REQUESTED, GpuHandover.REVOKED),  # its worker died before the grant
+        (GpuHandover.GRANTED, GpuHandover.REVOKED),  # its worker died mid-step, or the step took too long
+        # A job queued again (its worker died after asking) asks again when it runs again.
+        (GpuHandover.RELEASED, GpuHandover.REQUESTED),
+        (GpuHandover.REVOKED, GpuHandover.REQUESTED),
     }
 )
 
@@ -79,16 +103,25 @@ def allowed(old: State, new: State) -> bool:
 
 
 async def move(
-    conn: AsyncConnection, table: Table, where: Any, old: State | tuple[State, ...], new: State, **values: Any
+    conn: AsyncConnection,
+    table: Table,
+    where: Any,
+    old: State | tuple[State, ...],
+    new: State,
+    *,
+    column: str = "state",
+    **values: Any,
 ) -> int:
     """Move the rows matching ``where`` from ``old`` to ``new``; returns how many moved.
 
     ``old`` may be several states (each move must be in the table). Rows in any other
     state are left alone, which is how a race is lost: the caller checks the count.
+    ``column`` holds the state (a job's GPU hand-over is ``gpu_state``).
     """
     olds = old if isinstance(old, tuple) else (old,)
     for state in olds:
         if not allowed(state, new):
             raise TransitionRefused(f"{table.name}: {state.value} -> {new.value} is not a move of the life cycle")
-    stmt = update(table).where(where, table.c.state.in_([s.value for s in olds])).values(state=new.value, **values)
+    current = table.c[column]
+    stmt = update(table).where(where, current.in_([s.value for s in olds])).values({column: new.value, **values})
     return int((await conn.execute(stmt)).rowcount)

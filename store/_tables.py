@@ -141,6 +141,12 @@ class TrainingJob(SQLModel, table=True):
     created_at: float
     started_at: float | None = None
     finished_at: float | None = None
+    # The hand-over of a GPU shared with vLLM around the step (store.GpuHandover; --share-gpu).
+    gpu_state: str = Field(default="none", sa_column_kwargs={"server_default": "none"})
+    gpu_requested_at: float | None = None
+    gpu_granted_at: float | None = None
+    gpu_released_at: float | None = None  # released by the worker, or revoked by the proxy
+    gpu_asleep_s: float | None = None  # how long vLLM slept for this step (sleep to wake-up)
 
 
 class AdapterVersion(SQLModel, table=True):

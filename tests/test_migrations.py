@@ -37,7 +37,8 @@ from tracetrain_cli._main import main
 
 DATA = Path(__file__).parent / "data"
 NEW_COLUMNS = {
-    "training_jobs": {"lease_expires_at": None, "reclaimed": 0},
+    "training_jobs": {"lease_expires_at": None, "reclaimed": 0, "gpu_state": "none", "gpu_requested_at": None,
+                      "gpu_granted_at": None, "gpu_released_at": None, "gpu_asleep_s": None},
     "adapters": {"lease_owner": None, "lease_expires_at": None, "reclaimed": 0},
 }
 MakeDatabase = Callable[[], str]

@@ -14,6 +14,12 @@ proxy keeps capturing, and the jobs the dead worker held are queued again when t
 new one starts. A restarted vLLM has lost its adapters: the publisher loads the
 published ones again within seconds. Ctrl-C or SIGTERM stops the proxy (it drains
 the store), then the trainer, then vLLM.
+
+With ``--share-gpu`` (one GPU for both) vLLM serves its pause and sleep endpoints, the
+trainer asks for the GPU at each step, and the proxy hands it over. A vLLM that does not
+wake up after a step is restarted: the proxy, running in this process, says so through
+``create_app``'s ``on_upstream_stuck`` (it also fails ``/readyz``); the keeper stops vLLM and
+starts it again like after a crash.
 """
 
 from __future__ import annotations
@@ -110,6 +116,7 @@ def trainer_argv(settings: Settings, model_dir: Path, device: Device, extra: lis
         "--base-model", str(model_dir.resolve()),
         "--device", device,
         *(["--procs", str(procs)] if procs > 1 else []),
+        *(["--share-gpu"] if settings.share_gpu else []),
         *extra,
     ]  # fmt: skip
 
@@ -135,7 +142,8 @@ async def serve(plan: ServePlan) -> None:
                 raise SystemExit(f"tracetrain serve: {exc}") from None
 
         settings = plan.settings
-        server = uvicorn.Server(_uvicorn_config(plan))
+        restart_vllm = keepers[0].restart if plan.vllm is not None else None
+        server = uvicorn.Server(_uvicorn_config(plan, restart_vllm))
         serving = asyncio.create_task(server.serve())
         while not server.started:
             if serving.done() or stop.is_set():
@@ -205,6 +213,7 @@ class _Keeper:
         self._delay_s = 1.0
         self._restart_at: float | None = None
         self._announce: asyncio.Task[None] | None = None
+        self._stopping: asyncio.Task[int | None] | None = None
 
     def start(self) -> ChildProcess:
         self.child = child = self._make()
@@ -235,6 +244,14 @@ class _Keeper:
             "%s exited with status %s after %.0f s; starting it again in %.0f s. Last lines of %s:\n%s",
             self.name, code, ran_s, self._delay_s, self.child.log_path, self.child.log_tail(20),
         )  # fmt: skip
+
+    def restart(self, reason: str) -> None:
+        """Stop the child now (in a thread); ``poll()`` then starts it again as after a crash."""
+        child = self.child
+        if child is None or child.returncode is not None or (self._stopping and not self._stopping.done()):
+            return
+        log.error("restarting %s: %s", self.name, reason)
+        self._stopping = asyncio.create_task(asyncio.to_thread(child.stop))
 
     def stop(self) -> None:
         if self._announce is not None:
@@ -272,9 +289,9 @@ async def _unless_stopped(stop: asyncio.Event, work: Coroutine[Any, Any, None]) 
     return False
 
 
-def _uvicorn_config(plan: ServePlan) -> uvicorn.Config:
+def _uvicorn_config(plan: ServePlan, restart_vllm: Callable[[str], None] | None = None) -> uvicorn.Config:
     return uvicorn.Config(
-        create_app(plan.settings),
+        create_app(plan.settings, on_upstream_stuck=restart_vllm),
         host=plan.settings.host,
         port=plan.settings.port,
         loop="uvloop",

@@ -161,6 +161,20 @@ def add_serve_parser(sub: Any) -> None:
         "background; keys from LANGFUSE_PUBLIC_KEY and LANGFUSE_SECRET_KEY, server from LANGFUSE_BASE_URL "
         "(default https://cloud.langfuse.com)",
     )
+    p.add_argument(
+        "--handover-wait",
+        type=float,
+        metavar="SECONDS",
+        help="with --share-gpu: a call held through a training step longer than this is answered 503 with "
+        f"Retry-After{setting_default('handover_wait_s')}",
+    )
+    p.add_argument(
+        "--handover-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="with --share-gpu: a step that keeps the GPU longer than this loses it, and vLLM serves again"
+        + setting_default("handover_timeout_s"),
+    )
     p.add_argument("--no-train", action="store_true", help="serve and capture only; start no trainer")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default info)")
     add_device_flags(p)
@@ -189,6 +203,9 @@ def settings_from(args: argparse.Namespace) -> Any:
         "judge_model": args.judge_model,
         "judge_rubric": args.judge_rubric,
         "langfuse": args.langfuse or None,  # unset: TRACETRAIN_LANGFUSE decides
+        "share_gpu": args.share_gpu,  # unset: TRACETRAIN_SHARE_GPU decides
+        "handover_wait_s": args.handover_wait,
+        "handover_timeout_s": args.handover_timeout,
     }
     try:
         return Settings(**{k: v for k, v in flags.items() if v is not None})
@@ -227,6 +244,8 @@ def run_serve(args: argparse.Namespace) -> int:
     model_dir = _model_dir(args, settings.data_dir)
     devices = device_plan(args, device, model_dir)
     print(render_plan(devices), flush=True)
+    # The plan shares one GPU (or --share-gpu / TRACETRAIN_SHARE_GPU asks): vLLM sleeps around each step.
+    settings = settings.model_copy(update={"share_gpu": devices.shared or settings.share_gpu})
     if args.upstream is None:
         assert model_dir is not None
         launch = VLLMLaunch(
@@ -236,6 +255,7 @@ def run_serve(args: argparse.Namespace) -> int:
             served_model_name=model_dir.name,
             device=device,
             tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
+            sleep_mode=settings.share_gpu,
             extra_args=tuple(args.vllm_arg),
             **launch_options(devices),
         )

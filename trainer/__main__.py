@@ -63,6 +63,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=int,
         help="token budget of one packed forward (default 4096); smaller needs less GPU memory per step",
     )
+    p.add_argument(
+        "--share-gpu",
+        action="store_true",
+        help="the GPU is vLLM's too: each step waits until the proxy (tracetrain serve --share-gpu) has put vLLM to "
+        "sleep, and gives the GPU back after recording its adapter",
+    )
     p.add_argument("--once", action="store_true", help="run the queued jobs, then exit")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default info)")
     return p.parse_args(argv)
@@ -96,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise SystemExit(f"python -m trainer: {exc}") from None
     settings = WorkerSettings(
         database_url=args.database_url, data_dir=args.data_dir, policy=args.policy, base_model=args.base_model,
-        config=config, init_adapter=args.init_adapter, device=device,
+        config=config, init_adapter=args.init_adapter, device=device, share_gpu=args.share_gpu,
     )  # fmt: skip
     try:
         if group is not None and not group.leads:

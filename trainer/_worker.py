@@ -15,6 +15,9 @@ predecessor, without waiting for the lease.
 
 Under torchrun (``--procs N``) the ``Worker`` runs on rank 0 only and tells the other ranks
 what to do; they run ``follow``, which never opens the store (``trainer._distributed``).
+
+With ``share_gpu`` (one GPU for vLLM and the trainer) the step, saving and recording run
+while vLLM sleeps: the worker asks for the GPU through the store (``trainer._handover``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from trainer import _distributed
 from trainer._batch import TrajectoryData, build_batch
 from trainer._config import TrainConfig
 from trainer._distributed import Idle, Load, Ranks, Step, StepFailed, Stop, Word
+from trainer._handover import gpu_handed_over
 from trainer._learner import Learner, TrainItem
 from trainer._sampling import SamplingDefaults
 
@@ -55,6 +59,7 @@ class WorkerSettings:
     device: str = "cpu"
     poll_s: float = 1.0
     lease_s: float = JOB_LEASE_S
+    share_gpu: bool = False  # the GPU is vLLM's but for each step, which waits for the proxy's grant
 
     @property
     def adapters_dir(self) -> Path:
@@ -166,15 +171,17 @@ class Worker:
         items = [
             TrainItem(sample, advantage) for sample, advantage in zip(batch.samples, batch.advantages, strict=True)
         ]
-        self._tell(Step(base, holds, tuple(items)))
-        result = await asyncio.to_thread(learner.step, items)
-        self._held.version = -1  # the weights moved: no version until they are saved as one
-        version = await self._next_version()
-        metrics = {**batch.metrics, **result.to_dict(), "version": version, "trained_from": base}
-        out_dir = self.settings.adapters_dir / str(version)
-        await asyncio.to_thread(learner.save, out_dir, metrics)
-        self._held.version = version
-        await self._store.adapters.record(self.settings.policy, version, str(out_dir.resolve()), job["id"], metrics)
+        async with self._gpu(job["id"]):  # one GPU shared with vLLM: held from here to the record
+            self._tell(Step(base, holds, tuple(items)))
+            result = await asyncio.to_thread(learner.step, items)
+            self._held.version = -1  # the weights moved: no version until they are saved as one
+            version = await self._next_version()
+            metrics = {**batch.metrics, **result.to_dict(), "version": version, "trained_from": base}
+            out_dir = self.settings.adapters_dir / str(version)
+            await asyncio.to_thread(learner.save, out_dir, metrics)
+            self._held.version = version
+            await self._store.adapters.record(self.settings.policy, version, str(out_dir.resolve()), job["id"],
+                                              metrics)  # fmt: skip
         log.info("job %s: trained %s@%d (loss %.4f, reward mean %.3f, %.1f s)", job["id"], self.settings.policy,
                  version, result.loss, batch.metrics["reward_mean"], result.seconds)  # fmt: skip
         return metrics, version
@@ -182,6 +189,12 @@ class Worker:
     def _tell(self, word: Word) -> None:
         if self._group is not None:
             _distributed.tell(word)
+
+    def _gpu(self, job_id: int) -> contextlib.AbstractAsyncContextManager[None]:
+        """The step's hold on a GPU shared with vLLM (asked from the proxy through the store); else nothing."""
+        if not self.settings.share_gpu:
+            return contextlib.nullcontext()
+        return gpu_handed_over(self._store, job_id, self._name)
 
     async def _version_to_train_on(self) -> int:
         return await self._store.adapters.version_to_train_on(self.settings.policy)

@@ -48,7 +48,25 @@ async def overview(services: Services) -> dict[str, Any]:
         "jobs": {state.value: jobs.get(state.value, 0) for state in JobState},
         "last_step": _job(last_step) if last_step else None,
         "running_job": _job(running) if running else None,
+        "gpu_handover": await _gpu_handover(services),
         "upstream": await _upstream_health(services),
+    }
+
+
+async def _gpu_handover(services: Services) -> dict[str, Any] | None:
+    """With --share-gpu: the hand-over under way (a step asked for or holds the GPU), or vLLM not awake."""
+    if not services.settings.share_gpu:
+        return None
+    not_awake = services.handover.not_awake if services.handover is not None else None
+    pending = await services.store.jobs.pending_gpu_requests(services.settings.policy)
+    if not pending and not_awake is None:
+        return None
+    job = pending[0] if pending else None
+    return {
+        "job_id": job["id"] if job else None,
+        "gpu_state": job["gpu_state"] if job else None,  # requested: vLLM is being paused; granted: it sleeps
+        "since": (job["gpu_granted_at"] or job["gpu_requested_at"]) if job else None,
+        "vllm_not_awake": not_awake,
     }
 
 

@@ -4,8 +4,9 @@ Its routes (``_routes.py``) are mounted by ``proxy._app``; what they call is her
 """
 
 from proxy.gateway._forward import Forwarder
+from proxy.gateway._gate import Gate
 from proxy.gateway._keying import Key, Keyer, KeyHints, new_trajectory_id
 from proxy.gateway._policies import PolicyRegistry, Route
 from proxy.gateway._upstream import Upstream
 
-__all__ = ["Forwarder", "Key", "KeyHints", "Keyer", "PolicyRegistry", "Route", "Upstream", "new_trajectory_id"]
+__all__ = ["Forwarder", "Gate", "Key", "KeyHints", "Keyer", "PolicyRegistry", "Route", "Upstream", "new_trajectory_id"]

@@ -40,6 +40,7 @@ from proxy.gateway._capture import (
     strip_response,
     without_token_fields,
 )
+from proxy.gateway._gate import Gate
 from proxy.gateway._keying import Conversation, Key, Keyer, KeyHints
 from proxy.gateway._policies import PolicyRegistry, Route
 from proxy.gateway._upstream import Upstream
@@ -90,6 +91,8 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
 
 
 def error_response(exc: ProxyError, headers: dict[str, str] | None = None) -> Response:
+    if exc.retry_after_s is not None:
+        headers = {**(headers or {}), "Retry-After": str(exc.retry_after_s)}
     return Response(
         orjson.dumps(exc.body()), status_code=exc.status_code, headers=headers, media_type="application/json"
     )
@@ -104,8 +107,11 @@ class Forwarder:
         registry: PolicyRegistry,
         metrics: Metrics,
         langfuse: LangfuseExporter | None = None,
+        gate: Gate | None = None,
     ) -> None:
         self._upstream = upstream
+        # Closed only while a training step has the GPU (--share-gpu); open, passing it costs nothing.
+        self._gate = gate if gate is not None else Gate(wait_s=0.0)
         self._store = store
         self._keyer = keyer
         self._registry = registry
@@ -132,16 +138,21 @@ class Forwarder:
     async def handle(self, endpoint: Endpoint, raw: bytes, hints: KeyHints) -> Response:
         started_at, t0 = time.time(), time.perf_counter()
         body = parse_body(raw, endpoint)
-        route = await self._route(str(body["model"]))
-        messages = body.get("messages") if endpoint == "chat.completions" else None
-        conversation = Conversation(route.policy, messages, body.get("prompt"))
-        key = await self._keyer.resolve(route.policy, hints, conversation)
-        upstream_body, asked = prepare_upstream_body(body, endpoint, route.served_model)
-        call = _Call(endpoint, body, route, key, conversation, asked, started_at, t0)
-        payload = orjson.dumps(upstream_body)
-        if body.get("stream"):
-            return await self._stream(call, payload)
-        return await self._complete(call, payload)
+        # Held here while a training step has the GPU, and routed after: the new version serves it.
+        await self._gate.enter()
+        try:
+            route = await self._route(str(body["model"]))
+            messages = body.get("messages") if endpoint == "chat.completions" else None
+            conversation = Conversation(route.policy, messages, body.get("prompt"))
+            key = await self._keyer.resolve(route.policy, hints, conversation)
+            upstream_body, asked = prepare_upstream_body(body, endpoint, route.served_model)
+            call = _Call(endpoint, body, route, key, conversation, asked, started_at, t0)
+            payload = orjson.dumps(upstream_body)
+            if body.get("stream"):
+                return await self._stream(call, payload)
+            return await self._complete(call, payload)
+        finally:
+            self._gate.leave()  # the upstream answered (a stream: its headers): a hand-over may pause it now
 
     async def _route(self, model: str) -> Route:
         if self._registry.base_model is None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import orjson
@@ -20,6 +20,8 @@ import orjson
 from proxy.errors import UpstreamHTTPError, UpstreamNotReady, upstream_errors
 
 _JSON = {"content-type": "application/json"}
+# vLLM's PauseMode: "wait" lets what runs finish; "abort" (its default) ends it; "keep" freezes it.
+PauseMode = Literal["abort", "wait", "keep"]
 
 
 class Upstream:
@@ -104,3 +106,44 @@ class Upstream:
             if not model.get("parent"):
                 return str(model["id"])
         raise UpstreamNotReady(f"the upstream at {self.base_url} lists no base model")
+
+    # -- a GPU hand-over (vLLM started with VLLM_SERVER_DEV_MODE=1; see proxy.training._handover) --
+
+    async def pause(self, mode: PauseMode = "wait") -> None:
+        """``POST /pause``: vLLM schedules nothing new; with "wait" it answers once what runs has finished."""
+        await self._control("POST", "/pause", {"mode": mode})
+
+    async def sleep(self, level: int = 1, mode: PauseMode = "wait") -> None:
+        """``POST /sleep``: level 1 moves the weights to host memory and drops the KV cache (a no-op on a CPU)."""
+        await self._control("POST", "/sleep", {"level": level, "mode": mode})
+
+    async def wake_up(self) -> bool:
+        """``POST /wake_up``: True when vLLM says it is fully awake (it then schedules again, too)."""
+        return (await self._control("POST", "/wake_up")).get("status") == "awake"
+
+    async def resume(self) -> None:
+        """``POST /resume``: schedule requests again."""
+        await self._control("POST", "/resume")
+
+    async def is_sleeping(self) -> bool:
+        """``GET /is_sleeping``: true while asleep, and while merely paused."""
+        return bool((await self._control("GET", "/is_sleeping", timeout=5.0))["is_sleeping"])
+
+    async def is_paused(self) -> bool:
+        return bool((await self._control("GET", "/is_paused", timeout=5.0))["is_paused"])
+
+    async def _control(
+        self, method: str, path: str, params: dict[str, str | int] | None = None, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """One call to vLLM's development endpoints (at the server's root); its JSON answer."""
+        async with upstream_errors(self.base_url):
+            response = await self._client.request(
+                method, self.root_url + path, params=params,
+                timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout,
+            )  # fmt: skip
+        if response.status_code != 200:
+            raise UpstreamHTTPError(response.status_code, response.content)
+        answer = orjson.loads(response.content)
+        if not isinstance(answer, dict):
+            raise UpstreamHTTPError(502, response.content)
+        return answer

@@ -19,6 +19,7 @@ from store import JobState, Store
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_HANDOVER_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
 
 class Metrics:
@@ -54,6 +55,31 @@ class Metrics:
             registry=r,
         )  # fmt: skip
         self.loaded = Gauge("tracetrain_versions_loaded", "Versions this proxy has loaded in vLLM.", registry=r)
+        # The GPU hand-over around each training step (--share-gpu; proxy.training._handover).
+        self.handover_seconds = Histogram(
+            "tracetrain_gpu_handover_seconds", "Time vLLM slept for each training step (sleep to wake-up).",
+            buckets=_HANDOVER_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.serving_held_seconds = Histogram(
+            "tracetrain_serving_held_seconds",
+            "Time calls were held for each hand-over (the gate closed to the gate open: pause, sleep, step, wake).",
+            buckets=_HANDOVER_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.handovers = Counter(
+            "tracetrain_gpu_handovers", "Hand-overs of the GPU to the trainer, by outcome: released (the step "
+            "ended), revoked (its worker died or it outlived --handover-timeout), failed (vLLM would not pause or "
+            "sleep), withdrawn (the job stopped before the grant).", ["outcome"], registry=r,
+        )  # fmt: skip
+        self.requests_held = Counter(
+            "tracetrain_requests_held", "Calls that waited at the gate while a training step had the GPU.", registry=r
+        )
+        self.requests_held_timeout = Counter(
+            "tracetrain_requests_held_timeout", "Held calls answered 503 after --handover-wait.", registry=r
+        )
+        self.vllm_not_awake = Gauge(
+            "tracetrain_vllm_not_awake", "1 while a vLLM did not wake up after a hand-over (serving stopped).",
+            registry=r,
+        )  # fmt: skip
         self.langfuse = Gauge(
             "tracetrain_langfuse_items", "Langfuse export (--langfuse): items by outcome, since start.", ["outcome"],
             registry=r,

@@ -1,6 +1,8 @@
-"""Training seen from the proxy: jobs from ready groups, and publishing what the trainer made."""
+"""Training seen from the proxy: jobs from ready groups, publishing what the trainer made, and
+handing a shared GPU over to the trainer for each step (``--share-gpu``)."""
 
+from proxy.training._handover import HandoverCoordinator
 from proxy.training._publisher import Publisher, PublishError
 from proxy.training._scheduler import JobScheduler
 
-__all__ = ["JobScheduler", "PublishError", "Publisher"]
+__all__ = ["HandoverCoordinator", "JobScheduler", "PublishError", "Publisher"]

