@@ -54,6 +54,16 @@ async def gpu_handed_over(store: Store, job_id: int, owner: str, *, poll_s: floa
     try:
         yield
     finally:
+        _free_cuda_cache()
         if not await store.jobs.release_gpu(job_id, owner):
             log.warning("job %s: the hand-over was revoked before the step ended (it outlived --handover-timeout, "
                         "or the claim was lost); vLLM already serves again", job_id)  # fmt: skip
+
+
+def _free_cuda_cache() -> None:
+    """Give the step's cached blocks (its activations) back to the driver before vLLM wakes into that memory."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
