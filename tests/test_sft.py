@@ -188,8 +188,8 @@ async def run_worker(settings: WorkerSettings) -> tuple[dict[str, torch.Tensor],
     worker = await Worker.open(settings)
     try:
         await worker.prepare()
-        assert worker._learner is not None
-        lora = lora_parameters(worker._learner.model)
+        assert worker._held.learner is not None
+        lora = lora_parameters(worker._held.learner.model)
         assert await worker.run(once=True) == 1
     finally:
         await worker.close()
