@@ -31,6 +31,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from sqlalchemy import insert, select
+from test_trainer_worker import fetch
 
 from store import connect
 from store._tables import AdapterVersion, Call, Group, Policy, TrainingJob, Trajectory
@@ -94,14 +95,6 @@ async def seed_jobs(url: str) -> None:
             await conn.execute(insert(J).values(policy="agent", state="queued", group_ids=groups, metrics={},
                                                 progress=0.0, created_at=now))  # fmt: skip
     await engine.dispose()
-
-
-async def fetch(url: str, query: Any) -> list[Any]:
-    engine = await connect(url)
-    async with engine.connect() as conn:
-        rows = list((await conn.execute(query)).all())
-    await engine.dispose()
-    return rows
 
 
 async def run_one_process(settings: WorkerSettings) -> None:
