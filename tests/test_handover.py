@@ -24,7 +24,8 @@ from fastapi import FastAPI
 from sqlalchemy import insert
 
 from proxy import Settings, create_app
-from proxy.gateway._gate import Gate
+from proxy.errors import GpuBusy
+from proxy.gateway._gate import NOT_AWAKE, Gate
 from store import GpuHandover, JobState, Store
 from store._tables import calls, groups, trajectories
 from trainer._handover import gpu_handed_over
@@ -545,3 +546,19 @@ async def test_on_real_vllm_a_hand_over_finishes_the_call_in_flight_and_serves_t
     assert (await eventually(lambda: _asleep_s(trainer, job_id))) > 0
     [last] = proxy.rows("SELECT version, status_code FROM calls ORDER BY pk DESC LIMIT 1")
     assert (last["version"], last["status_code"]) == (1, 200)
+
+
+async def test_a_failed_gate_refuses_at_once_and_after_hold_waits_for_open_again() -> None:
+    gate = Gate(wait_s=5.0)
+    gate.fail("vLLM sleeps")
+    with pytest.raises(GpuBusy) as refused:
+        await gate.enter()
+    assert refused.value.code == NOT_AWAKE
+
+    gate.hold()  # awake again, publishing: calls wait instead of being refused
+    waiting = asyncio.create_task(gate.enter())
+    await asyncio.sleep(0.05)
+    assert not waiting.done() and gate.held == 1
+    gate.open()
+    await asyncio.wait_for(waiting, 1)
+    gate.leave()

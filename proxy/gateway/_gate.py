@@ -9,7 +9,7 @@ so nothing reaches vLLM after it was told to pause. ``open()`` lets the held cal
 are routed only then, so the policy's newest version (loaded during the hand-over) serves
 them. A call held longer than ``wait_s`` is answered ``GpuBusy`` (503 with Retry-After).
 ``fail(reason)`` (vLLM did not wake up) answers held and new calls ``GpuBusy`` at once,
-until ``open()``.
+until ``open()``; ``hold()`` turns a failed gate back into one that holds.
 
 The coordinator of the hand-over (``proxy.training._handover``) is the only one that closes
 and opens it; without ``--share-gpu`` nothing does, and the gate stays open.
@@ -69,6 +69,11 @@ class Gate:
 
     def open(self) -> None:
         self._open, self._failed = True, None
+        self._notify()
+
+    def hold(self) -> None:
+        """Hold new calls (no longer answer them ``GpuBusy`` after a ``fail``) until ``open()``."""
+        self._open, self._failed = False, None
         self._notify()
 
     def fail(self, reason: str) -> None:

@@ -188,6 +188,7 @@ class HandoverCoordinator:
             await asyncio.sleep(_WAKE_RETRY_S)
         woke_at = time.monotonic()
         if self.not_awake is not None:
+            self._gate.hold()  # calls wait for the publish below instead of being refused
             log.warning("vLLM is awake again; serving resumes")
             self.not_awake = None
             self._metrics.vllm_not_awake.set(0)
