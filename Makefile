@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip install -q --disable-pip-version-check
 # litellm (bench only) would fetch a price map from the network at import time.
 export LITELLM_LOCAL_MODEL_COST_MAP := True
 
-.PHONY: demo test lint bench-proxy clean
+.PHONY: demo test lint manifests bench-proxy clean
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
@@ -42,6 +42,11 @@ lint: $(VENV)/.test-installed
 	$(PY) -m ruff check proxy store trainer sdk tracetrain_cli tracetrain_demo tracetrain_vllm tests bench
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports
+
+# docker/k8s and docker/compose*.yaml: kubectl kustomize, Kubernetes' schemas, docker-compose 1.29
+# and v2 (.ci/manifests.sh installs what is missing).
+manifests: $(VENV)/.test-installed
+	PY=$(PY) bash .ci/manifests.sh
 
 $(VENV)/.bench-installed: $(VENV)/.test-installed
 	$(PIP) -e ".[test,bench]"
