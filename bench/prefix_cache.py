@@ -39,23 +39,7 @@ from tiny_model import build_tiny_model
 from proxy import Settings, create_app
 from tracetrain_cli._vllm_process import VLLMLaunch, VLLMProcess
 
-_WORDS = [
-    "alpha",
-    "bravo",
-    "charlie",
-    "delta",
-    "echo",
-    "foxtrot",
-    "golf",
-    "hotel",
-    "india",
-    "juliet",
-    "kilo",
-    "lima",
-    "mike",
-    "november",
-    "oscar",
-]
+_WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar".split()  # noqa: SIM905
 
 
 def prefix_counters(root_url: str) -> tuple[float, float]:
