@@ -46,21 +46,26 @@ def parse_options(argv: Sequence[str] | None) -> Options:
     parser.add_argument("--ttfb-requests", type=int, default=200, help="streamed requests per target for TTFB")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--profile", type=Path, metavar="RAW", help="then py-spy tracetrain under plain c=64 into RAW")
+    parser.add_argument(
+        "--upstreams", type=int, default=1, help="fake vLLM servers behind tracetrain (2: its router spreads them)"
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 s cells, concurrency 1,64, 30 TTFB probes")
     args = parser.parse_args(argv)
     targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
     if not targets or set(targets) - set(TARGETS):
         parser.error(f"--targets: choose from {','.join(TARGETS)}")
     if args.quick:
-        return Options(2, 1, (1, 64), targets, 30, args.out, args.profile)
+        return Options(2, 1, (1, 64), targets, 30, args.out, args.profile, args.upstreams)
     concurrency = tuple(int(c) for c in args.concurrency.split(","))
-    return Options(args.duration, args.warmup, concurrency, targets, args.ttfb_requests, args.out, args.profile)
+    return Options(
+        args.duration, args.warmup, concurrency, targets, args.ttfb_requests, args.out, args.profile, args.upstreams
+    )
 
 
 def run(opts: Options, workdir: Path, stack: contextlib.ExitStack) -> Results:
     """Start the servers, run everything the options ask for, count the records."""
     print(f"starting servers in {workdir} ...", file=sys.stderr, flush=True)
-    servers = start_servers(stack, opts.targets, workdir)
+    servers = start_servers(stack, opts.targets, workdir, opts.upstreams)
     bench = Bench(servers, opts, "bench" + secrets.token_hex(3))
     notes = litellm_setup_notes(servers["litellm"]) if "litellm" in servers else []
     for name, server in servers.items():

@@ -25,12 +25,13 @@ from proxy.admin._auth import AdminAuth
 from proxy.admin._dashboard import PageResponse, bad_page_request
 from proxy.admin._token_texts import TokenTexts
 from proxy.data import _routes as _data_routes
-from proxy.errors import GpuBusy, InvalidRequest, NotFound, ProxyError, UpstreamError, error_body
+from proxy.errors import GpuBusy, InvalidRequest, NotFound, ProxyError, UpstreamError, UpstreamNotReady, error_body
 from proxy.gateway import _routes as _openai_routes
 from proxy.gateway._forward import Forwarder, error_response
 from proxy.gateway._gate import NOT_AWAKE, RETRY_AFTER_FAILED_S, Gate
 from proxy.gateway._keying import Keyer
 from proxy.gateway._policies import PolicyRegistry
+from proxy.gateway._router import Router
 from proxy.gateway._upstream import Upstream
 from proxy.judge import _routes as _judge_routes
 from proxy.judge._service import JudgeService
@@ -72,11 +73,11 @@ def create_app(
             )
             for _ in range(_UPSTREAM_POOLS)
         ]
-        upstream = Upstream(settings.upstream, clients)
+        router = Router([Upstream(url, clients) for url in settings.upstreams], health_check_s=settings.health_check_s)
         registry = PolicyRegistry(settings.policy, settings.served_model)
         if registry.base_model is None:
             try:
-                registry.base_model = await upstream.base_model()
+                registry.base_model = await router.base_model()
             except UpstreamError as exc:
                 log.warning("upstream not answering yet (%s); will ask again on the first call", exc.message)
         # The policy row holds the alias; it must exist even while vLLM is still starting.
@@ -84,7 +85,7 @@ def create_app(
         keyer = Keyer(store, group_size=settings.group_size, thread_ttl_s=settings.thread_ttl_s)
         langfuse = start_langfuse(settings)  # None unless --langfuse
         gate = Gate(settings.handover_wait_s, metrics)  # closed only by the hand-over's coordinator
-        forwarder = Forwarder(upstream, store, keyer, registry, metrics, langfuse, gate)
+        forwarder = Forwarder(router, store, keyer, registry, metrics, langfuse, gate)
         scheduler = JobScheduler(
             store,
             keyer,
@@ -92,16 +93,17 @@ def create_app(
             batch_groups=settings.batch_groups,
             min_group_size=settings.min_group_size,
         )
-        replicas = [upstream, *(Upstream(url.rstrip("/"), clients[:1]) for url in settings.replicas)]
         publisher = Publisher(
-            store, registry, replicas, keep_versions=settings.keep_versions, unload_grace_s=settings.unload_grace_s
+            store, registry, router, keep_versions=settings.keep_versions, unload_grace_s=settings.unload_grace_s
         )
+        await router.check_once(publisher.restore)  # servers that answer get the published adapters, then traffic
         await publisher.sync_once()
         publishing = asyncio.create_task(publisher.run(), name="tracetrain-publisher")
+        checking = asyncio.create_task(router.run(publisher.restore), name="tracetrain-upstream-health")
         handover, handing_over = None, None
         if settings.share_gpu:
             handover = HandoverCoordinator(
-                store, publisher, replicas, gate, metrics, policy=settings.policy,
+                store, publisher, router.upstreams, gate, metrics, policy=settings.policy,
                 timeout_s=settings.handover_timeout_s, on_stuck=on_upstream_stuck,
             )  # fmt: skip
             handing_over = asyncio.create_task(handover.run(), name="tracetrain-gpu-handover")
@@ -114,14 +116,27 @@ def create_app(
         judging = JudgeService(settings, store, registry, scheduler, on_rewards=report_rewards)
         judging.start()  # scans for complete groups unless rewards are external only
         app.state.services = Services(
-            settings, store, upstream, registry, keyer, forwarder, scheduler, publisher, metrics, TokenTexts(upstream),
-            judging, report_rewards, langfuse=langfuse, handover=handover,
+            settings,
+            store,
+            router.upstreams[0],
+            router,
+            registry,
+            keyer,
+            forwarder,
+            scheduler,
+            publisher,
+            metrics,
+            TokenTexts(router.upstreams[0]),
+            judging,
+            report_rewards,
+            langfuse=langfuse,
+            handover=handover,
         )
         try:
             yield
         finally:
             await judging.close()
-            for task in (handing_over, publishing):  # a hand-over under way wakes vLLM as it ends
+            for task in (handing_over, publishing, checking):  # a hand-over under way wakes vLLM as it ends
                 if task is not None:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
@@ -159,7 +174,9 @@ def _add_health_routes(app: FastAPI) -> None:
     async def metrics(services: ServicesDep) -> Response:
         """Prometheus exposition: requests, latency, tokens, captures, rewards, training steps, versions."""
         langfuse = services.langfuse.stats() if services.langfuse is not None else None
-        body = await services.metrics.render(services.store, len(services.registry.loaded_versions), langfuse)
+        body = await services.metrics.render(
+            services.store, len(services.registry.loaded_versions), langfuse, services.router.views()
+        )
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/readyz", tags=["health"])
@@ -169,9 +186,11 @@ def _add_health_routes(app: FastAPI) -> None:
             problem = f"vLLM did not wake up after a training step: {services.handover.not_awake}"
             return error_response(GpuBusy(problem, retry_after_s=RETRY_AFTER_FAILED_S, code=NOT_AWAKE))
         try:
-            model = await services.upstream.base_model()
+            model = await services.router.base_model()
         except UpstreamError as exc:
             return error_response(exc)
+        if not services.router.serving():
+            return error_response(UpstreamNotReady(services.router.why_none()))
         services.registry.base_model = services.registry.base_model or model
         return Response(orjson.dumps({"status": "ready", "base_model": model}), media_type="application/json")
 

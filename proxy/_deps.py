@@ -20,6 +20,7 @@ from proxy.errors import AuthenticationFailed
 from proxy.gateway._forward import Forwarder
 from proxy.gateway._keying import Keyer
 from proxy.gateway._policies import PolicyRegistry
+from proxy.gateway._router import Router
 from proxy.gateway._upstream import Upstream
 from proxy.judge._service import JudgeService
 from proxy.observability._langfuse import LangfuseExporter
@@ -34,7 +35,8 @@ from store import Store
 class Services:
     settings: Settings
     store: Store
-    upstream: Upstream
+    upstream: Upstream  # the first server, for what any one of them answers alike (a tokenizer's texts)
+    router: Router  # every server, and which one takes each call
     registry: PolicyRegistry
     keyer: Keyer
     forwarder: Forwarder

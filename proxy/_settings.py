@@ -36,10 +36,17 @@ def is_loopback(host: str) -> bool:
 class Settings(BaseSettings):
     """Everything the proxy needs to run. Build it once; pass it to ``create_app``."""
 
-    model_config = SettingsConfigDict(env_prefix="TRACETRAIN_", frozen=True, extra="forbid")
+    model_config = SettingsConfigDict(env_prefix="TRACETRAIN_", frozen=True, extra="forbid", populate_by_name=True)
 
-    # Where requests go: an OpenAI-compatible base URL ending in /v1 (vLLM in production).
-    upstream: str = "http://127.0.0.1:8000/v1"
+    # Where requests go: OpenAI-compatible base URLs ending in /v1 (vLLM servers in production). Calls of one
+    # trajectory stay on one server, new ones go to the least busy (proxy.gateway._router); every server loads
+    # every adapter. `upstream=URL` is accepted for one; env TRACETRAIN_UPSTREAMS (comma-separated) or
+    # TRACETRAIN_UPSTREAM.
+    upstreams: Annotated[tuple[str, ...], NoDecode] = Field(
+        default=("http://127.0.0.1:8000/v1",),
+        min_length=1,
+        validation_alias=AliasChoices("tracetrain_upstreams", "tracetrain_upstream"),
+    )
     # The upstream's name for the base model; discovered from GET /v1/models when unset.
     served_model: str | None = None
     upstream_timeout_s: float = Field(default=600.0, gt=0)
@@ -66,9 +73,8 @@ class Settings(BaseSettings):
     # A version that left the window stays loaded this long: other proxy replicas may still
     # have requests running on it.
     unload_grace_s: float = Field(default=30.0, ge=0)
-    # Further vLLM servers (base URLs ending in /v1) that must load every adapter too, when
-    # `upstream` is a load balancer in front of several.
-    replicas: Annotated[tuple[str, ...], NoDecode] = ()
+    # How often each upstream's /health is asked; a server that fails it leaves the rotation.
+    health_check_s: float = Field(default=2.0, gt=0)
 
     # One GPU for vLLM and the trainer (proxy.training._handover): around each training step new calls wait
     # in the proxy, vLLM finishes what runs, sleeps, the trainer steps, vLLM wakes with the new adapter.
@@ -110,7 +116,24 @@ class Settings(BaseSettings):
         default="https://cloud.langfuse.com", validation_alias=AliasChoices("langfuse_base_url", "langfuse_host")
     )
 
-    @field_validator("api_keys", "reward_keys", "replicas", mode="before")
+    @model_validator(mode="before")
+    @classmethod
+    def _one_upstream_list(cls, data: object) -> object:
+        """``upstream=`` (one URL, as before), ``upstreams=`` and the two variables become ``upstreams``.
+
+        Keyword arguments come first, so flags win over the environment.
+        """
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        given = [
+            data.pop(k) for k in ("upstreams", "upstream", "tracetrain_upstreams", "tracetrain_upstream") if k in data
+        ]
+        if given:
+            data["upstreams"] = given[0]
+        return data
+
+    @field_validator("api_keys", "reward_keys", "upstreams", mode="before")
     @classmethod
     def _split_keys(cls, value: object) -> object:
         if isinstance(value, str):
@@ -131,12 +154,22 @@ class Settings(BaseSettings):
             raise ValueError(f"the judge rubric file {path} is empty")
         return text
 
-    @field_validator("upstream")
+    @field_validator("upstreams")
     @classmethod
-    def _upstream_is_http(cls, value: str) -> str:
-        if not value.startswith(("http://", "https://")):
-            raise ValueError(f"upstream must be an http(s) URL such as http://127.0.0.1:8000/v1, got {value!r}")
-        return value.rstrip("/")
+    def _upstreams_are_http(cls, values: tuple[str, ...]) -> tuple[str, ...]:
+        urls = []
+        for value in values:
+            if not value.startswith(("http://", "https://")):
+                raise ValueError(f"upstream must be an http(s) URL such as http://127.0.0.1:8000/v1, got {value!r}")
+            urls.append(value.rstrip("/"))
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"an upstream is named twice: {', '.join(urls)}")
+        return tuple(urls)
+
+    @property
+    def upstream(self) -> str:
+        """The first upstream: where the judge's default model is asked (any server serves the base model)."""
+        return self.upstreams[0]
 
     @model_validator(mode="after")
     def _check_secrets(self) -> Settings:

@@ -36,6 +36,8 @@ Faithful to vLLM 0.32:
   unload statuses, plain-text success bodies and error texts, the unknown-model 404,
   ``{"error": {message, type, param, code}}`` bodies with file paths scrubbed to
   ``<path>``, and completions' default ``max_tokens`` of 16.
+- ``GET /metrics``: one ``vllm:num_requests_running`` line per engine, labelled as vLLM labels it;
+  ``data_parallel_size`` engines (``--data-parallel-size``), so a proxy can tell data parallel apart.
 
 Simplified:
 
@@ -47,7 +49,8 @@ Simplified:
   messages. No context-length errors, ``echo``, stop strings, ``continuous_usage_stats``
   or ``parallel_tool_calls``; one prompt per completions request; ``tool_choice``
   "required" or named acts like "auto"; at most 20 top logprobs. Loading a LoRA never
-  reads ``lora_path``: set ``fail_next_load`` to make a load fail.
+  reads ``lora_path``: set ``fail_next_load`` to make a load fail. ``/metrics`` has no other
+  metric, and its running count is always 0.
 """
 
 from __future__ import annotations
@@ -366,6 +369,7 @@ class FakeVLLM:
         self.fail_next_load: str | None = None  # the engine error the next load fails with
         self.disconnected_streams = 0  # streams cut short because the client went away
         self.detokenized = 0  # POST /detokenize requests answered
+        self.data_parallel_size = 1  # engines behind this server, as GET /metrics reports them
         self._replies: deque[Reply] = deque()
         # Asked first with each generation body: a Reply answers it, None leaves it to the script.
         # Lets a test answer one kind of request (a judge's) whatever else is queued.
@@ -381,6 +385,7 @@ class FakeVLLM:
                 Route("/v1/unload_lora_adapter", self._unload_lora, methods=["POST"]),
                 Route("/detokenize", self._detokenize, methods=["POST"]),
                 Route("/health", self._health, methods=["GET"]),
+                Route("/metrics", self._metrics, methods=["GET"]),
                 Route("/ping", self._health, methods=["GET", "POST"]),
                 *self.handover.routes,
             ],
@@ -758,6 +763,17 @@ class FakeVLLM:
         self.detokenized += 1
         return _json({"prompt": detokenize(tokens)})
 
+    async def _metrics(self, request: Request) -> Response:
+        lines = [
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+            "# TYPE vllm:num_requests_running gauge",
+            *(
+                f'vllm:num_requests_running{{model_name="{self.base_model}",engine="{engine}"}} 0.0'
+                for engine in range(self.data_parallel_size)
+            ),
+        ]
+        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4; charset=utf-8")
+
     async def _health(self, request: Request) -> Response:
         return Response()
 
@@ -776,8 +792,10 @@ class _QuickServer(uvicorn.Server):
 
 
 @contextmanager
-def serve_in_thread(app: ASGIApp, host: str = "127.0.0.1", *, startup_timeout_s: float = 10.0) -> Iterator[str]:
-    """Serve any ASGI ``app`` with uvicorn on an ephemeral port in a daemon thread.
+def serve_in_thread(
+    app: ASGIApp, host: str = "127.0.0.1", *, port: int = 0, startup_timeout_s: float = 10.0
+) -> Iterator[str]:
+    """Serve any ASGI ``app`` with uvicorn on ``port`` (default: an ephemeral one) in a daemon thread.
 
     Yields the base URL, e.g. ``http://127.0.0.1:PORT``; on exit the server stops and the
     thread is joined. Lifespan events run, so a FastAPI app's start-up happens first.
@@ -785,7 +803,7 @@ def serve_in_thread(app: ASGIApp, host: str = "127.0.0.1", *, startup_timeout_s:
     config = uvicorn.Config(
         app,
         host=host,
-        port=0,
+        port=port,
         loop="asyncio",
         ws="none",
         log_config=None,

@@ -330,13 +330,13 @@ def test_the_overview_counts_traffic_data_and_serving(proxy: RunningProxy, fake:
     assert overview["trajectories"] == {"total": 3, "rewarded": 2, "open": 1}
     assert overview["groups_ready"] == 1
     assert overview["policies"][0]["policy"] == "agent" and overview["policies"][0]["active_version"] == 0
-    assert overview["upstream"]["healthy"] is True
+    assert [(u["url"], u["healthy"], u["in_flight"]) for u in overview["upstreams"]] == [(f"{fake.url}/v1", True, 0)]  # type: ignore[attr-defined]
     assert overview["last_step"] is None and overview["jobs"]["queued"] == 0
 
 
 def test_the_overview_says_when_vllm_is_down(start_proxy) -> None:
     proxy = start_proxy(upstream="http://127.0.0.1:9/v1", served_model="base")
-    upstream = httpx.get(f"{proxy.url}/admin/overview").json()["upstream"]
+    (upstream,) = httpx.get(f"{proxy.url}/admin/overview").json()["upstreams"]
     assert upstream["healthy"] is False and upstream["error"]
     assert "down" in httpx.get(f"{proxy.url}/admin").text
 

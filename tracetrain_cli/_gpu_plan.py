@@ -211,7 +211,7 @@ def _check_flags(
         raise PlanError(
             f"--data-parallel-size {o.data_parallel}: vLLM data parallel is not supported yet (POST "
             "/v1/load_lora_adapter reaches one engine only, so the others would serve stale adapters); use "
-            "--tensor-parallel-size, or start more vLLM servers yourself and name them with --replica"
+            "--tensor-parallel-size, or start one vLLM server per GPU group yourself and name each with --upstream"
         )
     for flag, indices in (("--vllm-gpus", o.vllm_gpus), ("--trainer-gpus", o.trainer_gpus)):
         if unknown := [i for i in indices or () if i not in order]:

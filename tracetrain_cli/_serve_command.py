@@ -45,9 +45,12 @@ def add_serve_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--upstream",
+        action="append",
         metavar="URL",
         help="use an OpenAI-compatible server you run instead of starting vLLM, e.g. http://127.0.0.1:8000/v1 "
-        "(vLLM started with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True); the trainer still needs "
+        "(vLLM started with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True); repeat it for several "
+        "vLLM servers: the calls of one trajectory stay on one server, new trajectories go to the least busy, "
+        "every server loads every adapter (env TRACETRAIN_UPSTREAMS, comma-separated). The trainer still needs "
         "--model to be its base model",
     )
     p.add_argument(
@@ -121,12 +124,7 @@ def add_serve_parser(sub: Any) -> None:
         help="adapter versions kept loaded in vLLM; older ones stay on disk for rollback"
         + setting_default("keep_versions"),
     )
-    p.add_argument(
-        "--replica",
-        action="append",
-        metavar="URL",
-        help="another vLLM (base URL ending in /v1) that must load every adapter too; repeatable",
-    )
+    p.add_argument("--replica", action="append", metavar="URL", help=argparse.SUPPRESS)  # removed: see settings_from
     p.add_argument("--api-keys", metavar="K1,K2", help="inference keys agents must send as Bearer tokens")
     p.add_argument("--reward-keys", metavar="K1,K2", help="keys reward services must send to POST /v1/rewards")
     p.add_argument(
@@ -183,8 +181,14 @@ def add_serve_parser(sub: Any) -> None:
 def settings_from(args: argparse.Namespace) -> Any:
     from proxy._settings import Settings
 
+    if args.replica:
+        raise SystemExit(
+            "tracetrain serve: --replica was removed. Name every vLLM server with --upstream (repeatable): the "
+            "proxy routes calls over them itself (a trajectory stays on one server, for its prefix cache) and "
+            "loads every adapter into each. Do not put a load balancer in front of them."
+        )
     flags = {
-        "upstream": args.upstream,
+        "upstreams": tuple(args.upstream) if args.upstream else None,
         "served_model": args.served_model,
         "host": args.host,
         "port": args.port,
@@ -198,7 +202,6 @@ def settings_from(args: argparse.Namespace) -> Any:
         "admin_token": args.admin_token,
         "batch_groups": args.batch_groups,
         "keep_versions": args.keep_versions,
-        "replicas": tuple(args.replica) if args.replica else None,
         "reward_source": args.reward_source,
         "judge_model": args.judge_model,
         "judge_rubric": args.judge_rubric,
@@ -224,6 +227,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     if args.trainer_procs < 1:
         raise SystemExit(f"tracetrain serve: --trainer-procs must be at least 1, got {args.trainer_procs}")
+    # Upstreams named in the environment are servers someone else runs, as --upstream names them: no vLLM child.
+    env_upstreams = os.environ.get("TRACETRAIN_UPSTREAMS") or os.environ.get("TRACETRAIN_UPSTREAM") or ""
+    args.upstream = args.upstream or [url.strip() for url in env_upstreams.split(",") if url.strip()] or None
     settings = settings_from(args)
     if args.plan_only:  # before anything is checked, written or started: a GPU box may not have vLLM yet
         print(render_plan(device_plan(args, pick_device(args.device), _model_dir(args, settings.data_dir))))
@@ -259,7 +265,7 @@ def run_serve(args: argparse.Namespace) -> int:
             extra_args=tuple(args.vllm_arg),
             **launch_options(devices),
         )
-        settings = settings.model_copy(update={"upstream": launch.base_url, "served_model": model_dir.name})
+        settings = settings.model_copy(update={"upstreams": (launch.base_url,), "served_model": model_dir.name})
     trainer = (
         None
         if model_dir is None or args.no_train

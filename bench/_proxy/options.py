@@ -18,3 +18,4 @@ class Options:
     ttfb_requests: int
     out: Path | None
     profile: Path | None
+    upstreams: int = 1  # fake vLLM servers behind tracetrain (its router spreads trajectories over them)

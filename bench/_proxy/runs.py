@@ -78,6 +78,9 @@ def measure_cell(bench: Bench, target: str, mode: str, c: int) -> Cell:
     pids = {target: bench.servers[target].proc.pid}
     if target != "direct":
         pids["upstream"] = bench.servers["direct"].proc.pid
+    for name, server in bench.servers.items():
+        if name.startswith("upstream") and target == "tracetrain":
+            pids[name] = server.proc.pid
 
     def snapshot() -> dict[str, float]:
         return {

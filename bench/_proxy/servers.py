@@ -73,8 +73,13 @@ def _litellm_config(workdir: Path, upstream_port: int) -> Path:
     return path
 
 
-def start_servers(stack: contextlib.ExitStack, targets: Sequence[str], workdir: Path) -> dict[str, Server]:
-    """Start the fake upstream and the proxies the run needs, each answering before this returns."""
+def start_servers(
+    stack: contextlib.ExitStack, targets: Sequence[str], workdir: Path, upstreams: int = 1
+) -> dict[str, Server]:
+    """Start the fake upstream and the proxies the run needs, each answering before this returns.
+
+    ``upstreams`` > 1 starts more fakes ("upstream2", ...) that only tracetrain routes to.
+    """
 
     def start(name: str, argv: list[str], ready_path: str, model: str, env: dict[str, str] | None = None) -> Server:
         port, log = free_port(HOST), workdir / f"{name}.log"
@@ -85,8 +90,12 @@ def start_servers(stack: contextlib.ExitStack, targets: Sequence[str], workdir: 
     fake = start("direct", [sys.executable, "tests/fake_vllm.py"], "/v1/models", BASE_MODEL)
     servers = {"direct": fake}
     upstream = f"{fake.url}/v1"
+    more = [start(f"upstream{i}", [sys.executable, "tests/fake_vllm.py"], "/v1/models", BASE_MODEL)
+            for i in range(2, upstreams + 1)]  # fmt: skip
+    servers |= {server.name: server for server in more}
     if "tracetrain" in targets:
         argv = [tool("tracetrain"), "serve", "--upstream", upstream, "--data-dir", str(workdir / "tracetrain")]
+        argv += [arg for server in more for arg in ("--upstream", f"{server.url}/v1")]
         servers["tracetrain"] = start("tracetrain", [*argv, "--no-train", "--log-level", "warning"], "/readyz", POLICY)
     if "litellm" in targets:
         quiet = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "DISABLE_ADMIN_UI": "True", "LITELLM_LOG": "ERROR"}

@@ -6,6 +6,7 @@ returns the same result, so whatever an operator sees can also be scripted.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from typing import Any
 
@@ -13,6 +14,7 @@ from proxy._deps import Services
 from proxy.data import _service as _data
 from proxy.data._wire import trajectory_view
 from proxy.errors import NotFound, ProxyError
+from proxy.gateway._router import Server
 from store import ADAPTER_FIELDS, JOB_FIELDS, JobState, _advantages, common_prefix, reply_message, same_message
 
 # What the training page plots, from each succeeded job's metrics.
@@ -49,7 +51,7 @@ async def overview(services: Services) -> dict[str, Any]:
         "last_step": _job(last_step) if last_step else None,
         "running_job": _job(running) if running else None,
         "gpu_handover": await _gpu_handover(services),
-        "upstream": await _upstream_health(services),
+        "upstreams": await _upstreams(services),
     }
 
 
@@ -70,12 +72,17 @@ async def _gpu_handover(services: Services) -> dict[str, Any] | None:
     }
 
 
-async def _upstream_health(services: Services) -> dict[str, Any]:
-    try:
-        latency = await services.upstream.health()
-    except ProxyError as exc:
-        return {"url": services.upstream.base_url, "healthy": False, "error": exc.message}
-    return {"url": services.upstream.base_url, "healthy": True, "latency_ms": round(latency, 1)}
+async def _upstreams(services: Services) -> list[dict[str, Any]]:
+    """Each vLLM server as the router sees it (in rotation, calls in flight, versions), and its /health now."""
+
+    async def one(server: Server) -> dict[str, Any]:
+        try:
+            latency = await server.upstream.health()
+        except ProxyError as exc:
+            return {**server.view(), "error": exc.message}
+        return {**server.view(), "latency_ms": round(latency, 1), "error": server.problem}
+
+    return list(await asyncio.gather(*(one(server) for server in services.router.servers)))
 
 
 async def list_trajectories(services: Services, **filters: Any) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +43,7 @@ from proxy.gateway._capture import (
 from proxy.gateway._gate import Gate
 from proxy.gateway._keying import Conversation, Key, Keyer, KeyHints
 from proxy.gateway._policies import PolicyRegistry, Route
+from proxy.gateway._router import Router
 from proxy.gateway._upstream import Upstream
 from proxy.gateway._wire import ChatCompletionRequest, CompletionRequest
 from proxy.observability._langfuse import LangfuseExporter
@@ -101,7 +102,7 @@ def error_response(exc: ProxyError, headers: dict[str, str] | None = None) -> Re
 class Forwarder:
     def __init__(
         self,
-        upstream: Upstream,
+        upstream: Router | Upstream,
         store: Store,
         keyer: Keyer,
         registry: PolicyRegistry,
@@ -109,7 +110,8 @@ class Forwarder:
         langfuse: LangfuseExporter | None = None,
         gate: Gate | None = None,
     ) -> None:
-        self._upstream = upstream
+        # Which vLLM server takes each call (one Upstream: always that one).
+        self._router = upstream if isinstance(upstream, Router) else Router([upstream])
         # Closed only while a training step has the GPU (--share-gpu); open, passing it costs nothing.
         self._gate = gate if gate is not None else Gate(wait_s=0.0)
         self._store = store
@@ -156,13 +158,13 @@ class Forwarder:
 
     async def _route(self, model: str) -> Route:
         if self._registry.base_model is None:
-            self._registry.base_model = await self._upstream.base_model()
+            self._registry.base_model = await self._router.base_model()
         return self._registry.resolve(model)
 
     async def _complete(self, call: _Call, payload: bytes) -> Response:
         try:
             with self._registry.serving(call.route.version):
-                upstream = await self._upstream.post(_PATHS[call.endpoint], payload)
+                upstream = await self._router.post(call.key.trajectory_id, _PATHS[call.endpoint], payload)
             if upstream.status_code != 200:
                 raise UpstreamHTTPError(upstream.status_code, upstream.content)
             data = orjson.loads(upstream.content)
@@ -180,11 +182,11 @@ class Forwarder:
 
     async def _stream(self, call: _Call, payload: bytes) -> Response:
         try:
-            upstream = await self._upstream.open_stream(_PATHS[call.endpoint], payload)
+            upstream, done = await self._router.open_stream(call.key.trajectory_id, _PATHS[call.endpoint], payload)
         except ProxyError as exc:
             await self.record(_call_write(call, None, None, exc.status_code, exc.message, None))
             return error_response(exc, call.headers())
-        relay = _Relay(self, self._registry, call, upstream)
+        relay = _Relay(self, self._registry, call, upstream, on_close=done)
         return _RelayResponse(relay, headers={**call.headers(), "Cache-Control": "no-cache"})
 
 
@@ -270,8 +272,16 @@ class _Relay:
     the upstream response closed.
     """
 
-    def __init__(self, forwarder: Forwarder, registry: PolicyRegistry, call: _Call, upstream: httpx.Response) -> None:
+    def __init__(
+        self,
+        forwarder: Forwarder,
+        registry: PolicyRegistry,
+        call: _Call,
+        upstream: httpx.Response,
+        on_close: Callable[[], None] = lambda: None,
+    ) -> None:
         self._forwarder = forwarder
+        self._on_close = on_close  # the router's count of the server's calls in flight
         self._registry = registry
         self._call = call
         self._upstream = upstream
@@ -313,6 +323,7 @@ class _Relay:
         self._registry.in_flight[self._call.route.version] -= 1
         with anyio.CancelScope(shield=True):
             await self._upstream.aclose()
+        self._on_close()
 
     def _record(self, status: int, error: str | None, response: dict[str, Any] | None = None) -> CallWrite:
         return _call_write(self._call, self._assembler.capture, response, status, error, self._ttft)

@@ -63,7 +63,7 @@ async def list_models(services: ServicesDep) -> dict[str, object]:
     if services.registry.base_model is None:
         # Still listable while vLLM starts; generation calls answer 502/503 until it is up.
         with contextlib.suppress(UpstreamError):
-            services.registry.base_model = await services.upstream.base_model()
+            services.registry.base_model = await services.router.base_model()
     return services.registry.model_list()
 
 

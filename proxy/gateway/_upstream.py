@@ -91,6 +91,14 @@ class Upstream:
             raise UpstreamHTTPError(response.status_code, response.content)
         return (time.perf_counter() - started) * 1000
 
+    async def prometheus(self) -> bytes:
+        """vLLM's ``GET /metrics`` (Prometheus text), at the server's root."""
+        async with upstream_errors(self.base_url):
+            response = await self._client.get(self.root_url + "/metrics", timeout=5.0)
+        if response.status_code != 200:
+            raise UpstreamHTTPError(response.status_code, response.content)
+        return response.content
+
     async def detokenize(self, model: str, token_ids: list[int]) -> str:
         """vLLM's ``POST /detokenize``: the text of ``token_ids`` under ``model``'s tokenizer."""
         body = orjson.dumps({"model": model, "tokens": token_ids})

@@ -11,10 +11,12 @@ Each app has its own registry, so several apps in one process (tests) do not col
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from proxy.gateway._router import State
 from store import JobState, Store
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -80,6 +82,27 @@ class Metrics:
             "tracetrain_vllm_not_awake", "1 while a vLLM did not wake up after a hand-over (serving stopped).",
             registry=r,
         )  # fmt: skip
+        # Each vLLM server behind this proxy (proxy.gateway._router), named by its base URL.
+        self.upstream_up = Gauge(
+            "tracetrain_upstream_up", "1 while the vLLM server is in rotation (healthy, holding every published "
+            "adapter), else 0.", ["upstream"], registry=r,
+        )  # fmt: skip
+        self.upstream_state = Gauge(
+            "tracetrain_upstream_state", "1 for the vLLM server's state: serving, down, restoring (loading its "
+            "adapters before it takes traffic), refused (vLLM data parallel).", ["upstream", "state"], registry=r,
+        )  # fmt: skip
+        self.upstream_in_flight = Gauge(
+            "tracetrain_upstream_requests_in_flight", "Calls this proxy has running on the vLLM server.", ["upstream"],
+            registry=r,
+        )  # fmt: skip
+        self.upstream_versions = Gauge(
+            "tracetrain_upstream_version_loaded", "1 for each adapter version loaded into the vLLM server.",
+            ["upstream", "version"], registry=r,
+        )  # fmt: skip
+        self.upstream_failovers = Gauge(
+            "tracetrain_upstream_failovers", "Calls sent to another server because this one refused the connection.",
+            ["upstream"], registry=r,
+        )  # fmt: skip
         self.langfuse = Gauge(
             "tracetrain_langfuse_items", "Langfuse export (--langfuse): items by outcome, since start.", ["outcome"],
             registry=r,
@@ -103,8 +126,17 @@ class Metrics:
         for source in sources:
             self.rewards.labels(source).inc()
 
-    async def render(self, store: Store, loaded_versions: int, langfuse: dict[str, int] | None = None) -> bytes:
-        """The exposition text, with the store's figures (and the Langfuse exporter's counters) read now."""
+    async def render(
+        self,
+        store: Store,
+        loaded_versions: int,
+        langfuse: dict[str, int] | None = None,
+        upstreams: Sequence[dict[str, Any]] = (),
+    ) -> bytes:
+        """The exposition text, with the store's figures (and the Langfuse exporter's counters) read now.
+
+        ``upstreams``: each vLLM server as ``Router.views()`` describes it.
+        """
         jobs = await store.jobs.counts()
         for state in JobState:
             self.jobs.labels(state.value).set(jobs.get(state.value, 0))
@@ -114,4 +146,17 @@ class Metrics:
         self.loaded.set(loaded_versions)
         for outcome, count in (langfuse or {}).items():
             self.langfuse.labels(outcome).set(count)
+        self._set_upstreams(upstreams)
         return generate_latest(self.registry)
+
+    def _set_upstreams(self, upstreams: Sequence[dict[str, Any]]) -> None:
+        self.upstream_versions.clear()  # versions unloaded since the last scrape disappear
+        for server in upstreams:
+            url = str(server["url"])
+            self.upstream_up.labels(url).set(1 if server["state"] == "serving" else 0)
+            for state in get_args(State):
+                self.upstream_state.labels(url, state).set(1 if server["state"] == state else 0)
+            self.upstream_in_flight.labels(url).set(server["in_flight"])
+            self.upstream_failovers.labels(url).set(server["failovers"])
+            for version in server["versions"]:
+                self.upstream_versions.labels(url, str(version)).set(1)

@@ -1,8 +1,8 @@
 """Publishing adapters: load into every vLLM, flip the alias, unload what fell out of the window.
 
 The trainer writes an adapter and records it (state ``trained``). The publisher claims
-it, loads it as ``policy@N`` into every configured vLLM replica, and only when all
-loaded flips the policy's alias to N; a request already running finishes on the
+it, loads it as ``policy@N`` into every vLLM server in rotation (``proxy.gateway._router``),
+and only when all loaded flips the policy's alias to N; a request already running finishes on the
 version it started with. Versions beyond the newest ``keep_versions`` (the active one
 always stays) are unloaded once no request of this proxy is running on them and they
 have been out of the window for a grace period. A failed load leaves the old version
@@ -13,6 +13,11 @@ each replica adopts the active version from the store. A claim carries a lease: 
 adapter left ``loading`` by a replica that died is taken back after the lease by
 whichever replica polls first, and published again. The same poll requeues training jobs
 whose worker stopped renewing its lease (see ``store._lifecycle``).
+
+A server out of rotation (down, refusing connections) is skipped, and one that refuses
+the load's connection leaves the rotation: the router hands a server that answers again to
+``restore``, which loads every published version into it before it takes traffic. Nothing
+is claimed while no server is in rotation.
 
 Versions are immutable names: a name is never reloaded with other weights, so vLLM's
 prefix cache cannot serve an old policy under a new name.
@@ -29,13 +34,13 @@ import logging
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from proxy.errors import NotFound, ProxyError
+from proxy.errors import NotFound, ProxyError, UpstreamUnreachable
 from proxy.gateway._policies import PolicyRegistry
-from proxy.gateway._upstream import Upstream
+from proxy.gateway._router import Router, Server
 from store import Store
 
 log = logging.getLogger("tracetrain.publisher")
@@ -58,7 +63,7 @@ class Publisher:
         self,
         store: Store,
         registry: PolicyRegistry,
-        replicas: Sequence[Upstream],
+        router: Router,
         *,
         keep_versions: int,
         poll_s: float = 0.1,
@@ -70,7 +75,7 @@ class Publisher:
         self._lease_s = lease_s
         self._last_reclaim = 0.0
         self._registry = registry
-        self._replicas = list(replicas)
+        self._router = router
         self._keep = keep_versions
         self._poll_s = poll_s
         self._grace_s = unload_grace_s
@@ -104,8 +109,9 @@ class Publisher:
         await self._reclaim_expired()
         await self._adopt_store_state()
         policy = self._registry.policy
-        for version, path in await self._store.adapters.claim_trained(policy, self._owner, self._lease_s):
-            await self._publish(version, path)
+        if self._router.serving():  # else a load could not be checked anywhere: leave it for later
+            for version, path in await self._store.adapters.claim_trained(policy, self._owner, self._lease_s):
+                await self._publish(version, path)
         if reload_now:
             self._last_reload_check = 0.0
         await self._reload_missing()
@@ -123,6 +129,26 @@ class Publisher:
                 await self._store.adapters.published(policy, version)
             await self._flip(version)
             return version
+
+    async def restore(self, server: Server) -> None:
+        """Load every published version into ``server`` (a vLLM back in service) that it lacks.
+
+        Runs under the publishing lock: no version is published meanwhile, so when the router
+        admits the server right after, it holds every version the alias may point at.
+        """
+        async with self._lock:
+            await self._adopt_store_state()
+            policy = self._registry.policy
+            present = {m.get("id") for m in await server.upstream.models()}
+            for version in sorted(v for v in self._registry.loaded_versions if v):
+                name = f"{policy}@{version}"
+                if name not in present:
+                    row = await self._store.adapters.get(policy, version)
+                    if row is None:
+                        continue
+                    await server.upstream.load_lora(name, row["path"])
+                    log.info("loaded %s into %s before it takes traffic again", name, server.url)
+                server.versions.add(version)
 
     async def _reclaim_expired(self) -> None:
         """Take back the claims of dead processes: adapters left loading, jobs left running."""
@@ -155,18 +181,28 @@ class Publisher:
 
     async def _load_everywhere(self, version: int, path: str) -> None:
         name = f"{self._registry.policy}@{version}"
-        loaded: list[Upstream] = []
-        for replica in self._replicas:
+        loaded: list[Server] = []
+        servers = self._router.serving()
+        if not servers:
+            raise PublishError(f"loading {name} failed: no vLLM server is in rotation")
+        for server in servers:
             try:
-                await replica.load_lora(name, path)
+                await server.upstream.load_lora(name, path)
+            except UpstreamUnreachable as exc:  # gone: out of rotation; it gets every version when back
+                self._router.mark_down(server, exc.message)
+                continue
             except ProxyError as exc:
-                for done in loaded:  # leave no replica serving a version the others lack
+                for done in loaded:  # leave no server serving a version the others lack
                     try:
-                        await done.unload_lora(name)
+                        await done.upstream.unload_lora(name)
+                        done.versions.discard(version)
                     except ProxyError:
-                        log.warning("could not unload %s from %s after a failed publish", name, done.base_url)
-                raise PublishError(f"loading {name} into {replica.base_url} failed: {exc.message}") from exc
-            loaded.append(replica)
+                        log.warning("could not unload %s from %s after a failed publish", name, done.url)
+                raise PublishError(f"loading {name} into {server.url} failed: {exc.message}") from exc
+            server.versions.add(version)
+            loaded.append(server)
+        if not loaded:
+            raise PublishError(f"loading {name} failed: every vLLM server left the rotation meanwhile")
         self._registry.loaded_versions.add(version)
 
     async def _flip(self, version: int) -> None:
@@ -182,19 +218,25 @@ class Publisher:
         wanted = {v: f"{self._registry.policy}@{v}" for v in self._registry.loaded_versions if v}
         if not wanted:
             return
-        for replica in self._replicas:
+        for server in self._router.serving():
             try:
-                present = {m.get("id") for m in await replica.models()}
+                present = {str(m.get("id")) for m in await server.upstream.models()}
             except ProxyError:
-                continue  # down: requests will say so; try again later
+                continue  # down: the router's health check takes it out; it is restored when back
+            prefix = f"{self._registry.policy}@"
+            server.versions = {
+                int(n[len(prefix) :]) for n in present if n.startswith(prefix) and n[len(prefix) :].isdigit()
+            }
             for version, name in wanted.items():
                 row = None if name in present else await self._store.adapters.get(self._registry.policy, version)
                 if row is not None:
                     try:
-                        await replica.load_lora(name, row["path"])
-                        log.info("reloaded %s into %s", name, replica.base_url)
+                        await server.upstream.load_lora(name, row["path"])
+                        server.versions.add(version)
+                        log.info("reloaded %s into %s", name, server.url)
                     except ProxyError as exc:
-                        log.warning("could not reload %s into %s: %s", name, replica.base_url, exc.message)
+                        server.versions.discard(version)
+                        log.warning("could not reload %s into %s: %s", name, server.url, exc.message)
 
     async def _unload_outside_window(self) -> None:
         loaded = sorted(v for v in self._registry.loaded_versions if v)
@@ -208,11 +250,14 @@ class Publisher:
             if now - left < self._grace_s or self._registry.in_flight[version] > 0:
                 continue
             name = f"{self._registry.policy}@{version}"
-            for replica in self._replicas:
+            for server in self._router.servers:
+                if server.state == "refused":
+                    continue
                 try:
-                    await replica.unload_lora(name)
+                    await server.upstream.unload_lora(name)
+                    server.versions.discard(version)
                 except ProxyError as exc:
-                    log.warning("could not unload %s from %s: %s", name, replica.base_url, exc.message)
+                    log.warning("could not unload %s from %s: %s", name, server.url, exc.message)
             self._registry.loaded_versions.discard(version)
             self._left_window.pop(version, None)
             await self._store.adapters.retired(self._registry.policy, version)

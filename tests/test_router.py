@@ -1,0 +1,258 @@
+"""Several vLLM servers behind one proxy: stickiness, least in flight, failover, restore, data parallel.
+
+Two fake vLLM servers on loopback; the real proxy routes over both (``proxy.gateway._router``).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import RunningProxy
+from fake_vllm import FakeVLLM, serve_in_thread
+from test_publishing import adapters, record_trained_adapter, wait_for
+
+from proxy import Settings
+
+
+class Server:
+    """A fake vLLM on a fixed port that can be killed and started again (as a fresh process would be)."""
+
+    def __init__(self) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = int(s.getsockname()[1])
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.fake = FakeVLLM(emit_eos=True)
+        self._stack: ExitStack | None = None
+
+    @property
+    def v1(self) -> str:
+        return f"{self.url}/v1"
+
+    def start(self, fake: FakeVLLM | None = None) -> None:
+        self.fake = fake or self.fake
+        self._stack = ExitStack()
+        self._stack.enter_context(serve_in_thread(self.fake.app, port=self.port))
+
+    def kill(self) -> None:
+        assert self._stack is not None
+        self._stack.close()
+        self._stack = None
+
+    def trajectories(self) -> set[str]:
+        """The trajectories whose calls reached this server (each test message starts with its id)."""
+        return {str(body["messages"][-1]["content"]).split()[0] for body in self.fake.requests}
+
+
+@pytest.fixture
+def servers() -> Iterator[tuple[Server, Server]]:
+    pair = (Server(), Server())
+    for server in pair:
+        server.start()
+    yield pair
+    for server in pair:
+        if server._stack is not None:
+            server.kill()
+
+
+@pytest.fixture
+def two(start_proxy: Callable[..., RunningProxy], servers: tuple[Server, Server]) -> RunningProxy:
+    return start_proxy(upstreams=(servers[0].v1, servers[1].v1), health_check_s=0.1)
+
+
+def call(proxy: RunningProxy, trajectory: str, turn: int = 0, model: str = "agent") -> Any:
+    return proxy.client().chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": f"{trajectory} turn {turn}"}],
+        extra_headers={"X-Trajectory-Id": trajectory},
+    )
+
+
+def states(proxy: RunningProxy) -> dict[str, str]:
+    return {u["url"]: u["state"] for u in httpx.get(f"{proxy.url}/admin/overview").json()["upstreams"]}
+
+
+def test_calls_of_one_trajectory_stay_on_the_server_of_its_first_call(
+    two: RunningProxy, servers: tuple[Server, Server]
+) -> None:
+    trajectories = [f"t{i}" for i in range(6)]
+    for turn in range(3):
+        for trajectory in trajectories:
+            call(two, trajectory, turn)
+    a, b = (server.trajectories() for server in servers)
+    assert a | b == set(trajectories) and not a & b, "a trajectory's calls were split over both servers"
+    assert a and b, "idle servers take new trajectories in turn"
+    assert len(servers[0].fake.requests) + len(servers[1].fake.requests) == 18
+
+
+def test_a_new_trajectory_goes_to_the_server_with_fewest_calls_in_flight(
+    two: RunningProxy, servers: tuple[Server, Server]
+) -> None:
+    for server in servers:
+        server.fake.token_delay_s = 0.1
+    long = two.client().chat.completions.create(
+        model="agent",
+        messages=[{"role": "user", "content": "slow " + "word " * 30}],
+        extra_headers={"X-Trajectory-Id": "slow"},
+        stream=True,
+    )
+    busy = wait_for(lambda: [s for s in servers if "slow" in s.trajectories()])[0]
+    idle = next(s for s in servers if s is not busy)
+    for trajectory in ("n1", "n2", "n3"):
+        call(two, trajectory)
+    assert {"n1", "n2", "n3"} <= idle.trajectories() and not {"n1", "n2", "n3"} & busy.trajectories()
+    in_flight = {u["url"]: u["in_flight"] for u in httpx.get(f"{two.url}/admin/overview").json()["upstreams"]}
+    assert in_flight == {busy.v1: 1, idle.v1: 0}
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in long if chunk.choices)
+    assert wait_for(
+        lambda: all(u["in_flight"] == 0 for u in httpx.get(f"{two.url}/admin/overview").json()["upstreams"])
+    )
+
+
+def test_calls_for_a_killed_server_go_to_the_other_with_no_client_failure(
+    start_proxy: Callable[..., RunningProxy], servers: tuple[Server, Server]
+) -> None:
+    # No health check after the first: the refused connections alone take the server out.
+    proxy = start_proxy(upstreams=(servers[0].v1, servers[1].v1), health_check_s=3600)
+    trajectories = [f"k{i}" for i in range(6)]
+    for trajectory in trajectories:
+        call(proxy, trajectory)
+    dead, alive = servers
+    moved = dead.trajectories()
+    assert moved
+    dead.kill()
+    before = len(alive.fake.requests)
+    for trajectory in trajectories:  # every one answered, those of the dead server by the other
+        assert call(proxy, trajectory, 1).choices[0].message.content == f"echo: {trajectory} turn 1"
+    assert len(alive.fake.requests) - before == len(trajectories)
+    stream = proxy.client().chat.completions.create(
+        model="agent",
+        messages=[{"role": "user", "content": "s1 stream"}],
+        stream=True,
+        extra_headers={"X-Trajectory-Id": sorted(moved)[0]},
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == "echo: s1 stream"
+    assert states(proxy) == {dead.v1: "down", alive.v1: "serving"}
+    metrics = httpx.get(f"{proxy.url}/metrics").text
+    assert f'tracetrain_upstream_up{{upstream="{dead.v1}"}} 0.0' in metrics
+    assert f'tracetrain_upstream_failovers{{upstream="{dead.v1}"}} 1.0' in metrics  # then it was out of rotation
+    statuses = [row[0] for row in proxy.rows("SELECT status_code FROM calls")]
+    assert statuses == [200] * 13
+
+
+def test_a_server_back_gets_every_published_adapter_before_it_takes_traffic(
+    two: RunningProxy, servers: tuple[Server, Server], tmp_path: Path
+) -> None:
+    first, second = servers
+    record_trained_adapter(two, 1, tmp_path)
+    wait_for(lambda: adapters(two)["active_version"] == 1)
+    assert set(first.fake.loras) == set(second.fake.loras) == {"agent@1"}
+    second.kill()
+    wait_for(lambda: states(two)[second.v1] == "down")
+    record_trained_adapter(two, 2, tmp_path)
+    wait_for(lambda: adapters(two)["active_version"] == 2)  # published on the server in rotation alone
+    assert set(first.fake.loras) == {"agent@1", "agent@2"}
+
+    restarted = FakeVLLM(emit_eos=True)  # a new process: no adapter loaded
+    seen: list[tuple[str, set[str]]] = []
+
+    def note(body: dict[str, Any]) -> None:
+        seen.append((body["model"], set(restarted.loras)))
+
+    restarted.reply_for = lambda body: note(body)  # type: ignore[func-returns-value]
+    second.start(restarted)
+    wait_for(lambda: states(two)[second.v1] == "serving")
+    assert set(restarted.loras) == {"agent@1", "agent@2"}
+    for i in range(8):
+        call(two, f"r{i}")
+    assert seen, "the server back in rotation took no traffic"
+    assert all(model in loaded for model, loaded in seen), seen
+    views = {u["url"]: u["versions"] for u in httpx.get(f"{two.url}/admin/overview").json()["upstreams"]}
+    assert views == {first.v1: [1, 2], second.v1: [1, 2]}
+    metrics = httpx.get(f"{two.url}/metrics").text
+    assert f'tracetrain_upstream_version_loaded{{upstream="{second.v1}",version="2"}} 1.0' in metrics
+
+
+def test_the_alias_flips_only_once_both_servers_hold_the_adapter(
+    two: RunningProxy, servers: tuple[Server, Server], tmp_path: Path
+) -> None:
+    first, second = servers
+    active_when_loaded: list[int] = []
+    inner = second.fake.app
+
+    async def watching(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] == "/v1/load_lora_adapter":
+            # Asked from another thread: the proxy's alias at the moment this server is asked to load.
+            got: list[int] = []
+            thread = threading.Thread(target=lambda: got.append(adapters(two)["active_version"]))
+            thread.start()
+            thread.join()
+            active_when_loaded.extend(got)
+        await inner(scope, receive, send)
+
+    second.fake.app = watching  # type: ignore[assignment]
+    second.kill()
+    second.start()
+    wait_for(lambda: states(two)[second.v1] == "serving")
+    record_trained_adapter(two, 1, tmp_path)
+    wait_for(lambda: adapters(two)["active_version"] == 1)
+    assert active_when_loaded == [0]
+    assert set(first.fake.loras) == set(second.fake.loras) == {"agent@1"}
+
+    second.fake.fail_next_load = "Loading lora agent@2 failed: No adapter found for <path>"
+    record_trained_adapter(two, 2, tmp_path)
+    wait_for(lambda: [a for a in adapters(two)["data"] if a["state"] == "failed"])
+    assert adapters(two)["active_version"] == 1
+    assert "agent@2" not in first.fake.loras, "a server kept a version the other could not load"
+
+
+def test_a_data_parallel_vllm_is_refused_and_says_why(
+    start_proxy: Callable[..., RunningProxy], servers: tuple[Server, Server]
+) -> None:
+    plain, parallel = servers
+    parallel.fake.data_parallel_size = 2
+    proxy = start_proxy(upstreams=(plain.v1, parallel.v1), health_check_s=0.1)
+    for i in range(4):
+        call(proxy, f"d{i}")
+    assert not parallel.fake.requests
+    (view,) = [u for u in httpx.get(f"{proxy.url}/admin/overview").json()["upstreams"] if u["url"] == parallel.v1]
+    assert view["state"] == "refused" and "data parallel (2 engines" in view["problem"]
+    assert httpx.get(f"{proxy.url}/readyz").status_code == 200  # the other server serves
+    assert f'tracetrain_upstream_state{{state="refused",upstream="{parallel.v1}"}} 1.0' in (
+        httpx.get(f"{proxy.url}/metrics").text
+    )
+
+    alone = start_proxy(upstreams=(parallel.v1,), data_dir=proxy.settings.data_dir.parent / "alone")
+    answer = httpx.post(
+        f"{alone.v1}/chat/completions", json={"model": "agent", "messages": [{"role": "user", "content": "hi"}]}
+    )
+    assert answer.status_code == 503 and "--data-parallel-size" in answer.json()["error"]["message"]
+    assert httpx.get(f"{alone.url}/readyz").status_code == 503
+
+
+def test_upstreams_come_from_repeated_flags_or_one_variable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("TRACETRAIN_UPSTREAMS", "http://a:8000/v1, http://b:8000/v1/")
+    assert Settings(data_dir=tmp_path).upstreams == ("http://a:8000/v1", "http://b:8000/v1")
+    assert Settings(data_dir=tmp_path, upstream="http://c:8000/v1").upstreams == ("http://c:8000/v1",)
+    monkeypatch.delenv("TRACETRAIN_UPSTREAMS")
+    monkeypatch.setenv("TRACETRAIN_UPSTREAM", "http://d:8000/v1")
+    assert Settings(data_dir=tmp_path).upstream == "http://d:8000/v1"
+    with pytest.raises(ValueError, match="named twice"):
+        Settings(upstreams=("http://a/v1", "http://a/v1/"))
+    with pytest.raises(ValueError, match="http"):
+        Settings(upstreams=("http://a/v1", "a:8000"))
+
+
+def test_serve_refuses_the_removed_replica_flag_and_says_what_replaces_it(capsys: pytest.CaptureFixture[str]) -> None:
+    from tracetrain_cli._main import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["serve", "--upstream", "http://127.0.0.1:9/v1", "--replica", "http://127.0.0.1:10/v1", "--no-train"])
+    assert "--replica was removed" in str(stopped.value) and "--upstream (repeatable)" in str(stopped.value)
