@@ -13,11 +13,13 @@ from store._errors import SchemaTooNew, StoreError, StoreUnavailable, Transition
 from store._export import ExportFilter, ExportPage, ExportReads, RewardSummary
 from store._jobs import JOB_FIELDS, Jobs, RewardedTrajectory, StoredCall
 from store._judgements import JUDGEMENT_STATES, DueRule, GroupCalls, GroupChanged, Judgements
-from store._lifecycle import MOVES, AdapterState, GpuHandover, GroupState, JobState, allowed
+from store._guard import TRAINING_FIELDS, Guards
+from store._lifecycle import MOVES, AdapterState, GpuHandover, GroupState, JobState, TrainingState, allowed
 from store._reads import GROUP_VIEW_STATES, GroupRecord, Reads, TrajectoryFilter, TrajectoryRecord
 from store._rewards import RewardIn
 from store._store import Store
 from store._tables import Call
+from store._timeouts import RewardTimeouts
 from store._writer import CallWrite
 
 __all__ = [
@@ -26,6 +28,7 @@ __all__ = [
     "JOB_FIELDS",
     "JUDGEMENT_STATES",
     "MOVES",
+    "TRAINING_FIELDS",
     "AdapterState",
     "Adapters",
     "Call",
@@ -40,12 +43,14 @@ __all__ = [
     "GroupChanged",
     "GroupRecord",
     "GroupState",
+    "Guards",
     "JobState",
     "Jobs",
     "Judgements",
     "Policies",
     "Reads",
     "RewardIn",
+    "RewardTimeouts",
     "RewardSummary",
     "RewardedTrajectory",
     "SchemaTooNew",
@@ -53,6 +58,7 @@ __all__ = [
     "StoreError",
     "StoreUnavailable",
     "StoredCall",
+    "TrainingState",
     "TrajectoryFilter",
     "TrajectoryRecord",
     "TransitionRefused",
