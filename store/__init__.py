@@ -11,9 +11,9 @@ from store._conversation import canonical_message, common_prefix, first_choice, 
 from store._engine import connect
 from store._errors import SchemaTooNew, StoreError, StoreUnavailable, TransitionRefused, UnknownTrajectories
 from store._export import ExportFilter, ExportPage, ExportReads, RewardSummary
+from store._guard import TRAINING_FIELDS, Guards
 from store._jobs import JOB_FIELDS, Jobs, RewardedTrajectory, StoredCall
 from store._judgements import JUDGEMENT_STATES, DueRule, GroupCalls, GroupChanged, Judgements
-from store._guard import TRAINING_FIELDS, Guards
 from store._lifecycle import MOVES, AdapterState, GpuHandover, GroupState, JobState, TrainingState, allowed
 from store._reads import GROUP_VIEW_STATES, GroupRecord, Reads, TrajectoryFilter, TrajectoryRecord
 from store._rewards import RewardIn
@@ -50,8 +50,8 @@ __all__ = [
     "Policies",
     "Reads",
     "RewardIn",
-    "RewardTimeouts",
     "RewardSummary",
+    "RewardTimeouts",
     "RewardedTrajectory",
     "SchemaTooNew",
     "Store",

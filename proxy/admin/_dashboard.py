@@ -356,9 +356,7 @@ async def activate(
 
 
 @router.post("/ui/training/resume")
-async def resume_training(
-    request: Request, services: ServicesDep, csrf_token: Annotated[str, Form()] = ""
-) -> Response:
+async def resume_training(request: Request, services: ServicesDep, csrf_token: Annotated[str, Form()] = "") -> Response:
     _admit(request, csrf_token)
     await _admin.resume_training(services)
     return RedirectResponse("/admin/ui/training?notice=resumed", status_code=303)
@@ -368,8 +366,13 @@ async def resume_training(
 async def train_now(request: Request, services: ServicesDep, csrf_token: Annotated[str, Form()] = "") -> Response:
     admin = _admit(request, csrf_token)
     if reason := await services.scheduler.paused():
-        return await _adapters_page(request, services, admin, status=409,
-                                    error=f"Training is paused: {reason}. Resume it on the Training page first.")
+        return await _adapters_page(
+            request,
+            services,
+            admin,
+            status=409,
+            error=f"Training is paused: {reason}. Resume it on the Training page first.",
+        )
     job = await services.scheduler.maybe_create_job(force=True)
     if job is None:
         return await _adapters_page(

@@ -43,7 +43,14 @@ class RegressionGuard:
     """Watches the version the policy serves; ``run()`` until cancelled."""
 
     def __init__(
-        self, store: Store, publisher: Publisher, metrics: Metrics, cfg: GuardConfig, *, policy: str, poll_s: float = 1.0
+        self,
+        store: Store,
+        publisher: Publisher,
+        metrics: Metrics,
+        cfg: GuardConfig,
+        *,
+        policy: str,
+        poll_s: float = 1.0,
     ) -> None:
         self._store = store
         self._publisher = publisher
@@ -76,7 +83,9 @@ class RegressionGuard:
     async def _look(self, version: int, record: dict[str, Any]) -> Verdict:
         baseline = int(record["baseline_version"])
         rolled_back = await self._store.guards.rolled_back_versions(self._policy)
-        versions_before = [v for v in range(max(0, baseline - _BASELINE_VERSIONS), baseline + 1) if v not in rolled_back]
+        versions_before = [
+            v for v in range(max(0, baseline - _BASELINE_VERSIONS), baseline + 1) if v not in rolled_back
+        ]
         new = await self._store.guards.group_means(
             self._policy, [version], limit=self._cfg.max_groups, newest_first=False, since=float(record["since"]) - 1
         )

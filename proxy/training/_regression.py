@@ -7,17 +7,17 @@ attempt-to-attempt noise; groups are independent of each other, trajectories of 
 are not. The baseline's and N's variances differ (a policy that learned is more consistent),
 hence Welch's test, not Student's.
 
-Hypotheses, with ``margin`` (δ) in reward units: H0: μ_N ≥ μ_before − δ (N is no worse
-than the margin allows); H1: μ_N < μ_before − δ. The statistic is
+Hypotheses, with ``margin`` (δ) in reward units: H0: μ_N ≥ μ_before - δ (N is no worse
+than the margin allows); H1: μ_N < μ_before - δ. The statistic is
 
-    t = (mean_N − mean_before + δ) / sqrt(s²_N / n_N + s²_before / n_before)
+    t = (mean_N - mean_before + δ) / sqrt(s²_N / n_N + s²_before / n_before)
 
-with Welch–Satterthwaite degrees of freedom, and H0 is rejected when P(T ≤ t) < α_look.
+with Welch-Satterthwaite degrees of freedom, and H0 is rejected when P(T ≤ t) < alpha_look.
 
 Sequential looks: N is tested after each new group from ``min_groups`` to ``max_groups``
 (3 to 8 by default); it is rolled back at the first look that rejects, and kept once it
-reached ``max_groups`` without one. Every look spends α / (number of looks) (Bonferroni),
-so the chance of rolling back a version that is *not* worse is at most α over all looks,
+reached ``max_groups`` without one. Every look spends alpha / (number of looks) (Bonferroni),
+so the chance of rolling back a version that is *not* worse is at most alpha over all looks,
 whatever the order of the groups. scipy is not a dependency of the proxy: the t
 distribution's CDF is computed here from the regularized incomplete beta function.
 """
@@ -78,7 +78,7 @@ def watch_record(baseline_version: int) -> dict[str, Any]:
 
 
 def welch_worse(new: Sequence[float], before: Sequence[float], margin: float) -> tuple[float, float, float]:
-    """(t, df, one-sided p) of H1: mean(new) < mean(before) − margin. Each sample needs two values or more.
+    """(t, df, one-sided p) of H1: mean(new) < mean(before) - margin. Each sample needs two values or more.
 
     >>> round(welch_worse([0.1, 0.2, 0.15], [0.6, 0.7, 0.65, 0.55], 0.05)[2], 6) < 0.001
     True
@@ -110,7 +110,7 @@ def decide(new: Sequence[float], before: Sequence[float], cfg: GuardConfig) -> V
                            f"kept untested: only {nb} rewarded groups of the versions before it")  # fmt: skip
         return Verdict("watching", n, nb, mean, base, None, None, None, "waiting for groups of the versions before")
     if n < cfg.min_groups:
-        return Verdict("watching", n, nb, mean, base, None, None, None, f"{n} of {cfg.min_groups} groups to a first look")
+        return Verdict("watching", n, nb, mean, base, None, None, None, f"{n} of {cfg.min_groups} groups to a 1st look")
     t, df, p = welch_worse(new, before, cfg.margin)
     assert mean is not None and base is not None
     summary = (f"mean reward {mean:.3f} over {n} groups against {base:.3f} over {nb} groups before it "

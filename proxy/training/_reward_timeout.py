@@ -21,10 +21,10 @@ import asyncio
 import logging
 
 from proxy._settings import Settings
+from proxy.errors import ProxyError
 from proxy.gateway._keying import Keyer
 from proxy.judge._service import JudgeService
 from proxy.observability._metrics import Metrics
-from proxy.errors import ProxyError
 from store import Store
 
 log = logging.getLogger("tracetrain.rewards")
@@ -33,9 +33,7 @@ log = logging.getLogger("tracetrain.rewards")
 class RewardTimeout:
     """Closes or judges overdue groups of one policy; ``run()`` until cancelled."""
 
-    def __init__(
-        self, settings: Settings, store: Store, judging: JudgeService, keyer: Keyer, metrics: Metrics
-    ) -> None:
+    def __init__(self, settings: Settings, store: Store, judging: JudgeService, keyer: Keyer, metrics: Metrics) -> None:
         assert settings.reward_timeout_s is not None
         self._settings = settings
         self._timeout_s = settings.reward_timeout_s
