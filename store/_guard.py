@@ -136,7 +136,7 @@ class Guards:
             )  # fmt: skip
 
     async def discard_stale(self, policy: str) -> list[tuple[int, str]]:
-        """Fail the trained adapters that must not be published; (version, why) of each.
+        """Discard the trained adapters that must not be published (their jobs fail); (version, why) of each.
 
         While training is paused every trained adapter is discarded; after a rollback, those
         whose step started before it (they continued from the version rolled back).
@@ -166,7 +166,7 @@ class Guards:
                 else:
                     continue
                 where = (A.c.policy == policy) & (A.c.version == version)
-                if await move(conn, A, where, AdapterState.TRAINED, AdapterState.FAILED, error=why):
+                if await move(conn, A, where, AdapterState.TRAINED, AdapterState.DISCARDED, error=why):
                     discarded.append((int(version), why))
                     if job_id is not None:
                         await move(conn, J, J.c.id == job_id, JobState.SUCCEEDED, JobState.FAILED, error=why,

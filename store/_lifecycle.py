@@ -10,7 +10,7 @@
                  └──lease expired────┘          (its worker died: any replica requeues it, once)
     adapter:  trained ──claimed──▶ loading ──▶ published ──▶ retired ──activated──▶ published
                  ▲ │                 │   └───▶ failed ──────activated──────────────▶ published
-                 │ └──discarded──▶ failed       (trained while paused, or from a version rolled back)
+                 │ └──────────▶ discarded       (trained while paused, or from a version rolled back)
                  └──lease expired────┘          (its proxy died while publishing)
               published ──the regression guard──▶ rolled_back ──activated by an admin──▶ published
     training: active ──the regression guard rolled a version back──▶ paused ──an admin resumes──▶ active
@@ -22,7 +22,8 @@
               released | revoked ──the job runs again──▶ requested
               (a running job's hand-over of the GPU it shares with vLLM: column ``gpu_state``, see ``store._jobs``)
 
-``MOVES`` is the whole table. ``move`` is the only way a state changes: one
+``MOVES`` is the whole table. The enums are ``StrEnum``s, so a move is its pair of values:
+two kinds of row must not share a pair of state names with different meanings. ``move`` is the only way a state changes: one
 ``UPDATE ... WHERE state = :from`` whose row count says whether this process won,
 so two replicas racing for the same row can never both succeed. Claims (``running``
 jobs, ``loading`` adapters) carry an owner and a lease; whoever finds an expired lease
@@ -62,6 +63,7 @@ class AdapterState(enum.StrEnum):
     FAILED = "failed"
     RETIRED = "retired"
     ROLLED_BACK = "rolled_back"  # served worse than the version before it (proxy.training._guard)
+    DISCARDED = "discarded"  # never published: trained while paused, or continued from a version rolled back
 
 
 class TrainingState(enum.StrEnum):
@@ -105,7 +107,7 @@ MOVES: frozenset[tuple[State, State]] = frozenset(
         (AdapterState.RETIRED, AdapterState.PUBLISHED),
         (AdapterState.FAILED, AdapterState.PUBLISHED),
         (AdapterState.TRAINED, AdapterState.PUBLISHED),
-        (AdapterState.TRAINED, AdapterState.FAILED),  # discarded: trained while paused, or from a rolled-back version
+        (AdapterState.TRAINED, AdapterState.DISCARDED),
         (AdapterState.PUBLISHED, AdapterState.ROLLED_BACK),  # the regression guard
         (AdapterState.ROLLED_BACK, AdapterState.PUBLISHED),  # an admin activates it anyway
         (TrainingState.ACTIVE, TrainingState.PAUSED),

@@ -99,7 +99,7 @@ def test_a_worse_version_is_rolled_back_and_training_pauses_until_resumed(start_
     assert refused.status_code == 409 and refused.json()["error"]["code"] == "training_paused"
     # A step that was running finishes; its adapter is discarded, not published.
     record_trained_adapter(proxy, 2, tmp_path)
-    discarded = wait_for(lambda: guard_of(proxy, 2)["adapter_state"] == "failed")
+    discarded = wait_for(lambda: guard_of(proxy, 2)["adapter_state"] == "discarded")
     assert discarded and adapters(proxy)["active_version"] == 0
     assert "paused" in next(a for a in adapters(proxy)["data"] if a["version"] == 2)["error"]
 
