@@ -23,7 +23,8 @@
               (a running job's hand-over of the GPU it shares with vLLM: column ``gpu_state``, see ``store._jobs``)
 
 ``MOVES`` is the whole table. The enums are ``StrEnum``s, so a move is its pair of values:
-two kinds of row must not share a pair of state names with different meanings. ``move`` is the only way a state changes: one
+two kinds of row must not share a pair of state names with different meanings.
+``move`` is the only way a state changes: one
 ``UPDATE ... WHERE state = :from`` whose row count says whether this process won,
 so two replicas racing for the same row can never both succeed. Claims (``running``
 jobs, ``loading`` adapters) carry an owner and a lease; whoever finds an expired lease
