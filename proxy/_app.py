@@ -37,8 +37,11 @@ from proxy.judge import _routes as _judge_routes
 from proxy.judge._service import JudgeService
 from proxy.observability._langfuse import start_langfuse
 from proxy.observability._metrics import Metrics
+from proxy.training._guard import RegressionGuard
 from proxy.training._handover import HandoverCoordinator
 from proxy.training._publisher import Publisher
+from proxy.training._regression import GuardConfig
+from proxy.training._reward_timeout import RewardTimeout
 from proxy.training._scheduler import JobScheduler
 from store import Store
 
@@ -94,12 +97,20 @@ def create_app(
             min_group_size=settings.min_group_size,
         )
         publisher = Publisher(
-            store, registry, router, keep_versions=settings.keep_versions, unload_grace_s=settings.unload_grace_s
-        )
+            store, registry, router, keep_versions=settings.keep_versions, unload_grace_s=settings.unload_grace_s,
+            guard=settings.regression_guard,
+        )  # fmt: skip
         await router.check_once(publisher.restore)  # servers that answer get the published adapters, then traffic
         await publisher.sync_once()
-        publishing = asyncio.create_task(publisher.run(), name="tracetrain-publisher")
-        checking = asyncio.create_task(router.run(publisher.restore), name="tracetrain-upstream-health")
+        background = [
+            asyncio.create_task(publisher.run(), name="tracetrain-publisher"),
+            asyncio.create_task(router.run(publisher.restore), name="tracetrain-upstream-health"),
+        ]
+        if settings.regression_guard:
+            cfg = GuardConfig(margin=settings.regression_margin, alpha=settings.regression_alpha,
+                              max_groups=settings.regression_groups)  # fmt: skip
+            guard = RegressionGuard(store, publisher, metrics, cfg, policy=settings.policy)
+            background.append(asyncio.create_task(guard.run(), name="tracetrain-regression-guard"))
         handover, handing_over = None, None
         if settings.share_gpu:
             handover = HandoverCoordinator(
@@ -115,6 +126,9 @@ def create_app(
 
         judging = JudgeService(settings, store, registry, scheduler, on_rewards=report_rewards)
         judging.start()  # scans for complete groups unless rewards are external only
+        if settings.reward_timeout_s is not None:
+            timeouts = RewardTimeout(settings, store, judging, keyer, metrics)
+            background.append(asyncio.create_task(timeouts.run(), name="tracetrain-reward-timeout"))
         app.state.services = Services(
             settings,
             store,
@@ -136,7 +150,7 @@ def create_app(
             yield
         finally:
             await judging.close()
-            for task in (handing_over, publishing, checking):  # a hand-over under way wakes vLLM as it ends
+            for task in (handing_over, *reversed(background)):  # a hand-over under way wakes vLLM as it ends
                 if task is not None:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):

@@ -30,7 +30,7 @@ Cursor = Annotated[str | None, Query(pattern=_CURSOR_PATTERN, description="The n
 UnixTime = Annotated[float | None, Query(allow_inf_nan=False, description="Unix seconds.")]
 # The store's states as filters (tests/test_openapi_fuzz.py checks they match store.GROUP_VIEW_STATES
 # and store.JUDGEMENT_STATES): a Literal, so the OpenAPI document lists them.
-GroupViewState = Literal["open", "ready", "training", "trained", "failed"]
+GroupViewState = Literal["open", "ready", "training", "trained", "failed", "unrewarded"]
 JudgementStateName = Literal["ok", "failed"]
 
 

@@ -84,6 +84,22 @@ class Settings(BaseSettings):
     # A step that keeps the GPU longer than this loses it: vLLM is woken and serves again.
     handover_timeout_s: float = Field(default=1800.0, gt=0)
 
+    # The regression guard (proxy.training._guard): each published version's group-mean rewards are compared
+    # with those of the versions before it (one-sided Welch t-test); a version worse by more than
+    # regression_margin (reward units) is rolled back and training pauses until an admin resumes it. It decides
+    # within regression_groups rewarded groups; regression_alpha bounds the chance of rolling back a version
+    # that is not worse. Defaults and their reasons: docs/TRAINING.md.
+    regression_guard: bool = True
+    regression_margin: float = Field(default=0.05, ge=0, allow_inf_nan=False)
+    regression_alpha: float = Field(default=0.05, gt=0, lt=1)
+    regression_groups: int = Field(default=8, ge=3, le=64)
+
+    # A complete group (min_group_size trajectories or more) still missing rewards after this many seconds
+    # with no call and no reward is judged when a judge is configured (judge_model, or a reward_source that
+    # judges), else closed "unrewarded": never trained, counted (proxy.training._reward_timeout). Unset: groups
+    # wait for their rewards as long as it takes.
+    reward_timeout_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+
     # Rewards: POSTed by the user's service ("external"), scored by an LLM judge over each group
     # ("judge"), or both: external rewards train, the judge's scores are recorded beside them.
     reward_source: Literal["external", "judge", "both"] = "external"
@@ -200,6 +216,11 @@ class Settings(BaseSettings):
         if self.langfuse and not self.langfuse_base_url.startswith(("http://", "https://")):
             raise ValueError(f"LANGFUSE_BASE_URL must be an http(s) URL, got {self.langfuse_base_url!r}")
         return self
+
+    @property
+    def judge_configured(self) -> bool:
+        """A judge can score a group: one was named, or rewards come from (or beside) the judge."""
+        return self.judge_model is not None or self.reward_source != "external"
 
     @property
     def resolved_database_url(self) -> str:

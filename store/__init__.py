@@ -11,13 +11,15 @@ from store._conversation import canonical_message, common_prefix, first_choice, 
 from store._engine import connect
 from store._errors import SchemaTooNew, StoreError, StoreUnavailable, TransitionRefused, UnknownTrajectories
 from store._export import ExportFilter, ExportPage, ExportReads, RewardSummary
+from store._guard import TRAINING_FIELDS, Guards
 from store._jobs import JOB_FIELDS, Jobs, RewardedTrajectory, StoredCall
 from store._judgements import JUDGEMENT_STATES, DueRule, GroupCalls, GroupChanged, Judgements
-from store._lifecycle import MOVES, AdapterState, GpuHandover, GroupState, JobState, allowed
+from store._lifecycle import MOVES, AdapterState, GpuHandover, GroupState, JobState, TrainingState, allowed
 from store._reads import GROUP_VIEW_STATES, GroupRecord, Reads, TrajectoryFilter, TrajectoryRecord
 from store._rewards import RewardIn
 from store._store import Store
 from store._tables import Call
+from store._timeouts import RewardTimeouts
 from store._writer import CallWrite
 
 __all__ = [
@@ -26,6 +28,7 @@ __all__ = [
     "JOB_FIELDS",
     "JUDGEMENT_STATES",
     "MOVES",
+    "TRAINING_FIELDS",
     "AdapterState",
     "Adapters",
     "Call",
@@ -40,6 +43,7 @@ __all__ = [
     "GroupChanged",
     "GroupRecord",
     "GroupState",
+    "Guards",
     "JobState",
     "Jobs",
     "Judgements",
@@ -47,12 +51,14 @@ __all__ = [
     "Reads",
     "RewardIn",
     "RewardSummary",
+    "RewardTimeouts",
     "RewardedTrajectory",
     "SchemaTooNew",
     "Store",
     "StoreError",
     "StoreUnavailable",
     "StoredCall",
+    "TrainingState",
     "TrajectoryFilter",
     "TrajectoryRecord",
     "TransitionRefused",

@@ -21,7 +21,7 @@ from store._tables import policies as P
 from store._tables import training_jobs as J
 
 ADAPTER_FIELDS = ("policy", "version", "path", "job_id", "state", "error", "metrics", "created_at", "published_at",
-                  "lease_owner", "lease_expires_at", "reclaimed")  # fmt: skip
+                  "lease_owner", "lease_expires_at", "reclaimed", "guard")  # fmt: skip
 
 
 class Policies:
@@ -130,7 +130,8 @@ class Adapters:
         async with self._engine.begin() as conn:
             moved = await move(
                 conn, A, (A.c.policy == policy) & (A.c.version == version),
-                (AdapterState.LOADING, AdapterState.TRAINED, AdapterState.RETIRED, AdapterState.FAILED),
+                (AdapterState.LOADING, AdapterState.TRAINED, AdapterState.RETIRED, AdapterState.FAILED,
+                 AdapterState.ROLLED_BACK),
                 AdapterState.PUBLISHED, published_at=time.time(), error=None, lease_owner=None, lease_expires_at=None,
             )  # fmt: skip
         return bool(moved)

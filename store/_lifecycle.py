@@ -1,13 +1,20 @@
 """The life cycle of groups, training jobs and adapters: their states and the moves between them.
 
     group:    open ──job created──▶ training ──step done──▶ trained
-                                        └────step failed──▶ failed
+                │        ▲                 └────step failed──▶ failed
+                │        └──its queued job cancelled (the regression guard paused training)
+                └──no reward within --reward-timeout──▶ unrewarded   (never trained)
     job:      queued ──claimed──▶ running ──▶ succeeded | failed
-                 ▲                   │
+                 ▲ │                 │
+                 │ └──cancelled (training paused)──▶ failed
                  └──lease expired────┘          (its worker died: any replica requeues it, once)
     adapter:  trained ──claimed──▶ loading ──▶ published ──▶ retired ──activated──▶ published
-                 ▲                   │   └───▶ failed ──────activated──────────────▶ published
+                 ▲ │                 │   └───▶ failed ──────activated──────────────▶ published
+                 │ └──────────▶ discarded       (trained while paused, or from a version rolled back)
                  └──lease expired────┘          (its proxy died while publishing)
+              published ──the regression guard──▶ rolled_back ──activated by an admin──▶ published
+    training: active ──the regression guard rolled a version back──▶ paused ──an admin resumes──▶ active
+              (a policy's ``training`` column: paused, no job is created and no adapter published)
     gpu:      none ──asked──▶ requested ──vLLM asleep──▶ granted ──adapter recorded──▶ released
                                   └──────────┬──────────────┘
                                              ▼
@@ -15,7 +22,9 @@
               released | revoked ──the job runs again──▶ requested
               (a running job's hand-over of the GPU it shares with vLLM: column ``gpu_state``, see ``store._jobs``)
 
-``MOVES`` is the whole table. ``move`` is the only way a state changes: one
+``MOVES`` is the whole table. The enums are ``StrEnum``s, so a move is its pair of values:
+two kinds of row must not share a pair of state names with different meanings.
+``move`` is the only way a state changes: one
 ``UPDATE ... WHERE state = :from`` whose row count says whether this process won,
 so two replicas racing for the same row can never both succeed. Claims (``running``
 jobs, ``loading`` adapters) carry an owner and a lease; whoever finds an expired lease
@@ -38,6 +47,7 @@ class GroupState(enum.StrEnum):
     TRAINING = "training"
     TRAINED = "trained"
     FAILED = "failed"
+    UNREWARDED = "unrewarded"  # closed by --reward-timeout with rewards missing: never trained
 
 
 class JobState(enum.StrEnum):
@@ -53,6 +63,15 @@ class AdapterState(enum.StrEnum):
     PUBLISHED = "published"
     FAILED = "failed"
     RETIRED = "retired"
+    ROLLED_BACK = "rolled_back"  # served worse than the version before it (proxy.training._guard)
+    DISCARDED = "discarded"  # never published: trained while paused, or continued from a version rolled back
+
+
+class TrainingState(enum.StrEnum):
+    """Whether a policy trains: ``policies.training``. The regression guard pauses it; an admin resumes it."""
+
+    ACTIVE = "active"
+    PAUSED = "paused"
 
 
 class GpuHandover(enum.StrEnum):
@@ -65,17 +84,20 @@ class GpuHandover(enum.StrEnum):
     REVOKED = "revoked"  # ended by the proxy: the worker died, or the step took too long
 
 
-State = GroupState | JobState | AdapterState | GpuHandover
+State = GroupState | JobState | AdapterState | GpuHandover | TrainingState
 
 MOVES: frozenset[tuple[State, State]] = frozenset(
     {
         (GroupState.OPEN, GroupState.TRAINING),
         (GroupState.TRAINING, GroupState.TRAINED),
         (GroupState.TRAINING, GroupState.FAILED),
+        (GroupState.TRAINING, GroupState.OPEN),  # its queued job was cancelled: training paused
+        (GroupState.OPEN, GroupState.UNREWARDED),  # --reward-timeout, with no judge (or the judge failed)
         (JobState.QUEUED, JobState.RUNNING),
         (JobState.RUNNING, JobState.QUEUED),  # lease expired
         (JobState.RUNNING, JobState.SUCCEEDED),
         (JobState.RUNNING, JobState.FAILED),
+        (JobState.QUEUED, JobState.FAILED),  # cancelled: the regression guard paused training
         (JobState.SUCCEEDED, JobState.FAILED),  # its adapter could not be published
         (AdapterState.TRAINED, AdapterState.LOADING),
         (AdapterState.LOADING, AdapterState.TRAINED),  # lease expired
@@ -86,6 +108,11 @@ MOVES: frozenset[tuple[State, State]] = frozenset(
         (AdapterState.RETIRED, AdapterState.PUBLISHED),
         (AdapterState.FAILED, AdapterState.PUBLISHED),
         (AdapterState.TRAINED, AdapterState.PUBLISHED),
+        (AdapterState.TRAINED, AdapterState.DISCARDED),
+        (AdapterState.PUBLISHED, AdapterState.ROLLED_BACK),  # the regression guard
+        (AdapterState.ROLLED_BACK, AdapterState.PUBLISHED),  # an admin activates it anyway
+        (TrainingState.ACTIVE, TrainingState.PAUSED),
+        (TrainingState.PAUSED, TrainingState.ACTIVE),
         (GpuHandover.NONE, GpuHandover.REQUESTED),
         (GpuHandover.REQUESTED, GpuHandover.GRANTED),
         (GpuHandover.GRANTED, GpuHandover.RELEASED),

@@ -2,7 +2,8 @@
 
 ``Store.open(url)`` connects (bringing the schema to the current revision), starts the
 group-commit writer when the process captures calls, and gathers the store's parts:
-``policies``, ``adapters``, ``jobs``, ``judgements``, ``reads``, ``export``. The few
+``policies``, ``adapters``, ``jobs``, ``judgements``, ``reads``, ``export``, ``guards``,
+``reward_timeouts``. The few
 lookups on the proxy's request path (keying) are methods here: on SQLite they read
 synchronously through the writer's engine, because an indexed SQLite read takes tens of
 microseconds while a hop to aiosqlite's thread and back costs ten times that.
@@ -20,6 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from store._adapters import Adapters, Policies
 from store._engine import connect, sqlite_sync_engine
 from store._export import ExportReads
+from store._guard import Guards
 from store._jobs import Jobs
 from store._judgements import Judgements
 from store._lifecycle import GroupState
@@ -27,6 +29,7 @@ from store._reads import Reads
 from store._rewards import RewardIn, add_rewards
 from store._tables import groups as G
 from store._tables import trajectories as T
+from store._timeouts import RewardTimeouts
 from store._writer import CallWrite, GroupCommitWriter
 
 _R = TypeVar("_R")
@@ -43,6 +46,8 @@ class Store:
         self.judgements = Judgements(engine)
         self.reads = Reads(engine)
         self.export = ExportReads(engine)
+        self.guards = Guards(engine)
+        self.reward_timeouts = RewardTimeouts(engine)
 
     @classmethod
     async def open(cls, url: str, *, capture: bool = True) -> Store:

@@ -34,6 +34,12 @@ class Policy(SQLModel, table=True):
     active_version: int = 0
     created_at: float
     updated_at: float
+    # store.TrainingState: "paused" after the regression guard rolled a version back, until an admin resumes.
+    training: str = Field(default="active", sa_column_kwargs={"server_default": "active"})
+    training_reason: str | None = None  # why it was paused
+    paused_at: float | None = None
+    # The guard's last rollback: an adapter whose step started before it was trained from the bad version.
+    rolled_back_at: float | None = None
 
 
 class Group(SQLModel, table=True):
@@ -169,6 +175,9 @@ class AdapterVersion(SQLModel, table=True):
     metrics: dict[str, Any] = _json(dict)
     created_at: float
     published_at: float | None = None
+    # The regression guard's watch over this version once published (proxy.training._guard): its
+    # baseline, the group-mean rewards compared, and the verdict. None when it was never watched.
+    guard: dict[str, Any] | None = _json(None)
 
 
 class Judgement(SQLModel, table=True):

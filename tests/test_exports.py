@@ -52,9 +52,10 @@ def test_store_public_names() -> None:
     assert sorted(store.__all__) == [
         "ADAPTER_FIELDS", "AdapterState", "Adapters", "Call", "CallWrite", "DueRule", "ExportFilter", "ExportPage",
         "ExportReads", "GROUP_VIEW_STATES", "GpuHandover", "GroupAdvantages", "GroupCalls", "GroupChanged",
-        "GroupRecord", "GroupState", "JOB_FIELDS", "JUDGEMENT_STATES", "JobState", "Jobs", "Judgements", "MOVES",
-        "Policies", "Reads", "RewardIn", "RewardSummary", "RewardedTrajectory", "SchemaTooNew", "Store", "StoreError",
-        "StoreUnavailable", "StoredCall", "TrajectoryFilter", "TrajectoryRecord", "TransitionRefused",
+        "GroupRecord", "GroupState", "Guards", "JOB_FIELDS", "JUDGEMENT_STATES", "JobState", "Jobs", "Judgements",
+        "MOVES", "Policies", "Reads", "RewardIn", "RewardSummary", "RewardTimeouts", "RewardedTrajectory",
+        "SchemaTooNew", "Store", "StoreError", "StoreUnavailable", "StoredCall", "TRAINING_FIELDS", "TrainingState",
+        "TrajectoryFilter", "TrajectoryRecord", "TransitionRefused",
         "UnknownTrajectories", "allowed", "canonical_message", "common_prefix", "connect", "first_choice",
         "group_advantages", "reply_message", "same_message",
     ]  # fmt: skip

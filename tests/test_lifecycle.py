@@ -18,7 +18,7 @@ import pytest
 from conftest import RunningProxy
 from sqlalchemy import insert, select
 
-from store import AdapterState, GpuHandover, GroupState, JobState, Store, TransitionRefused, allowed
+from store import AdapterState, GpuHandover, GroupState, JobState, Store, TrainingState, TransitionRefused, allowed
 from store._lifecycle import move
 from store._tables import adapters, groups, training_jobs, trajectories
 
@@ -177,7 +177,7 @@ async def test_a_job_requeued_from_a_dead_worker_ends_its_hand_over_and_asks_aga
 
 
 def test_every_state_can_be_reached_and_terminal_states_stay_put() -> None:
-    for enum in (GroupState, JobState, AdapterState, GpuHandover):
+    for enum in (GroupState, JobState, AdapterState, GpuHandover, TrainingState):
         start = next(iter(enum))
         reached, frontier = {start}, [start]
         while frontier:

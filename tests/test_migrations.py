@@ -39,7 +39,8 @@ DATA = Path(__file__).parent / "data"
 NEW_COLUMNS = {
     "training_jobs": {"lease_expires_at": None, "reclaimed": 0, "gpu_state": "none", "gpu_requested_at": None,
                       "gpu_granted_at": None, "gpu_released_at": None, "gpu_asleep_s": None},
-    "adapters": {"lease_owner": None, "lease_expires_at": None, "reclaimed": 0},
+    "adapters": {"lease_owner": None, "lease_expires_at": None, "reclaimed": 0, "guard": None},
+    "policies": {"training": "active", "training_reason": None, "paused_at": None, "rolled_back_at": None},
 }
 MakeDatabase = Callable[[], str]
 _T = TypeVar("_T")

@@ -153,6 +153,40 @@ def add_serve_parser(sub: Any) -> None:
         "(default: a generic rubric for agent tasks)",
     )
     p.add_argument(
+        "--no-regression-guard",
+        action="store_true",
+        help="do not watch each new version's rewards; by default a version that serves worse rewards than the "
+        "one before it is rolled back and training pauses until an admin resumes it (docs/TRAINING.md)",
+    )
+    p.add_argument(
+        "--regression-margin",
+        type=float,
+        metavar="REWARD",
+        help="how much lower a new version's mean group reward may be and still count as not worse"
+        + setting_default("regression_margin"),
+    )
+    p.add_argument(
+        "--regression-alpha",
+        type=float,
+        metavar="P",
+        help="the chance the guard rolls back a version that is not worse, over all its looks"
+        + setting_default("regression_alpha"),
+    )
+    p.add_argument(
+        "--regression-groups",
+        type=int,
+        metavar="N",
+        help="the guard decides within this many rewarded groups of a new version"
+        + setting_default("regression_groups"),
+    )
+    p.add_argument(
+        "--reward-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="a complete group still missing rewards this long after its last call or reward is judged if a judge "
+        "is configured (--judge-model), else closed as unrewarded and never trained (default: wait forever)",
+    )
+    p.add_argument(
         "--langfuse",
         action="store_true",
         help="also send each trajectory to Langfuse as a trace (calls as generations, rewards as scores), in the "
@@ -209,6 +243,11 @@ def settings_from(args: argparse.Namespace) -> Any:
         "share_gpu": args.share_gpu,  # unset: TRACETRAIN_SHARE_GPU decides
         "handover_wait_s": args.handover_wait,
         "handover_timeout_s": args.handover_timeout,
+        "regression_guard": False if args.no_regression_guard else None,  # unset: TRACETRAIN_REGRESSION_GUARD
+        "regression_margin": args.regression_margin,
+        "regression_alpha": args.regression_alpha,
+        "regression_groups": args.regression_groups,
+        "reward_timeout_s": args.reward_timeout,
     }
     try:
         return Settings(**{k: v for k, v in flags.items() if v is not None})

@@ -55,6 +55,7 @@ _NOTICES = {
     "queued": "Training job {job} queued.",
     "judged": "The judge scored this group.",
     "judge_failed": "The judge could not score this group; its reason is in the judgements below.",
+    "resumed": "Training resumed: the regression guard watches the next version it publishes.",
 }
 
 
@@ -312,6 +313,7 @@ async def training(request: Request, services: ServicesDep) -> Response:
     running = next((j for j in jobs if j["state"] == "running"), None)
     return _page(
         request, services, admin, "training.html", "Training", jobs=jobs, running=running,
+        training=await _admin.training_state(services),
         refresh=10 if running else None,
         reward_chart=line_chart(curves["reward_mean"], title="Reward mean", x_label="version"),
         loss_chart=line_chart(curves["loss"], title="Loss", x_label="version"),
@@ -353,9 +355,24 @@ async def activate(
     return RedirectResponse(f"/admin/ui/adapters?notice=activated&version={active}", status_code=303)
 
 
+@router.post("/ui/training/resume")
+async def resume_training(request: Request, services: ServicesDep, csrf_token: Annotated[str, Form()] = "") -> Response:
+    _admit(request, csrf_token)
+    await _admin.resume_training(services)
+    return RedirectResponse("/admin/ui/training?notice=resumed", status_code=303)
+
+
 @router.post("/ui/train")
 async def train_now(request: Request, services: ServicesDep, csrf_token: Annotated[str, Form()] = "") -> Response:
     admin = _admit(request, csrf_token)
+    if reason := await services.scheduler.paused():
+        return await _adapters_page(
+            request,
+            services,
+            admin,
+            status=409,
+            error=f"Training is paused: {reason}. Resume it on the Training page first.",
+        )
     job = await services.scheduler.maybe_create_job(force=True)
     if job is None:
         return await _adapters_page(

@@ -1,7 +1,8 @@
 """The admin JSON API: everything the dashboard shows, and its two actions.
 
-Reads: overview, trajectories, groups, training jobs, adapters. Actions: train now,
-and activate a version (rollback/forward). The admin token (``Authorization: Bearer``)
+Reads: overview, trajectories, groups, training jobs, adapters, training state. Actions:
+train now, activate a version (rollback/forward), and resume training after the regression
+guard paused it. The admin token (``Authorization: Bearer``)
 or a dashboard session with its CSRF token admits a request (``proxy.admin._auth``).
 """
 
@@ -83,9 +84,22 @@ async def list_adapters(services: ServicesDep) -> dict[str, Any]:
     return await _admin.list_adapters(services)
 
 
+@router.get("/training")
+async def training(services: ServicesDep) -> dict[str, Any]:
+    """Whether the policy trains, or why the regression guard paused it."""
+    return await _admin.training_state(services)
+
+
+@router.post("/training/resume")
+async def resume_training(services: ServicesDep) -> dict[str, Any]:
+    """Resume training after the regression guard paused it (it rolled a worse version back)."""
+    return await _admin.resume_training(services)
+
+
 @router.post("/train")
 async def train_now(services: ServicesDep) -> dict[str, Any]:
-    """Create a training job from every ready group now, without waiting for a full batch."""
+    """Create a training job from every ready group now, without waiting for a full batch (409 while paused)."""
+    await _admin.refuse_while_paused(services)
     job = await services.scheduler.maybe_create_job(force=True)
     if job is None:
         raise InvalidRequest(

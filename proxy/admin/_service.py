@@ -13,9 +13,19 @@ from typing import Any
 from proxy._deps import Services
 from proxy.data import _service as _data
 from proxy.data._wire import trajectory_view
-from proxy.errors import NotFound, ProxyError
+from proxy.errors import Conflict, NotFound, ProxyError
 from proxy.gateway._router import Server
-from store import ADAPTER_FIELDS, JOB_FIELDS, JobState, _advantages, common_prefix, reply_message, same_message
+from proxy.training._guard import resume_training as resume
+from store import (
+    ADAPTER_FIELDS,
+    JOB_FIELDS,
+    JobState,
+    TrainingState,
+    _advantages,
+    common_prefix,
+    reply_message,
+    same_message,
+)
 
 # What the training page plots, from each succeeded job's metrics.
 CURVES = ("reward_mean", "loss", "logprob_mismatch_mean")
@@ -52,7 +62,36 @@ async def overview(services: Services) -> dict[str, Any]:
         "running_job": _job(running) if running else None,
         "gpu_handover": await _gpu_handover(services),
         "upstreams": await _upstreams(services),
+        "training": await training_state(services),
+        "groups_unrewarded": await store.reward_timeouts.unrewarded(services.settings.policy),
     }
+
+
+async def training_state(services: Services) -> dict[str, Any]:
+    """Whether the policy trains; when the regression guard paused it, why, and the version it rolled back."""
+    policy = services.settings.policy
+    state = await services.store.guards.training(policy)
+    return {
+        "object": "training",
+        "policy": policy,
+        **state,
+        "paused": state["training"] == TrainingState.PAUSED,
+        "regression_guard": services.settings.regression_guard,
+        "reward_timeout_s": services.settings.reward_timeout_s,
+    }
+
+
+async def resume_training(services: Services) -> dict[str, Any]:
+    """Resume the policy's training after the regression guard paused it (a no-op when it was not paused)."""
+    await resume(services.store, services.settings.policy)
+    return await training_state(services)
+
+
+async def refuse_while_paused(services: Services) -> None:
+    """'Train now' while the guard paused training is a 409 that says why and how to resume."""
+    if reason := await services.scheduler.paused():
+        raise Conflict(f"Training is paused: {reason}. Resume it first (POST /admin/training/resume, or the "
+                       "dashboard's Resume training button).", code="training_paused")  # fmt: skip
 
 
 async def _gpu_handover(services: Services) -> dict[str, Any] | None:

@@ -47,6 +47,10 @@ proxy's upstream, no key needed): weak but free. Its requests go to vLLM directl
 they are never captured as the policy's trajectories. A stronger judge is one setting
 away: ``--judge-model openai/gpt-4o-mini`` with ``OPENAI_API_KEY`` in the environment.
 
+``--reward-timeout`` judges a complete group whose rewards did not come (trigger "timeout",
+``proxy.training._reward_timeout``): whatever ``--reward-source`` says, those scores become
+the rewards of the whole group.
+
 Several proxy replicas each run this scan, and two may judge the same group at once;
 each write is still a whole group, and the later one is what the trajectories keep.
 """
@@ -169,7 +173,9 @@ class JudgeService:
         started = time.time()
         group = await self._load(group_id)
         source = self._settings.reward_source
-        if source == "judge" and group.state != GroupState.OPEN:
+        # --reward-timeout: the scores of a group whose rewards did not come become its rewards.
+        as_rewards = source == "judge" or trigger == "timeout"
+        if as_rewards and group.state != GroupState.OPEN:
             raise Conflict(
                 f"Group '{group_id}' is {group.state}: its rewards are fixed once a training job took it.",
                 param="group_id",
@@ -180,7 +186,7 @@ class JudgeService:
         row: dict[str, Any] = {
             "group_id": group_id,
             "policy": self._settings.policy,
-            "reward_source": source,
+            "reward_source": "judge" if as_rewards else source,
             "trigger": trigger,
             "model": model,
             "cache_key": key,
@@ -215,10 +221,10 @@ class JudgeService:
             row |= {"attempts": verdict.attempts, "usage": verdict.usage}
         row["scores"] = _score_rows(prompt, scores)
         try:
-            await self._write(row, group, source)
+            await self._write(row, group, as_rewards)
         except GroupChanged as exc:
             return await self._record_failure(row | {"scores": []}, str(exc), attempts=row["attempts"])
-        if source == "judge":
+        if as_rewards:
             await self._scheduler.maybe_create_job()
         log.info("judged group %s (%d trajectories%s)", group_id, len(scores), ", cached" if row["cached"] else "")
         return judgement_view(row)
@@ -257,10 +263,10 @@ class JudgeService:
             return None
         return [Score(id=s["label"], score=s["score"], explanation=s["explanation"]) for s in rows]
 
-    async def _write(self, row: dict[str, Any], group: _Group, source: str) -> None:
+    async def _write(self, row: dict[str, Any], group: _Group, as_rewards: bool) -> None:
         """The scores and the judgement, in one transaction; ``GroupChanged`` if the group moved on."""
         judged = [t.trajectory_id for t in group.trajectories]
-        rewards = await self._store.judgements.write_scores(row, judged, scores_are_rewards=source == "judge")
+        rewards = await self._store.judgements.write_scores(row, judged, scores_are_rewards=as_rewards)
         if self._on_rewards is not None:
             self._on_rewards([reward_view(r) for r in rewards])
 

@@ -17,7 +17,7 @@ from typing import Any, get_args
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from proxy.gateway._router import State
-from store import JobState, Store
+from store import JobState, Store, TrainingState
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -103,6 +103,27 @@ class Metrics:
             "tracetrain_upstream_failovers", "Calls sent to another server because this one refused the connection.",
             ["upstream"], registry=r,
         )  # fmt: skip
+        # Never silently worse: the regression guard (proxy.training._guard) and --reward-timeout.
+        self.rollbacks = Counter(
+            "tracetrain_regression_rollbacks", "Versions this proxy rolled back: they served worse rewards than the "
+            "versions before them.", ["policy"], registry=r,
+        )  # fmt: skip
+        self.paused = Gauge(
+            "tracetrain_training_paused", "1 while the policy's training is paused by the regression guard (store); "
+            "the reason is a label. An admin resumes it.", ["policy", "reason"], registry=r,
+        )  # fmt: skip
+        self.rolled_back = Gauge(
+            "tracetrain_versions_rolled_back", "Versions the regression guard rolled back (store).", ["policy"],
+            registry=r,
+        )  # fmt: skip
+        self.unrewarded = Gauge(
+            "tracetrain_groups_unrewarded", "Groups closed by --reward-timeout with rewards missing: never trained "
+            "(store).", ["policy"], registry=r,
+        )  # fmt: skip
+        self.reward_timeouts = Counter(
+            "tracetrain_reward_timeouts", "Groups past --reward-timeout, by outcome: judged (the judge's scores are "
+            "their rewards) or unrewarded (closed, never trained).", ["outcome"], registry=r,
+        )  # fmt: skip
         self.langfuse = Gauge(
             "tracetrain_langfuse_items", "Langfuse export (--langfuse): items by outcome, since start.", ["outcome"],
             registry=r,
@@ -143,6 +164,13 @@ class Metrics:
         for policy in await store.policies.all():
             self.steps.labels(policy["name"]).set(await store.adapters.count(policy["name"]))
             self.version.labels(policy["name"]).set(int(policy["active_version"]))
+            self.rolled_back.labels(policy["name"]).set(len(await store.guards.rolled_back_versions(policy["name"])))
+            self.unrewarded.labels(policy["name"]).set(await store.reward_timeouts.unrewarded(policy["name"]))
+        self.paused.clear()
+        for policy in await store.policies.all():
+            paused = policy.get("training") == TrainingState.PAUSED
+            reason = str(policy.get("training_reason") or "") if paused else ""
+            self.paused.labels(policy["name"], reason).set(1 if paused else 0)
         self.loaded.set(loaded_versions)
         for outcome, count in (langfuse or {}).items():
             self.langfuse.labels(outcome).set(count)

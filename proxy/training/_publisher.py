@@ -41,7 +41,8 @@ from pathlib import Path
 from proxy.errors import NotFound, ProxyError, UpstreamUnreachable
 from proxy.gateway._policies import PolicyRegistry
 from proxy.gateway._router import Router, Server
-from store import Store
+from proxy.training._regression import watch_record
+from store import Store, TrainingState
 
 log = logging.getLogger("tracetrain.publisher")
 
@@ -69,6 +70,7 @@ class Publisher:
         poll_s: float = 0.1,
         unload_grace_s: float = _UNLOAD_GRACE_S,
         lease_s: float = PUBLISH_LEASE_S,
+        guard: bool = False,
     ) -> None:
         self._store = store
         self._owner = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
@@ -82,6 +84,8 @@ class Publisher:
         self._left_window: dict[int, float] = {}
         self._last_reload_check = 0.0
         self._lock = asyncio.Lock()
+        self._guard = guard  # each version published is watched by the regression guard (proxy.training._guard)
+        self._withdrawn: dict[int, float] = {}  # rolled-back versions still loaded -> when they were withdrawn
 
     async def run(self) -> None:
         """Poll the store until cancelled; an error is logged and the next poll tries again."""
@@ -109,13 +113,17 @@ class Publisher:
         await self._reclaim_expired()
         await self._adopt_store_state()
         policy = self._registry.policy
-        if self._router.serving():  # else a load could not be checked anywhere: leave it for later
+        for version, why in await self._store.guards.discard_stale(policy):
+            log.warning("adapter %s@%d %s", policy, version, why)
+        training = (await self._store.guards.training(policy))["training"] == TrainingState.ACTIVE
+        if training and self._router.serving():  # with no server in rotation a load could not be checked
             for version, path in await self._store.adapters.claim_trained(policy, self._owner, self._lease_s):
                 await self._publish(version, path)
         if reload_now:
             self._last_reload_check = 0.0
         await self._reload_missing()
         await self._unload_outside_window()
+        await self._unload_withdrawn()
 
     async def activate(self, version: int) -> int:
         """Roll back or forward: serve ``version`` (still on disk) as the policy. Returns it."""
@@ -150,6 +158,42 @@ class Publisher:
                     log.info("loaded %s into %s before it takes traffic again", name, server.url)
                 server.versions.add(version)
 
+    async def roll_back(self, bad: int, to: int, commit: Callable[[], Awaitable[bool]]) -> bool:
+        """Serve ``to`` instead of ``bad``: ``to`` is loaded first if it must be, then ``commit`` records the
+        rollback (it flips the alias in the store; False: another replica did first). ``bad`` is unloaded
+        from vLLM once the requests running on it are done (after the unload grace)."""
+        async with self._lock:
+            policy = self._registry.policy
+            if to != 0 and to not in self._registry.loaded_versions:
+                row = await self._store.adapters.get(policy, to)
+                if row is None or not Path(row["path"]).is_dir():
+                    log.error("cannot roll %s@%d back: %s@%d is not on disk", policy, bad, policy, to)
+                    return False
+                await self._load_everywhere(to, row["path"])
+                await self._store.adapters.published(policy, to)
+            if not await commit():
+                return False
+            self._registry.active_version = to
+            self._registry.loaded_versions.discard(bad)
+            self._withdrawn[bad] = time.monotonic()
+            return True
+
+    async def _unload_withdrawn(self) -> None:
+        now = time.monotonic()
+        for version, since in list(self._withdrawn.items()):
+            if now - since < self._grace_s or self._registry.in_flight[version] > 0:
+                continue
+            name = f"{self._registry.policy}@{version}"
+            for server in self._router.servers:
+                if server.state == "refused":
+                    continue
+                try:
+                    await server.upstream.unload_lora(name)
+                    server.versions.discard(version)
+                except ProxyError as exc:
+                    log.warning("could not unload %s from %s: %s", name, server.url, exc.message)
+            del self._withdrawn[version]
+
     async def _reclaim_expired(self) -> None:
         """Take back the claims of dead processes: adapters left loading, jobs left running."""
         if time.monotonic() - self._last_reclaim < _RECLAIM_CHECK_S:
@@ -176,7 +220,10 @@ class Publisher:
             await self._store.adapters.failed(self._registry.policy, version, exc.message)
             return
         await self._store.adapters.published(self._registry.policy, version)
+        replaced = self._registry.active_version
         await self._flip(version)
+        if self._guard:
+            await self._store.guards.watch(self._registry.policy, version, watch_record(replaced))
         log.info("published %s@%d in %.0f ms", self._registry.policy, version, (time.perf_counter() - started) * 1e3)
 
     async def _load_everywhere(self, version: int, path: str) -> None:

@@ -3,7 +3,8 @@
 A group is *ready* when it is ``open``, every trajectory in it is rewarded and it has at
 least ``min_group_size`` of them. When ``batch_groups`` ready groups of a policy exist
 (or an admin asks), the store creates a queued job and moves its groups to ``training``
-in one transaction: a group is used once. The trainer worker claims queued jobs from the
+in one transaction: a group is used once. While the regression guard has paused the
+policy's training (``proxy.training._guard``), no job is created. The trainer worker claims queued jobs from the
 store; the proxy never imports it.
 """
 
@@ -14,7 +15,7 @@ import time
 from typing import Any
 
 from proxy.gateway._keying import Keyer
-from store import JobState, Store
+from store import JobState, Store, TrainingState
 
 
 class JobScheduler:
@@ -31,12 +32,21 @@ class JobScheduler:
     async def ready_groups(self) -> list[str]:
         return await self._store.jobs.ready_groups(self._policy, self._min_group_size)
 
+    async def paused(self) -> str | None:
+        """Why training is paused (the regression guard rolled a version back), or None while it trains."""
+        training = await self._store.guards.training(self._policy)
+        if training["training"] == TrainingState.PAUSED:
+            return str(training["training_reason"] or "paused")
+        return None
+
     async def maybe_create_job(self, *, force: bool = False) -> dict[str, Any] | None:
         """Create a job if ``batch_groups`` groups are ready (any ready group if ``force``).
 
-        Returns the job's row, or None when there is not enough to train on.
+        Returns the job's row, or None when there is not enough to train on, or training is paused.
         """
         async with self._lock:
+            if await self.paused():
+                return None
             ready = await self.ready_groups()
             if not ready or (len(ready) < self._batch_groups and not force):
                 return None

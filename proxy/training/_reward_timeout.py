@@ -1,0 +1,81 @@
+"""``--reward-timeout``: a complete group whose rewards do not come is judged, or closed unrewarded.
+
+Every few seconds the proxy asks the store for *overdue* groups (``store._timeouts``: open,
+at least ``min_group_size`` trajectories, some unrewarded, nothing happened to them for the
+timeout). Each one is
+
+- judged, when a judge is configured (``--judge-model``, or ``--reward-source judge|both``):
+  the judge's scores become the rewards of every trajectory of the group (one source per
+  group, so the advantages compare like with like), and the group turns ready;
+- otherwise, or when the judge fails, closed ``unrewarded``: it never trains, a reward
+  posted later is recorded but changes nothing, and the count is on the dashboard and in
+  ``/metrics`` (``tracetrain_groups_unrewarded``, ``tracetrain_reward_timeouts``).
+
+The batch never waits for such a group: a job is made from *ready* groups only
+(``store._jobs``), and a group closed here frees its task for a new group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from proxy._settings import Settings
+from proxy.errors import ProxyError
+from proxy.gateway._keying import Keyer
+from proxy.judge._service import JudgeService
+from proxy.observability._metrics import Metrics
+from store import Store
+
+log = logging.getLogger("tracetrain.rewards")
+
+
+class RewardTimeout:
+    """Closes or judges overdue groups of one policy; ``run()`` until cancelled."""
+
+    def __init__(self, settings: Settings, store: Store, judging: JudgeService, keyer: Keyer, metrics: Metrics) -> None:
+        assert settings.reward_timeout_s is not None
+        self._settings = settings
+        self._timeout_s = settings.reward_timeout_s
+        self._store = store
+        self._judging = judging
+        self._keyer = keyer
+        self._metrics = metrics
+        self._poll_s = min(max(self._timeout_s / 4, 0.05), 5.0)
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.check_once()
+            except Exception:  # the store may be briefly unavailable: the next poll tries again
+                log.exception("looking for groups past --reward-timeout failed")
+            await asyncio.sleep(self._poll_s)
+
+    async def check_once(self) -> dict[str, str]:
+        """Deal with every overdue group now; group id -> "judged" or "unrewarded" (the ones this call settled)."""
+        settled: dict[str, str] = {}
+        s = self._settings
+        overdue = await self._store.reward_timeouts.overdue(s.policy, min_group_size=s.min_group_size,
+                                                           timeout_s=self._timeout_s)  # fmt: skip
+        for group_id in overdue:
+            why = "no judge is configured (--judge-model)"
+            if s.judge_configured:
+                try:
+                    judgement = await self._judging.judge_group(group_id, trigger="timeout")
+                except ProxyError as exc:  # the group moved on meanwhile (a job took it)
+                    log.info("group %s past --reward-timeout was not judged: %s", group_id, exc.message)
+                    continue
+                if judgement["state"] == "ok":
+                    settled[group_id] = "judged"
+                    self._metrics.reward_timeouts.labels("judged").inc()
+                    log.info("group %s had no rewards after %.0f s: the judge's scores are its rewards", group_id,
+                             self._timeout_s)  # fmt: skip
+                    continue
+                why = f"the judge failed: {judgement['error']}"
+            if await self._store.reward_timeouts.close_unrewarded(group_id):
+                self._keyer.forget_groups([group_id])
+                settled[group_id] = "unrewarded"
+                self._metrics.reward_timeouts.labels("unrewarded").inc()
+                log.warning("group %s had rewards missing after %.0f s and %s: closed unrewarded, never trained",
+                            group_id, self._timeout_s, why)  # fmt: skip
+        return settled
