@@ -107,7 +107,9 @@ def shard_optimizer_state(saved: dict[str, Any], params: Sequence[Tensor]) -> di
 
     def like(value: Any, param: Tensor) -> Any:
         if isinstance(param, DTensor) and isinstance(value, Tensor) and value.shape == param.shape:
-            return distribute_tensor(value.to(param.device_mesh.device_type), param.device_mesh, param.placements)
+            # Every rank read the same file: each takes its own shard, with no communication (src_data_rank=None).
+            mesh = param.device_mesh
+            return distribute_tensor(value.to(mesh.device_type), mesh, param.placements, src_data_rank=None)
         return value
 
     state = {i: {key: like(value, params[int(i)]) for key, value in entry.items()}
