@@ -232,3 +232,5 @@ def test_serve_passes_trainer_procs_to_the_worker(tmp_path: Path) -> None:
     two = trainer_argv(settings, tmp_path, "cpu", ["--once"], procs=2)
     assert two[1:3] == ["-m", "trainer"] and two[two.index("--procs") + 1] == "2" and two[-1] == "--once"
     assert "--procs" not in trainer_argv(settings, tmp_path, "cpu", [])
+    assert "--shard" in trainer_argv(settings, tmp_path, "cuda", [], procs=2, shard=True)
+    assert "--shard" not in two and "--shard" not in trainer_argv(settings, tmp_path, "cuda", [], shard=True)

@@ -90,7 +90,8 @@ def load_optimizer_state(
     saved = torch.load(path, map_location="cpu", weights_only=True)
     if list(saved["param_names"]) != list(param_names):
         raise ValueError(f"{path} was saved for other trainable parameters than this adapter's")
-    optimizer.load_state_dict(place(saved["optimizer"]) if place else saved["optimizer"])  # moves the state to each parameter's device
+    # load_state_dict moves the state to each parameter's device
+    optimizer.load_state_dict(place(saved["optimizer"]) if place else saved["optimizer"])
     for group in optimizer.param_groups:
         group["lr"] = cfg.learning_rate
         group["weight_decay"] = cfg.weight_decay
