@@ -7,6 +7,11 @@ Every rank writes OUT_DIR/rank{R}.safetensors (its LoRA weights after the step) 
 OUT_DIR/rank{R}.json (the step's metrics). Under torchrun it then makes the step fail on
 rank 1 only, records what each rank raised, takes one more good step and writes
 OUT_DIR/rank{R}-after-failure.safetensors: the ranks must fail together and stay equal.
+
+    python tests/distributed_learner.py MODEL_DIR OUT_DIR --shard                          # and under torchrun
+
+``--shard`` (FSDP2 under torchrun; one process ignores it): a step, ``save`` to OUT_DIR/step1,
+a new learner resumed from it (adapter and AdamW state), a second step, ``save`` to OUT_DIR/step2.
 """
 
 from __future__ import annotations
@@ -49,11 +54,15 @@ def lora(learner: Learner) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone().contiguous() for n, p in learner.model.named_parameters() if "lora_" in n}
 
 
-def main(model_dir: Path, out: Path) -> None:
+def main(model_dir: Path, out: Path, *, shard: bool = False) -> None:
     group = Ranks.from_env()
     if group is not None:
         _distributed.start(group, "cpu")
     rank = 0 if group is None else group.rank
+    if shard:
+        sharded(model_dir, out, rank)
+        _distributed.finish()
+        return
     learner = Learner(model_dir, CONFIG)
     result = learner.step(batch())
     save_file(lora(learner), out / f"rank{rank}.safetensors")
@@ -73,9 +82,23 @@ def main(model_dir: Path, out: Path) -> None:
     (out / f"rank{rank}.json").write_text(json.dumps(report))
 
 
+def sharded(model_dir: Path, out: Path, rank: int) -> None:
+    learner = Learner(model_dir, CONFIG, shard=True)
+    first = learner.step(batch())
+    learner.save(out / "step1", first.to_dict())  # rank 0 writes; a sharded rank 1 writes nothing
+    if _distributed.rank_and_world()[1] > 1:
+        _distributed.barrier()  # step1 is on disk before any rank reads it
+    resumed = Learner(model_dir, CONFIG, adapter=out / "step1", shard=True)
+    second = resumed.step(batch())
+    resumed.save(out / f"step2-rank{rank}", second.to_dict())
+    report = {"sharded": resumed.sharded, "restored_optimizer": resumed.restored_optimizer,
+              "first": first.to_dict(), "second": second.to_dict()}  # fmt: skip
+    (out / f"rank{rank}.json").write_text(json.dumps(report))
+
+
 def _fail(*args: Any) -> None:
     raise RuntimeError("deliberate failure on rank 1")
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    main(Path(sys.argv[1]), Path(sys.argv[2]), shard="--shard" in sys.argv[3:])

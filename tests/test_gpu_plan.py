@@ -104,9 +104,38 @@ def test_a_70b_model_gets_the_smallest_tensor_parallel_group_that_holds_it(
 
 
 def test_a_70b_model_is_refused_when_the_trainer_cannot_hold_it_on_one_gpu(tmp_path: Path) -> None:
-    with pytest.raises(PlanError, match="each trainer process holds the whole base") as refused:
+    with pytest.raises(PlanError, match="each process now holds the whole base") as refused:
         plan(gpus(4, H100), shape(tmp_path, LLAMA_70B))
-    assert "--no-train" in str(refused.value)
+    # 141 GiB of bf16 weights: two shards of 70 GiB plus the gathered root and layers overflow 76 GiB, three do not.
+    assert "--trainer-procs 3 --trainer-shard" in str(refused.value) and "--no-train" in str(refused.value)
+
+
+def test_a_70b_model_is_trained_sharded_over_the_trainers_processes(tmp_path: Path) -> None:
+    model = shape(tmp_path, LLAMA_70B)
+    needs = TrainerNeeds(procs=4, micro_batch_tokens=512)
+    p = plan(gpus(8), model, needs)
+    assert p.trainer_shard and p.trainer_gpus == (4, 5, 6, 7) and p.vllm_gpus == (0, 1, 2, 3)
+    whole = p.memory.trainer_weights * 4
+    assert whole == model.weight_bytes and p.memory.shard_over == 4  # each process holds a quarter
+    assert p.memory.trainer_resident + p.memory.step <= p.gpus[4].free - p.gpus[4].margin
+    assert any("FSDP over 4 processes" in reason for reason in p.why)
+    assert "FSDP: each holds 1/4 of the base" in render_plan(p)
+    # Not sharded, the same processes would not fit: that is why the plan shards. Forced, it warns so.
+    whole = plan(gpus(8), model, needs, trainer_shard=False)
+    assert not whole.trainer_shard and any("the trainer needs" in w for w in whole.warnings)
+
+
+def test_several_trainer_processes_that_each_hold_the_base_use_ddp(tmp_path: Path) -> None:
+    model = shape(tmp_path, QWEN_1_5B)
+    p = plan(gpus(4), model, TrainerNeeds(procs=2))
+    assert not p.trainer_shard and p.memory.shard_over == 1
+    assert any("DDP over 2 processes" in reason for reason in p.why)
+    assert "DDP: each holds the whole base" in render_plan(p)
+    forced = plan(gpus(4), model, TrainerNeeds(procs=2), trainer_shard=True)
+    assert forced.trainer_shard and forced.memory.trainer_weights == p.memory.trainer_weights // 2
+    assert any("sharded over its 2 processes (as asked)" in reason for reason in forced.why)
+    with pytest.raises(PlanError, match="add --trainer-procs N"):
+        plan(gpus(4), model, TrainerNeeds(procs=1), trainer_shard=True)
 
 
 def test_two_gpus_and_a_1_5b_model_put_vllm_on_one_and_the_trainer_on_the_other(tmp_path: Path) -> None:
@@ -397,6 +426,6 @@ def test_serve_help_documents_the_gpu_flags_and_the_default_plan(capsys: pytest.
         main(["serve", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     flags = ("--plan-only", "--vllm-gpus", "--trainer-gpus", "--gpu-memory-utilization", "--tensor-parallel-size",
-             "--share-gpu, --no-share-gpu", "--data-parallel-size")  # fmt: skip
+             "--share-gpu, --no-share-gpu", "--data-parallel-size", "--trainer-shard, --no-trainer-shard")  # fmt: skip
     for piece in (*flags, "with one GPU, vLLM and the trainer share it", "With several GPUs each side gets its own"):
         assert piece in out, piece

@@ -11,6 +11,10 @@ logprob_chunk_tokens:
     vLLM, per GPU      (2 P + 4 x 2 L + KV(32768 tokens)) / TP  +  2 GiB runtime
     margin, per GPU    max(2 GiB, 5% of the GPU)                           never planned for either side
 
+Sharded over N trainer processes (FSDP, ``--trainer-shard``), each holds (2 P + 16 L) / N, and a step
+adds what FSDP gathers whole: the root (embeddings and lm_head: 2 V h, twice if untied), which stays
+gathered through the step, and two decoder layers (the running one and the prefetched next one).
+
 Each constant below says why it has its value.
 """
 
@@ -129,6 +133,8 @@ class Memory:
     lora_state: int
     activations: int
     logprobs: int
+    gathered: int = 0  # sharded: the weights FSDP gathers whole during a step (0 unsharded)
+    shard_over: int = 1  # the trainer processes the base and the LoRA are sharded over (1: each holds all)
 
     @property
     def trainer_resident(self) -> int:
@@ -136,25 +142,33 @@ class Memory:
 
     @property
     def step(self) -> int:
-        return self.activations + self.logprobs
+        return self.activations + self.logprobs + self.gathered
 
     def vllm_need(self, tp: int) -> int:
         return -(-(self.vllm_weights + self.kv_min) // tp) + VLLM_RUNTIME
 
 
-def estimate_memory(model: ModelShape, trainer: TrainerNeeds | None) -> Memory:
+def estimate_memory(model: ModelShape, trainer: TrainerNeeds | None, shard_over: int = 1) -> Memory:
+    """Each side's memory; the trainer's per process, its weights and LoRA state split ``shard_over`` ways."""
     t = trainer or TrainerNeeds()
     lora = model.lora_params(t.lora_r, t.target_modules)
     scale = t.bytes_per_param // 2  # fp32 weights also mean fp32 activations
+    gathered = 0
+    if trainer and shard_over > 1:
+        root = model.vocab * model.hidden * 2 * (2 if "lm_head" in model.linear_sizes else 1)
+        layer = max(0, model.weight_bytes - root) // model.layers
+        gathered = (root + 2 * layer) * scale
     per_token = model.layers * (ACTIVATION_BYTES_PER_HIDDEN * model.hidden
                                 + ACTIVATION_BYTES_PER_INTERMEDIATE * model.intermediate)  # fmt: skip
     return Memory(
         vllm_weights=model.weight_bytes + VLLM_ADAPTER_SLOTS * 2 * lora,
         kv_min=MIN_KV_TOKENS * model.kv_bytes_per_token,
-        trainer_weights=model.weight_bytes * scale if trainer else 0,
-        lora_state=LORA_STATE_BYTES * lora if trainer else 0,
+        trainer_weights=model.weight_bytes * scale // shard_over if trainer else 0,
+        lora_state=LORA_STATE_BYTES * lora // shard_over if trainer else 0,
         activations=t.micro_batch_tokens * per_token * scale if trainer else 0,
         logprobs=min(t.logprob_chunk_tokens, t.micro_batch_tokens) * model.vocab * LOGIT_BYTES if trainer else 0,
+        gathered=gathered,
+        shard_over=shard_over,
     )
 
 

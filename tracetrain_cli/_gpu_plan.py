@@ -8,6 +8,9 @@ weights to host). Several GPUs are **dedicated**: the trainer takes one GPU per 
 ones), vLLM the smallest power-of-two tensor-parallel group of the others (dividing the attention
 heads) that holds its weights and a 32k-token KV cache at 0.90; GPUs beyond it stay idle (vLLM
 data parallel is refused: an adapter loaded through ``/v1/load_lora_adapter`` reaches one engine).
+The trainer's processes (``--trainer-procs N``) each hold the whole base (DDP) when it fits one of
+their GPUs with a step; otherwise the base and the LoRA are sharded over them (FSDP,
+``--trainer-shard``), and a base that fits neither way names the N that would do.
 
 A default plan that the estimate says cannot work is refused with what to change; a plan forced
 with overrides is printed with warnings instead (the estimate may be wrong; the user has the last
@@ -44,11 +47,12 @@ class Overrides:
     tensor_parallel: int | None = None
     data_parallel: int = 1
     share: bool | None = None
+    trainer_shard: bool | None = None
 
     @property
     def forced(self) -> bool:
         return any(v is not None for v in (self.vllm_gpus, self.trainer_gpus, self.memory_fraction,
-                                            self.tensor_parallel, self.share))  # fmt: skip
+                                            self.tensor_parallel, self.share, self.trainer_shard))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,7 @@ class GpuPlan:
     trainer: TrainerNeeds | None
     why: tuple[str, ...]
     warnings: tuple[str, ...] = ()
+    trainer_shard: bool = False  # FSDP: the base and the LoRA sharded over the trainer's processes (--shard)
 
     def trainer_env(self) -> dict[str, str]:
         return _visible(self.trainer_gpus)
@@ -80,6 +85,7 @@ class CpuPlan:
     vllm: bool  # False with --upstream
     kv_cache_gib: int
     shared: bool = False  # --share-gpu on a CPU: the hand-over runs, and sleeping is a no-op there
+    trainer_shard: bool = False  # --trainer-shard: FSDP over gloo (the tests' way; no memory to save here)
 
     def trainer_env(self) -> dict[str, str]:
         return {}
@@ -111,12 +117,15 @@ def plan_gpus(
     by_index = {g.index: g for g in gpus}
     shared = o.share if o.share is not None else (trainer is not None and vllm and len(gpus) == 1)
     _check_flags(order, model, trainer, vllm, shared, o)
-    memory = estimate_memory(model, trainer)
     why = [_mode_reason(len(gpus), shared, vllm, trainer is not None, o)]
 
     trainer_gpus: tuple[int, ...] = ()
+    shard = False
     if trainer is not None:
         trainer_gpus = o.trainer_gpus or _default_trainer_gpus(order, trainer.procs, shared, vllm, o)
+        rooms = [_trainer_room(by_index[i], shared) for i in trainer_gpus]
+        shard = _choose_shard(model, trainer, min(rooms), o, why)
+    memory = estimate_memory(model, trainer, trainer.procs if trainer is not None and shard else 1)
 
     vllm_gpus: tuple[int, ...] = ()
     tp, percent = 1, 0
@@ -161,7 +170,7 @@ def plan_gpus(
     if fraction is not None:
         problems += _vllm_problems(by_index, vllm_gpus, tp, fraction, trainer_gpus, memory, shared)
     if trainer is not None:
-        problems += _trainer_problems(by_index, trainer_gpus, vllm_gpus, memory, trainer)
+        problems += _trainer_problems(by_index, trainer_gpus, vllm_gpus, memory, model, trainer)
     if problems and not o.forced:
         raise PlanError(
             "this plan would not fit, by the estimate:\n- "
@@ -181,7 +190,52 @@ def plan_gpus(
         trainer=trainer,
         why=tuple(why),
         warnings=tuple(problems),
+        trainer_shard=shard,
     )
+
+
+def _trainer_room(gpu: Gpu, with_vllm: bool) -> int:
+    """What the trainer may use of ``gpu``: its free memory less the margin and, shared, a sleeping vLLM."""
+    return gpu.free - gpu.margin - (VLLM_ASLEEP if with_vllm else 0)
+
+
+def _choose_shard(model: ModelShape, trainer: TrainerNeeds, room: int, o: Overrides, why: list[str]) -> bool:
+    """FSDP (True) when the whole base and a step do not fit ``room`` (the smallest trainer GPU's), else DDP."""
+    procs = trainer.procs
+    if o.trainer_shard is not None:
+        if o.trainer_shard and procs == 1:
+            raise PlanError(
+                "--trainer-shard splits the base over the trainer's processes, and it runs one: add "
+                "--trainer-procs N (N > 1, one GPU each)"
+            )
+        if procs > 1:
+            how = "FSDP: the base and the LoRA sharded" if o.trainer_shard else "DDP: each holds the whole base"
+            why.append(f"trainer: {how} over its {procs} processes (as asked)")
+        return o.trainer_shard
+    if procs == 1:
+        return False
+    whole = estimate_memory(model, trainer)
+    need = whole.trainer_resident + whole.step
+    if need <= room:
+        why.append(
+            f"trainer: DDP over {procs} processes: each holds the whole base, {gib(need)} GiB with a step's, "
+            f"in the {gib(room)} GiB of its GPU"
+        )
+        return False
+    why.append(
+        f"trainer: FSDP over {procs} processes: the whole base with a step's needs {gib(need)} GiB, more than the "
+        f"{gib(room)} GiB of a GPU; each process holds 1/{procs} of the base and the LoRA state"
+    )
+    return True
+
+
+def _procs_to_shard(model: ModelShape, trainer: TrainerNeeds, room: int) -> int | None:
+    """The fewest trainer processes whose shards, and what a step gathers, leave room for activations."""
+    for procs in (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64):
+        m = estimate_memory(model, trainer, procs)
+        if m.trainer_resident + m.gathered + m.logprobs < room:
+            return procs
+    return None
 
 
 def _default_trainer_gpus(order: list[int], procs: int, shared: bool, vllm: bool, o: Overrides) -> tuple[int, ...]:
@@ -317,14 +371,15 @@ def _trainer_problems(
     trainer_gpus: tuple[int, ...],
     vllm_gpus: tuple[int, ...],
     memory: Memory,
+    model: ModelShape,
     trainer: TrainerNeeds,
 ) -> list[str]:
     """What the estimate says will not fit of the trainer (a sleeping vLLM beside it), and what to change."""
     for i in trainer_gpus:
         gpu = by_index[i]
-        room = gpu.free - gpu.margin - (VLLM_ASLEEP if i in vllm_gpus else 0)
+        room = _trainer_room(gpu, i in vllm_gpus)
         if memory.trainer_resident + memory.step > room:
-            return [_trainer_problem(gpu, room, memory, trainer, i in vllm_gpus)]
+            return [_trainer_problem(gpu, room, memory, model, trainer, i in vllm_gpus)]
     return []
 
 
@@ -344,24 +399,35 @@ def _vllm_problem(gpu: Gpu, tp: int, fraction: float, memory: Memory, shared: bo
     )
 
 
-def _trainer_problem(gpu: Gpu, room: int, memory: Memory, trainer: TrainerNeeds, with_vllm: bool) -> str:
+def _trainer_problem(
+    gpu: Gpu, room: int, memory: Memory, model: ModelShape, trainer: TrainerNeeds, with_vllm: bool
+) -> str:
     asleep = " while vLLM sleeps" if with_vllm else ""
+    sharded = f", 1/{memory.shard_over} of them" if memory.shard_over > 1 else ""
+    gathered = f", FSDP's gathered weights {gib(memory.gathered)}" if memory.gathered else ""
     text = (
         f"the trainer needs {gib(memory.trainer_resident + memory.step)} GiB on GPU {gpu.index}: resident "
         f"{gib(memory.trainer_resident)} (weights {gib(memory.trainer_weights)}, LoRA with AdamW and gradients "
-        f"{gib(memory.lora_state)}) plus a step's {gib(memory.step)} (activations {gib(memory.activations)} for "
-        f"{trainer.micro_batch_tokens}-token micro-batches, log-probs {gib(memory.logprobs)}), but it has "
-        f"{gib(room)} GiB{asleep}; "
+        f"{gib(memory.lora_state)}{sharded}) plus a step's {gib(memory.step)} (activations "
+        f"{gib(memory.activations)} for {trainer.micro_batch_tokens}-token micro-batches, log-probs "
+        f"{gib(memory.logprobs)}{gathered}), but it has {gib(room)} GiB{asleep}; "
     )
     fixes = []
     per_token = memory.activations // trainer.micro_batch_tokens
-    tokens = (room - memory.trainer_resident - memory.logprobs) // per_token // 256 * 256
+    tokens = (room - memory.trainer_resident - memory.logprobs - memory.gathered) // per_token // 256 * 256
     if 256 <= tokens < trainer.micro_batch_tokens:
         fixes.append(f"smaller micro-batches (--trainer-arg=--micro-batch-tokens={tokens})")
     if with_vllm:
         fixes.append("a second GPU, so that the trainer has one of its own")
-    if memory.trainer_resident + memory.logprobs >= room:
-        fixes.append("a smaller --model (each trainer process holds the whole base: serve has no FSDP yet)")
+    if memory.trainer_resident + memory.logprobs + memory.gathered >= room:
+        procs = _procs_to_shard(model, trainer, room)
+        if procs is not None and procs > memory.shard_over:
+            fixes.append(
+                f"the base sharded over more trainer processes (--trainer-procs {procs} --trainer-shard, one GPU "
+                "each; each process now holds " + ("the whole base)" if memory.shard_over == 1 else
+                                                   f"1/{memory.shard_over} of it)")
+            )  # fmt: skip
+        fixes.append("a smaller --model")
     fixes.append("the trainer on a larger GPU elsewhere (--no-train here, python -m trainer there)")
     return text + ", ".join(fixes[:-1]) + (", or " if len(fixes) > 1 else "") + fixes[-1]
 

@@ -31,6 +31,9 @@ def render_plan(plan: GpuPlan | CpuPlan) -> str:
     if plan.trainer_gpus and plan.trainer is not None:
         t = plan.trainer
         procs = f"{t.procs} process{'es' if t.procs > 1 else ''}"
+        if t.procs > 1:
+            procs += (f" (FSDP: each holds 1/{t.procs} of the base and LoRA, gathers {gib(m.gathered)} GiB in a step)"
+                      if plan.trainer_shard else " (DDP: each holds the whole base)")  # fmt: skip
         while_asleep = ", while vLLM sleeps" if plan.shared else ""
         lines.append(
             f"  trainer  GPU {_list(plan.trainer_gpus)}, --device cuda, {procs}: resident {gib(m.trainer_resident)} "
@@ -65,6 +68,8 @@ def _render_cpu(plan: CpuPlan) -> str:
         return "plan: nothing but the proxy runs here (--upstream, --no-train)"
     if plan.shared:
         text += "; --share-gpu: vLLM pauses around each step (sleeping is a no-op on a CPU)"
+    if plan.trainer_shard:
+        text += "; --trainer-shard: the trainer's processes shard the model (FSDP over gloo)"
     return f"plan (--device cpu): {text}"
 
 

@@ -103,10 +103,13 @@ def vllm_install_problem(device: Device) -> str | None:
     )
 
 
-def trainer_argv(settings: Settings, model_dir: Path, device: Device, extra: list[str], procs: int = 1) -> list[str]:
+def trainer_argv(
+    settings: Settings, model_dir: Path, device: Device, extra: list[str], procs: int = 1, shard: bool = False
+) -> list[str]:
     """The trainer worker's command line (``python -m trainer``) for this proxy's store.
 
-    With ``procs`` > 1 the worker runs itself under torchrun on that many processes.
+    With ``procs`` > 1 the worker runs itself under torchrun on that many processes; ``shard``
+    splits the base over them (FSDP) instead of each holding it whole.
     """
     return [
         sys.executable, "-m", "trainer",
@@ -116,6 +119,7 @@ def trainer_argv(settings: Settings, model_dir: Path, device: Device, extra: lis
         "--base-model", str(model_dir.resolve()),
         "--device", device,
         *(["--procs", str(procs)] if procs > 1 else []),
+        *(["--shard"] if shard and procs > 1 else []),
         *(["--share-gpu"] if settings.share_gpu else []),
         *extra,
     ]  # fmt: skip

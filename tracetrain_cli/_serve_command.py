@@ -308,7 +308,7 @@ def run_serve(args: argparse.Namespace) -> int:
     trainer = (
         None
         if model_dir is None or args.no_train
-        else trainer_argv(settings, model_dir, device, args.trainer_arg, args.trainer_procs)
+        else trainer_argv(settings, model_dir, device, args.trainer_arg, args.trainer_procs, devices.trainer_shard)
     )
     plan = ServePlan(settings=settings, vllm=launch, trainer_argv=trainer, log_level=args.log_level, devices=devices)
 

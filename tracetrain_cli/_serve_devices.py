@@ -72,6 +72,14 @@ def add_device_flags(p: argparse.ArgumentParser) -> None:
         "adapter and the calls go on (vLLM gets VLLM_SERVER_DEV_MODE=1 and, on CUDA, --enable-sleep-mode). With "
         "--upstream, the same hand-over with your vLLM (start it with VLLM_SERVER_DEV_MODE=1)",
     )
+    g.add_argument(
+        "--trainer-shard",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with --trainer-procs N: shard the base model and the LoRA over the N trainer processes (FSDP2), or "
+        "give each the whole base (--no-trainer-shard: DDP) (default: DDP when the bf16 base, the LoRA state and "
+        "a step's activations fit one trainer GPU, FSDP when they do not). The adapter is the same either way",
+    )
 
 
 def overrides_from(args: argparse.Namespace) -> Overrides:
@@ -82,6 +90,7 @@ def overrides_from(args: argparse.Namespace) -> Overrides:
         tensor_parallel=args.tensor_parallel_size,
         data_parallel=args.data_parallel_size,
         share=args.share_gpu,
+        trainer_shard=args.trainer_shard,
     )
 
 
@@ -103,11 +112,13 @@ def _plan(args: argparse.Namespace, device: str, model_dir: Path | None) -> Devi
             " under tracetrain serve --help), so that the plan checks it against the trainer's memory"
         )
     if device == "cpu" or model_dir is None:
-        if dataclasses.replace(overrides, share=None) != Overrides():
+        if dataclasses.replace(overrides, share=None, trainer_shard=None) != Overrides():
             raise PlanError(
                 "--vllm-gpus, --trainer-gpus, --gpu-memory-utilization, --tensor-parallel-size and "
                 "--data-parallel-size place vLLM and the trainer on GPUs: they need --device cuda"
             )
+        if overrides.trainer_shard and getattr(args, "trainer_procs", 1) == 1:
+            raise PlanError("--trainer-shard splits the base over the trainer's processes: add --trainer-procs N")
         if overrides.share and not trains:
             raise PlanError("--share-gpu hands the GPU to the trainer around each step: drop it, or drop --no-train")
         cores = os.cpu_count() or 2
@@ -119,6 +130,7 @@ def _plan(args: argparse.Namespace, device: str, model_dir: Path | None) -> Devi
             vllm=vllm,
             kv_cache_gib=1,
             shared=bool(overrides.share),
+            trainer_shard=bool(overrides.trainer_shard),
         )
     trainer = trainer_needs(args.trainer_arg, getattr(args, "trainer_procs", 1)) if trains else None
     gpus = visible_gpus(query_gpus(), os.environ.get("CUDA_VISIBLE_DEVICES"))

@@ -7,6 +7,7 @@ GPU machine of its own against the same Postgres database.
 ``--procs N`` trains on N processes: the command runs itself again under torchrun
 (``python -m torch.distributed.run --standalone --nproc-per-node N -m trainer ...``);
 under torchrun (``WORLD_SIZE`` set) it reads RANK, WORLD_SIZE and LOCAL_RANK instead.
+``--shard`` splits the base over those processes (FSDP2) for a base that does not fit one device.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import NoReturn
 from pydantic import ValidationError
 
 from trainer import _distributed
+from trainer._attention import ATTN_CHOICES
 from trainer._config import TrainConfig
 from trainer._distributed import Ranks
 from trainer._worker import Worker, WorkerSettings, follow
@@ -47,6 +49,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         metavar="N",
         help="train on N processes (data parallel, started with torchrun; with --device cuda, one GPU each); "
         "rank 0 alone talks to the store and writes adapters (default 1). Under torchrun its world size decides",
+    )
+    p.add_argument(
+        "--shard",
+        action="store_true",
+        help="with --procs N: split the base model and the LoRA over the N processes (FSDP2) instead of each "
+        "holding the whole base (DDP); for a base that does not fit one device. The adapter is the same",
+    )
+    p.add_argument(
+        "--attn-implementation",
+        choices=ATTN_CHOICES,
+        default="auto",
+        help="the attention kernel (default auto: flash_attention_2 on CUDA in bf16/fp16 when the flash_attn "
+        "package is installed, else sdpa); the choice is logged at start",
     )
     p.add_argument("--config", type=Path, help="a JSON file of TrainConfig fields; the flags below override it")
     p.add_argument("--loss", choices=["grpo", "dr_grpo", "gspo", "cispo"], help="the objective (default grpo)")
@@ -92,6 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.procs < 1 or (args.procs > 1 and args.device not in ("cpu", "cuda")):
         raise SystemExit(f"python -m trainer: --procs {args.procs} with --device {args.device}: N is at least 1, "
                          "and several processes take --device cpu or cuda (rank k on cuda:LOCAL_RANK)")  # fmt: skip
+    if args.shard and args.procs == 1 and not _distributed.under_torchrun():
+        raise SystemExit("python -m trainer: --shard splits the model over the processes of --procs N (N > 1)")
     if args.procs > 1 and not _distributed.under_torchrun():
         return _relaunch(args.procs, sys.argv[1:] if argv is None else argv)
     device = args.device
@@ -103,6 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = WorkerSettings(
         database_url=args.database_url, data_dir=args.data_dir, policy=args.policy, base_model=args.base_model,
         config=config, init_adapter=args.init_adapter, device=device, share_gpu=args.share_gpu,
+        shard=args.shard, attn_implementation=args.attn_implementation,
     )  # fmt: skip
     try:
         if group is not None and not group.leads:

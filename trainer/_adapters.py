@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +39,15 @@ def write_adapter_dir(
     param_names: Sequence[str],
     cfg: TrainConfig,
     metrics: Mapping[str, Any],
+    *,
+    lora_state: Mapping[str, torch.Tensor] | None = None,
+    optimizer_state: Mapping[str, Any] | None = None,
 ) -> None:
     """Write the adapter, config, metrics and optimizer state to ``out_dir`` atomically.
 
-    Raises FileExistsError if ``out_dir`` exists: a published adapter may already be
+    ``lora_state`` and ``optimizer_state`` replace what ``model`` and ``optimizer`` hold when those
+    are sharded (``trainer._sharded``: gathered whole beforehand, by parameter name and as
+    ``optimizer.state_dict()``). Raises FileExistsError if ``out_dir`` exists: a published adapter may already be
     loaded by vLLM under that name, so it is never rewritten in place.
     """
     if out_dir.exists():
@@ -51,10 +56,14 @@ def write_adapter_dir(
     work = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(work, ignore_errors=True)
     try:
-        model.save_pretrained(str(work))
+        if lora_state is None:
+            model.save_pretrained(str(work))
+        else:
+            model.save_pretrained(str(work), state_dict=dict(lora_state))
         (work / TRAINER_CONFIG).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
         (work / METRICS).write_text(json.dumps(dict(metrics), indent=2, sort_keys=True) + "\n")
-        torch.save({"param_names": list(param_names), "optimizer": optimizer.state_dict()}, work / OPTIMIZER)
+        state = optimizer.state_dict() if optimizer_state is None else dict(optimizer_state)
+        torch.save({"param_names": list(param_names), "optimizer": state}, work / OPTIMIZER)
         work.rename(out_dir)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
@@ -62,13 +71,18 @@ def write_adapter_dir(
 
 
 def load_optimizer_state(
-    adapter_dir: Path, optimizer: torch.optim.Optimizer, param_names: Sequence[str], cfg: TrainConfig
+    adapter_dir: Path,
+    optimizer: torch.optim.Optimizer,
+    param_names: Sequence[str],
+    cfg: TrainConfig,
+    place: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> bool:
     """Restore AdamW's state saved beside an adapter; False when there is none to restore.
 
     The learning rate and weight decay stay ``cfg``'s (a resumed run may change them);
     the moments and step counts are the saved ones. Raises ValueError when the state was
-    saved for other trainable parameters (another LoRA rank or target set).
+    saved for other trainable parameters (another LoRA rank or target set). ``place`` maps the
+    saved state before it is loaded (sharded parameters: ``trainer._sharded.shard_optimizer_state``).
     """
     path = adapter_dir / OPTIMIZER
     if not path.is_file():
@@ -76,7 +90,8 @@ def load_optimizer_state(
     saved = torch.load(path, map_location="cpu", weights_only=True)
     if list(saved["param_names"]) != list(param_names):
         raise ValueError(f"{path} was saved for other trainable parameters than this adapter's")
-    optimizer.load_state_dict(saved["optimizer"])  # moves the state to each parameter's device
+    # load_state_dict moves the state to each parameter's device
+    optimizer.load_state_dict(place(saved["optimizer"]) if place else saved["optimizer"])
     for group in optimizer.param_groups:
         group["lr"] = cfg.learning_rate
         group["weight_decay"] = cfg.weight_decay

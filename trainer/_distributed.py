@@ -193,7 +193,12 @@ def sum_over_ranks(params: Sequence[Tensor], totals: dict[str, float]) -> dict[s
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
     for p, g in zip(params, torch.split(flat, [p.numel() for p in params]), strict=True):
         p.grad = g.view_as(p)
-    values = torch.tensor(list(totals.values()), dtype=torch.float64, device=flat.device)  # (metrics,)
+    return sum_totals(totals)
+
+
+def sum_totals(totals: dict[str, float]) -> dict[str, float]:
+    """Every rank's metric totals, summed (sharded training sums its gradients in FSDP's reduce-scatter)."""
+    values = torch.tensor(list(totals.values()), dtype=torch.float64, device=_collective_device())  # (metrics,)
     dist.all_reduce(values, op=dist.ReduceOp.SUM)
     return dict(zip(totals, values.tolist(), strict=True))
 

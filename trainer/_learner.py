@@ -13,13 +13,17 @@ at once. Then the global gradient norm is clipped and AdamW steps once.
 
 Under torchrun (``trainer._distributed``) each rank takes every world-th micro-batch of
 the same packing, and the ranks' gradients and metric totals are summed before the clip:
-N ranks take the step one process would, and hold the same LoRA afterwards.
+N ranks take the step one process would, and hold the same LoRA afterwards. With ``shard``
+the base and the LoRA are split over the ranks instead (FSDP2, ``trainer._sharded``): the
+gradients are summed in FSDP's reduce-scatter, and rank 0 gathers the adapter to write it.
+The attention kernel is ``trainer._attention``'s choice.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import sys
 import time
@@ -34,12 +38,16 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from torch import Tensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from trainer import _sharded
 from trainer._adapters import load_optimizer_state, write_adapter_dir
+from trainer._attention import choose_attention
 from trainer._config import TrainConfig, TrainDType
-from trainer._distributed import all_or_none, max_over_ranks, rank_and_world, sum_over_ranks
-from trainer._logprobs import PackedRow, chunked_logprobs, hidden_states, pack_row
+from trainer._distributed import all_or_none, max_over_ranks, rank_and_world, sum_over_ranks, sum_totals
+from trainer._logprobs import PackedRow, pack_row
 from trainer._losses import policy_loss
-from trainer._samples import Sample, pack_shared
+from trainer._samples import Sample, pack, pack_shared
+
+log = logging.getLogger("tracetrain.trainer")
 
 PeakMemoryKind = Literal["cuda_max_allocated", "process_max_rss"]
 
@@ -112,10 +120,14 @@ class Learner:
     or an SFT warm start). Its own LoRA settings (rank, alpha, targets) then win over
     ``cfg``'s; AdamW's state is restored when the directory has one (see ``save``).
 
-    ``attn_implementation``: passed to ``from_pretrained``; None is transformers' default
-    (sdpa). A packed micro-batch attends block-diagonally, but sdpa and eager still pay
-    for the whole (T, T) score matrix of the row; "flash_attention_2" on CUDA reads the
-    same position restarts as variable-length boundaries and pays only per sample.
+    ``attn_implementation``: "auto" (or None) lets ``trainer._attention.choose_attention`` pick:
+    flash_attention_2 on CUDA in half precision when flash_attn is installed, else sdpa. A
+    name forces it. Under flash attention a micro-batch never lays a shared prompt once
+    (that needs an explicit mask, which flash attention does not take).
+
+    ``shard``: under torchrun, split the base and the LoRA over the ranks (FSDP2) instead of
+    each rank holding the whole model; for a base that does not fit one device. Every rank
+    must then call ``step`` and ``logprobs`` together; ``save`` writes on rank 0 only.
 
     >>> learner = Learner(Path("models/SmolLM2-135M-Instruct"), TrainConfig())  # doctest: +SKIP
     >>> result = learner.step(items)  # doctest: +SKIP
@@ -130,14 +142,21 @@ class Learner:
         adapter: Path | None = None,
         device: str = "cpu",
         attn_implementation: str | None = None,
+        shard: bool = False,
     ) -> None:
         self.cfg = cfg
         self.device = torch.device(device)
         weights_dtype, self._autocast = _precision(cfg.dtype, self.device)
+        self.attention = choose_attention(attn_implementation or "auto", self.device, weights_dtype)
+        rank, world = rank_and_world()
+        self.sharded = shard and world > 1
+        if rank == 0:
+            log.info("attention: %s (%s)%s", self.attention.implementation, self.attention.why,
+                     f"; the model sharded over {world} ranks (FSDP)" if self.sharded else "")  # fmt: skip
         with torch.random.fork_rng(devices=[]):  # LoRA init is seeded without touching the caller's RNG
             torch.manual_seed(cfg.seed)
             base = AutoModelForCausalLM.from_pretrained(
-                str(base_model), dtype=weights_dtype, attn_implementation=attn_implementation
+                str(base_model), dtype=weights_dtype, attn_implementation=self.attention.implementation
             )
             _refuse_transformed_logits(base)
             model: PeftModel
@@ -148,20 +167,26 @@ class Learner:
                     model = PeftModel.from_pretrained(base, str(adapter), is_trainable=True)
         # vLLM and peft read this to name the base; the path this learner loaded is the truthful one.
         model.peft_config[model.active_adapter].base_model_name_or_path = str(base_model)
-        self.model: PeftModel = model.to(self.device)
-        self._causal_lm = cast(PreTrainedModel, self.model.get_base_model())
-        lm_head = self._causal_lm.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated upstream
+        causal_lm = cast(PreTrainedModel, model.get_base_model())
+        lm_head = causal_lm.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated upstream
         if not isinstance(lm_head, torch.nn.Linear):
             raise NotImplementedError(f"expected a causal LM with a linear lm_head, got {type(lm_head).__name__}")
-        self._lm_head = lm_head
-        self._vocab = int(self._lm_head.weight.shape[0])
+        self._vocab = int(lm_head.weight.shape[0])
+        self._scorer = _sharded.Scorer(causal_lm, cfg.logprob_chunk_tokens)
+        if self.sharded:
+            _sharded.shard(self._scorer, self.device)  # each rank keeps its shard, on its device
+        else:
+            model.to(self.device)
+        self.model: PeftModel = model
         trainable = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
         self._param_names = [name for name, _ in trainable]
         self._params = [p for _, p in trainable]
         self.optimizer = torch.optim.AdamW(self._params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+        place = (lambda saved: _sharded.shard_optimizer_state(saved, self._params)) if self.sharded else None
         self.restored_optimizer = adapter is not None and load_optimizer_state(
-            adapter, self.optimizer, self._param_names, cfg
+            adapter, self.optimizer, self._param_names, cfg, place
         )
+        self._gathered: tuple[dict[str, Tensor], dict[str, Any]] | None = None  # sharded: the adapter, on rank 0
 
     def step(self, batch: Sequence[TrainItem]) -> StepResult:
         """One optimizer step over the whole batch; samples without sampled tokens are skipped.
@@ -182,24 +207,35 @@ class Learner:
             torch.cuda.reset_peak_memory_stats(self.device)
         samples = [item.sample for item in items]
         loss_tokens = sum(s.loss_tokens for s in samples)
-        micro_batches = pack_shared(samples, self.cfg.micro_batch_tokens)
+        micro_batches = self._pack(samples)
         rank, world = rank_and_world()  # (0, 1) in a single process
+        mine = micro_batches[rank::world]  # this rank's share; every rank packed the same list
+        # Sharded, every forward gathers weights in collectives: a rank short of micro-batches repeats one, unweighted.
+        padding = _sharded.padding_rounds(len(micro_batches), len(mine), world) if self.sharded else 0
 
         self.model.train()
         totals = dict.fromkeys(("loss", "clipped", "ratio", "kl", "entropy", "mismatch", "clamped"), 0.0)
         mismatch_max = 0.0
         try:
             with all_or_none():  # several ranks: one failing rank fails the step on all of them
-                for members in micro_batches[rank::world]:  # this rank's share; every rank packed the same list
+                for members in mine:
                     mismatch_max = max(mismatch_max, self._accumulate(items, samples, members, loss_tokens, totals))
+                for _ in range(padding):
+                    self._accumulate(items, samples, micro_batches[0], loss_tokens, None)
             if world > 1:
-                totals = sum_over_ranks(self._params, totals)  # each rank's loss is its share: SUM is the batch's
+                # Each rank's loss is its share: SUM is the batch's. Sharded, FSDP's reduce-scatter summed the grads.
+                totals = sum_totals(totals) if self.sharded else sum_over_ranks(self._params, totals)
                 mismatch_max = max_over_ranks(mismatch_max)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, self.cfg.max_grad_norm))
+            norm = torch.nn.utils.clip_grad_norm_(self._params, self.cfg.max_grad_norm)
+            grad_norm = float(_sharded.full(norm))
             if math.isfinite(grad_norm):
                 self.optimizer.step()
         finally:  # a failed step leaves no gradient behind for the next one to add to
             self.optimizer.zero_grad(set_to_none=True)
+        if self.sharded:  # every rank gathers; rank 0 keeps the adapter and AdamW's state for `save`
+            gathered = (_sharded.gather_lora(list(zip(self._param_names, self._params, strict=True))),
+                        _sharded.gather_optimizer_state(self.optimizer))  # fmt: skip
+            self._gathered = gathered if rank == 0 else None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
@@ -227,12 +263,13 @@ class Learner:
         )
 
     def _accumulate(self, items: Sequence[TrainItem], samples: Sequence[Sample], members: list[int],
-                    loss_tokens: int, totals: dict[str, float]) -> float:  # fmt: skip
+                    loss_tokens: int, totals: dict[str, float] | None) -> float:  # fmt: skip
         """Forward and backward one micro-batch (``members`` index ``samples``); adds its metrics to ``totals``.
 
-        Returns the micro-batch's largest |trainer - sampler| log-prob.
+        Returns the micro-batch's largest |trainer - sampler| log-prob. ``totals`` None: a sharded
+        rank's padding round, whose forward and backward join the collectives with a loss weight of 0.
         """
-        row = pack_row(samples, members, loss_only=True, device=self.device)
+        row = self._row(samples, members, loss_only=True)
         ref_logp = None
         if self.cfg.kl_coef > 0:
             with torch.no_grad(), self.model.disable_adapter(), self._precision_context():
@@ -252,6 +289,9 @@ class Learner:
             batch_tokens=loss_tokens,
             batch_sequences=len(samples),
         )
+        if totals is None:
+            torch.autograd.backward(loss * 0.0)
+            return 0.0
         torch.autograd.backward(loss)
         ratio_weight = m["sequences"] / len(samples) if self.cfg.loss == "gspo" else m["tokens"] / loss_tokens
         totals["loss"] += m["loss"]
@@ -276,9 +316,9 @@ class Learner:
         self.model.eval()
         try:
             out = [torch.zeros(len(s.token_ids)) for s in samples]
-            for members in pack_shared(samples, self.cfg.micro_batch_tokens):
-                row = pack_row(samples, members, loss_only=False, device=self.device)
-                if row.targets.numel() == 0:  # only one-token samples: nothing to score
+            for members in self._pack(samples):
+                row = self._row(samples, members, loss_only=False)
+                if row.targets.numel() == 0 and not self.sharded:  # only one-token samples: nothing to score
                     continue
                 with self._precision_context():
                     logp, _ = self._score(row)  # (P,)
@@ -293,13 +333,33 @@ class Learner:
         """Publish the adapter, ``trainer_config.json``, ``metrics.json`` and ``optimizer.pt`` at ``out_dir``.
 
         Written to a temporary directory beside it and renamed, so the directory appears
-        complete or not at all; raises FileExistsError if ``out_dir`` already exists.
+        complete or not at all; raises FileExistsError if ``out_dir`` already exists. Sharded: rank 0
+        writes what it gathered at the end of the last step; the other ranks write nothing.
         """
-        write_adapter_dir(out_dir, self.model, self.optimizer, self._param_names, self.cfg, metrics)
+        if not self.sharded:
+            write_adapter_dir(out_dir, self.model, self.optimizer, self._param_names, self.cfg, metrics)
+            return
+        if rank_and_world()[0] != 0:
+            return
+        if self._gathered is None:
+            raise RuntimeError("a sharded learner saves what its last step gathered, and it has taken no step")
+        lora, optimizer = self._gathered
+        write_adapter_dir(out_dir, self.model, self.optimizer, self._param_names, self.cfg, metrics,
+                          lora_state=lora, optimizer_state=optimizer)  # fmt: skip
+
+    def _pack(self, samples: Sequence[Sample]) -> list[list[int]]:
+        """Micro-batches; samples of one prompt together where the kernel lets a row lay the prompt once."""
+        if self.attention.shares_prefix:
+            return pack_shared(samples, self.cfg.micro_batch_tokens)
+        return pack(samples, self.cfg.micro_batch_tokens)
+
+    def _row(self, samples: Sequence[Sample], members: Sequence[int], *, loss_only: bool) -> PackedRow:
+        return pack_row(samples, members, loss_only=loss_only, device=self.device,
+                        share_prefix=self.attention.shares_prefix)  # fmt: skip
 
     def _score(self, row: PackedRow) -> tuple[Tensor, Tensor]:
-        hidden = hidden_states(self._causal_lm, row)  # (P, H)
-        return chunked_logprobs(hidden, row.targets, self._lm_head, self.cfg.logprob_chunk_tokens, row.temperature)
+        logp, entropy = self._scorer(row)  # (P,), (P,)
+        return logp, entropy
 
     def _gather(self, per_sample: Sequence[Sequence[float]], row: PackedRow) -> Tensor:
         """Per-token values of the row's members, taken at its scored tokens: (P,) float32."""

@@ -54,13 +54,21 @@ class PackedRow:
     temperature: Tensor  # (P,) float32: the temperature each scored token was sampled at (1.0 if not sampled)
 
 
-def pack_row(samples: Sequence[Sample], members: Sequence[int], *, loss_only: bool, device: torch.device) -> PackedRow:
-    """Lay ``samples[i] for i in members`` in one row, their common prefix only once.
+def pack_row(
+    samples: Sequence[Sample],
+    members: Sequence[int],
+    *,
+    loss_only: bool,
+    device: torch.device,
+    share_prefix: bool = True,
+) -> PackedRow:
+    """Lay ``samples[i] for i in members`` in one row, their common prefix only once (if ``share_prefix``).
 
     The samples of a GRPO group share their prompt: the row holds it once, then each
     member's remaining tokens, positioned as if they followed the prefix directly, and
     attention lets every member see the prefix and its own tokens only. Without a common
-    prefix the members are simply laid end to end.
+    prefix, or without ``share_prefix`` (flash attention takes no explicit mask:
+    ``trainer._attention``), the members are simply laid end to end.
 
     Scored tokens: the sampled ones (``loss_mask``) when ``loss_only``, else every token
     but each sample's first, which has no prefix to predict it from. A scored token's
@@ -69,7 +77,7 @@ def pack_row(samples: Sequence[Sample], members: Sequence[int], *, loss_only: bo
     """
     token_lists = [samples[i].token_ids for i in members]
     shared = 0
-    if len(token_lists) > 1:
+    if share_prefix and len(token_lists) > 1:
         shared = common_prefix(*token_lists)
     ids: list[int] = list(token_lists[0][:shared])
     positions: list[int] = list(range(shared))

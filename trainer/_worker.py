@@ -60,6 +60,8 @@ class WorkerSettings:
     poll_s: float = 1.0
     lease_s: float = JOB_LEASE_S
     share_gpu: bool = False  # the GPU is vLLM's but for each step, which waits for the proxy's grant
+    shard: bool = False  # under torchrun: the base and the LoRA split over the ranks (FSDP2), not replicated
+    attn_implementation: str = "auto"  # trainer._attention.choose_attention's choice, or a name that forces one
 
     @property
     def adapters_dir(self) -> Path:
@@ -158,7 +160,6 @@ class Worker:
     async def _train(self, job: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
         holds = self._held.version
         base = await self._version_to_train_on()
-        learner = await asyncio.to_thread(self._held.at, base)
         stored = await self._store.jobs.rewarded_trajectories(job["group_ids"])
         config = self.settings.config
         defaults = SamplingDefaults.of_model(self.settings.base_model, temperature=config.default_temperature)
@@ -173,6 +174,8 @@ class Worker:
         ]
         async with self._gpu(job["id"]):  # one GPU shared with vLLM: held from here to the record
             self._tell(Step(base, holds, tuple(items)))
+            # Loaded after the word: a sharded learner's set-up is collective, so every rank builds it together.
+            learner = await asyncio.to_thread(self._held.at, base)
             result = await asyncio.to_thread(learner.step, items)
             self._held.version = -1  # the weights moved: no version until they are saved as one
             version = await self._next_version()
@@ -220,7 +223,8 @@ class HeldLearner:
         adapter = settings.adapters_dir / str(version) if version > 0 else settings.init_adapter
         if adapter is not None and not adapter.is_dir():
             raise FileNotFoundError(f"the adapter to train from is missing: {adapter}")
-        self.learner = Learner(settings.base_model, settings.config, adapter=adapter, device=settings.device)
+        self.learner = Learner(settings.base_model, settings.config, adapter=adapter, device=settings.device,
+                               attn_implementation=settings.attn_implementation, shard=settings.shard)  # fmt: skip
         self.version = version
         return self.learner
 
