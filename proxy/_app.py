@@ -36,6 +36,7 @@ from proxy.judge import _routes as _judge_routes
 from proxy.judge._service import JudgeService
 from proxy.observability._langfuse import start_langfuse
 from proxy.observability._metrics import Metrics
+from proxy.training import _adapter_routes
 from proxy.training._handover import HandoverCoordinator
 from proxy.training._publisher import Publisher
 from proxy.training._scheduler import JobScheduler
@@ -94,8 +95,9 @@ def create_app(
         )
         replicas = [upstream, *(Upstream(url.rstrip("/"), clients[:1]) for url in settings.replicas)]
         publisher = Publisher(
-            store, registry, replicas, keep_versions=settings.keep_versions, unload_grace_s=settings.unload_grace_s
-        )
+            store, registry, replicas, keep_versions=settings.keep_versions, unload_grace_s=settings.unload_grace_s,
+            delivery=settings.adapter_delivery,
+        )  # fmt: skip
         await publisher.sync_once()
         publishing = asyncio.create_task(publisher.run(), name="tracetrain-publisher")
         handover, handing_over = None, None
@@ -114,8 +116,20 @@ def create_app(
         judging = JudgeService(settings, store, registry, scheduler, on_rewards=report_rewards)
         judging.start()  # scans for complete groups unless rewards are external only
         app.state.services = Services(
-            settings, store, upstream, registry, keyer, forwarder, scheduler, publisher, metrics, TokenTexts(upstream),
-            judging, report_rewards, langfuse=langfuse, handover=handover,
+            settings,
+            store,
+            upstream,
+            registry,
+            keyer,
+            forwarder,
+            scheduler,
+            publisher,
+            metrics,
+            TokenTexts(upstream),
+            judging,
+            report_rewards,
+            langfuse=langfuse,
+            handover=handover,
         )
         try:
             yield
@@ -143,6 +157,7 @@ def create_app(
     app.include_router(_admin_routes.router)
     app.include_router(_judge_routes.router)
     app.include_router(_dashboard_routes.router)
+    app.include_router(_adapter_routes.router)
     app.state.admin_auth = AdminAuth(settings.admin_token, loopback=is_loopback(settings.host))
     _add_health_routes(app)
     _add_error_handlers(app)

@@ -50,10 +50,11 @@ def test_store_public_names() -> None:
     import store
 
     assert sorted(store.__all__) == [
-        "ADAPTER_FIELDS", "AdapterState", "Adapters", "Call", "CallWrite", "DueRule", "ExportFilter", "ExportPage",
-        "ExportReads", "GROUP_VIEW_STATES", "GpuHandover", "GroupAdvantages", "GroupCalls", "GroupChanged",
-        "GroupRecord", "GroupState", "JOB_FIELDS", "JUDGEMENT_STATES", "JobState", "Jobs", "Judgements", "MOVES",
-        "Policies", "Reads", "RewardIn", "RewardSummary", "RewardedTrajectory", "SchemaTooNew", "Store", "StoreError",
+        "ADAPTER_FIELDS", "AdapterFile", "AdapterFiles", "AdapterState", "Adapters", "Call", "CallWrite", "DueRule",
+        "ExportFilter", "ExportPage", "ExportReads", "FILE_NAME_PATTERN", "FileEntry", "GROUP_VIEW_STATES",
+        "GpuHandover", "GroupAdvantages", "GroupCalls", "GroupChanged", "GroupRecord", "GroupState", "JOB_FIELDS",
+        "JUDGEMENT_STATES", "JobState", "Jobs", "Judgements", "MOVES", "Policies", "Reads", "RewardIn", "RewardSummary",
+        "RewardedTrajectory", "SchemaTooNew", "Store", "StoreError",
         "StoreUnavailable", "StoredCall", "TrajectoryFilter", "TrajectoryRecord", "TransitionRefused",
         "UnknownTrajectories", "allowed", "canonical_message", "common_prefix", "connect", "first_choice",
         "group_advantages", "reply_message", "same_message",

@@ -17,6 +17,14 @@ whose worker stopped renewing its lease (see ``store._lifecycle``).
 Versions are immutable names: a name is never reloaded with other weights, so vLLM's
 prefix cache cannot serve an old policy under a new name.
 
+Adapters reach vLLM one of two ways (``--adapter-delivery``). By path: vLLM is sent the
+directory the trainer wrote (one box, or a filesystem shared by every machine). Through
+the resolver: vLLM is asked for ``policy@N`` by name, and tracetrain_vllm's LoRA resolver,
+running inside vLLM, downloads the files the trainer recorded in the store from
+``GET /v1/adapters/...`` of a proxy (``Upstream.resolve_lora``). Either way the call
+returns once that vLLM holds the version, so the alias still flips only after every
+replica loaded it. ``auto`` goes by path when the directory exists on this machine.
+
 While vLLM sleeps for a training step (``--share-gpu``), the hand-over's coordinator holds
 the publisher (``held()``): nothing is loaded into a sleeping vLLM; once it is awake the
 coordinator publishes what the step recorded before any held call goes on.
@@ -32,6 +40,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Literal
 
 from proxy.errors import NotFound, ProxyError
 from proxy.gateway._policies import PolicyRegistry
@@ -45,6 +54,8 @@ _RELOAD_CHECK_S = 5.0
 # A publish takes milliseconds to seconds per vLLM; a replica that held a claim this long is gone.
 PUBLISH_LEASE_S = 120.0
 _RECLAIM_CHECK_S = 5.0
+# How adapters reach vLLM: the trainer's directory by path, or fetched by vLLM's tracetrain resolver.
+AdapterDelivery = Literal["auto", "path", "resolver"]
 
 
 class PublishError(ProxyError):
@@ -64,8 +75,10 @@ class Publisher:
         poll_s: float = 0.1,
         unload_grace_s: float = _UNLOAD_GRACE_S,
         lease_s: float = PUBLISH_LEASE_S,
+        delivery: AdapterDelivery = "auto",
     ) -> None:
         self._store = store
+        self._delivery = delivery
         self._owner = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
         self._lease_s = lease_s
         self._last_reclaim = 0.0
@@ -117,8 +130,8 @@ class Publisher:
             policy = self._registry.policy
             if version != 0 and version not in self._registry.loaded_versions:
                 row = await self._store.adapters.get(policy, version)
-                if row is None or not Path(row["path"]).is_dir():
-                    raise NotFound(f"No adapter {policy}@{version} on disk.", param="version")
+                if row is None or not await self._loadable(version, row["path"]):
+                    raise NotFound(f"No adapter {policy}@{version} on disk or in the store.", param="version")
                 await self._load_everywhere(version, row["path"])
                 await self._store.adapters.published(policy, version)
             await self._flip(version)
@@ -158,7 +171,7 @@ class Publisher:
         loaded: list[Upstream] = []
         for replica in self._replicas:
             try:
-                await replica.load_lora(name, path)
+                await self._load_into(replica, name, path)
             except ProxyError as exc:
                 for done in loaded:  # leave no replica serving a version the others lack
                     try:
@@ -168,6 +181,30 @@ class Publisher:
                 raise PublishError(f"loading {name} into {replica.base_url} failed: {exc.message}") from exc
             loaded.append(replica)
         self._registry.loaded_versions.add(version)
+
+    async def _load_into(self, replica: Upstream, name: str, path: str) -> None:
+        """Returns once ``replica`` holds ``name``: sent by path, or fetched by its resolver."""
+        if self._by_path(path):
+            await replica.load_lora(name, path)
+            return
+        try:
+            await replica.resolve_lora(name)
+        except ProxyError as exc:
+            raise ProxyError(
+                f"{exc.message} (the adapter goes by name: {replica.base_url} must run tracetrain_vllm's resolver, "
+                "with TRACETRAIN_ADAPTERS_URL naming a proxy)"
+            ) from exc
+
+    def _by_path(self, path: str) -> bool:
+        if self._delivery == "auto":
+            return Path(path).is_dir()
+        return self._delivery == "path"
+
+    async def _loadable(self, version: int, path: str) -> bool:
+        """Whether ``version`` can still be loaded: its directory, or its files in the store."""
+        if self._by_path(path):
+            return Path(path).is_dir()
+        return await self._store.adapter_files.has_files(self._registry.policy, version)
 
     async def _flip(self, version: int) -> None:
         await self._store.policies.flip(self._registry.policy, version)
@@ -191,7 +228,7 @@ class Publisher:
                 row = None if name in present else await self._store.adapters.get(self._registry.policy, version)
                 if row is not None:
                     try:
-                        await replica.load_lora(name, row["path"])
+                        await self._load_into(replica, name, row["path"])
                         log.info("reloaded %s into %s", name, replica.base_url)
                     except ProxyError as exc:
                         log.warning("could not reload %s into %s: %s", name, replica.base_url, exc.message)
