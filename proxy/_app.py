@@ -98,7 +98,7 @@ def create_app(
             store, registry, replicas, keep_versions=settings.keep_versions, unload_grace_s=settings.unload_grace_s,
             delivery=settings.adapter_delivery,
         )  # fmt: skip
-        await publisher.sync_once()
+        await publisher.adopt()
         publishing = asyncio.create_task(publisher.run(), name="tracetrain-publisher")
         handover, handing_over = None, None
         if settings.share_gpu:

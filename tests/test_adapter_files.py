@@ -242,7 +242,7 @@ async def test_the_resolver_says_why_it_fetched_nothing(keyed_proxy: RunningProx
     with pytest.raises(AdapterFetchError, match="answered 404") as missing:
         await fetcher(keyed_proxy, tmp_path).fetch("agent", 5)
     assert missing.value.missing
-    with pytest.raises(AdapterFetchError, match="answered 401.*Invalid adapter key") as refused:
+    with pytest.raises(AdapterFetchError, match=r"answered 401.*Invalid adapter key") as refused:
         await fetcher(keyed_proxy, tmp_path, key="wrong-key-0123456789abcdef").fetch("agent", 5)
     assert not refused.value.missing
     with pytest.raises(AdapterFetchError, match="could not be reached"):
@@ -272,17 +272,15 @@ def _manifest_for(name: str, data: bytes) -> dict[str, Any]:
 
 async def test_a_file_that_does_not_match_its_digest_is_refused_and_nothing_is_cached(tmp_path: Path) -> None:
     app = _lying_proxy(_manifest_for("adapter_config.json", b"{}"), b"{tampered}", [])
-    with serve_in_thread(app) as url:
-        with pytest.raises(AdapterFetchError, match="does not match its sha256"):
-            await AdapterFetcher(url, None, tmp_path).fetch("agent", 1)
+    with serve_in_thread(app) as url, pytest.raises(AdapterFetchError, match="does not match its sha256"):
+        await AdapterFetcher(url, None, tmp_path).fetch("agent", 1)
     assert list((tmp_path / "agent").iterdir()) == []
 
 
 async def test_a_manifest_naming_a_path_outside_the_cache_is_refused(tmp_path: Path) -> None:
     app = _lying_proxy(_manifest_for("../../escape.json", b"{}"), b"{}", [])
-    with serve_in_thread(app) as url:
-        with pytest.raises(AdapterFetchError, match="no plain file name"):
-            await AdapterFetcher(url, None, tmp_path / "cache").fetch("agent", 1)
+    with serve_in_thread(app) as url, pytest.raises(AdapterFetchError, match="no plain file name"):
+        await AdapterFetcher(url, None, tmp_path / "cache").fetch("agent", 1)
     assert not (tmp_path / "escape.json").exists()
 
 
@@ -292,9 +290,8 @@ async def test_a_busy_proxy_is_asked_again_and_a_refusal_is_not(tmp_path: Path) 
         path = await AdapterFetcher(url, None, tmp_path, attempts=3).fetch("agent", 1)
     assert (path / "adapter_config.json").read_bytes() == b"{}"
     app = _lying_proxy(_manifest_for("adapter_config.json", b"{}"), b"{}", [403, 403])
-    with serve_in_thread(app) as url:
-        with pytest.raises(AdapterFetchError, match="answered 403"):
-            await AdapterFetcher(url, None, tmp_path / "other", attempts=3).fetch("agent", 1)
+    with serve_in_thread(app) as url, pytest.raises(AdapterFetchError, match="answered 403"):
+        await AdapterFetcher(url, None, tmp_path / "other", attempts=3).fetch("agent", 1)
 
 
 async def test_vllms_resolver_answers_only_policy_versions(keyed_proxy: RunningProxy, tmp_path: Path) -> None:
@@ -399,3 +396,34 @@ def test_a_rollback_to_a_version_only_in_the_store_is_fetched_again(
     wait_for(lambda: [a for a in adapters(proxy)["data"] if a["version"] == 7 and a["state"] == "failed"])
     refused = httpx.post(f"{proxy.url}/admin/adapters/7/activate", headers=headers)
     assert refused.status_code == 404 and "on disk or in the store" in refused.json()["error"]["message"]
+
+
+# ---------------------------------------------------------------- tracetrain serve
+
+
+@pytest.mark.parametrize(
+    ("delivery", "train", "by_name"),
+    [("auto", True, False), ("auto", False, True), ("path", False, False), ("resolver", True, True)],
+)
+def test_serve_points_vllms_resolver_at_itself_only_when_adapters_may_go_by_name(
+    tmp_path: Path, delivery: str, train: bool, by_name: bool
+) -> None:
+    from proxy import Settings
+    from tracetrain_cli._serve_command import _adapters_by_name, _with_adapter_resolver
+    from tracetrain_cli._vllm_process import VLLMLaunch
+
+    settings = Settings(data_dir=tmp_path, adapter_delivery=delivery, port=8100, admin_token=ADMIN_TOKEN)
+    launch = VLLMLaunch(model="m", port=8101, data_dir=tmp_path)
+    assert _adapters_by_name(settings, train=train) is by_name
+    assert "TRACETRAIN_ADAPTERS_URL" not in launch.env({})
+    settings, launch = _with_adapter_resolver(settings, launch)
+    env = launch.env({})
+    key = env["TRACETRAIN_ADAPTERS_KEY"]
+    assert env["TRACETRAIN_ADAPTERS_URL"] == "http://127.0.0.1:8100"
+    # A key made for this run, that reads adapters only: never the admin token.
+    assert [k.get_secret_value() for k in settings.adapter_keys] == [key] and key != ADMIN_TOKEN and len(key) >= 32
+    assert key not in repr(launch)
+    configured = Settings(data_dir=tmp_path, adapter_keys=ADAPTER_KEY, host="0.0.0.0", api_keys=API_KEY)
+    _, launch = _with_adapter_resolver(configured, VLLMLaunch(model="m", port=8101, data_dir=tmp_path))
+    assert launch.env({})["TRACETRAIN_ADAPTERS_KEY"] == ADAPTER_KEY
+    assert launch.env({})["TRACETRAIN_ADAPTERS_URL"] == "http://127.0.0.1:8100"

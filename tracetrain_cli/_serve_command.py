@@ -137,6 +137,9 @@ def add_serve_parser(sub: Any) -> None:
     p.add_argument("--api-keys", metavar="K1,K2", help="inference keys agents must send as Bearer tokens")
     p.add_argument("--reward-keys", metavar="K1,K2", help="keys reward services must send to POST /v1/rewards")
     p.add_argument(
+        "--adapter-keys", metavar="K1,K2", help="keys that only read adapter files (what vLLM's resolver sends)"
+    )
+    p.add_argument(
         "--admin-token",
         metavar="TOKEN",
         help="the token of the dashboard (/admin) and the admin API; prefer TRACETRAIN_ADMIN_TOKEN (a flag shows in "
@@ -202,6 +205,7 @@ def settings_from(args: argparse.Namespace) -> Any:
         "min_group_size": args.min_group_size,
         "api_keys": args.api_keys,
         "reward_keys": args.reward_keys,
+        "adapter_keys": args.adapter_keys,
         "admin_token": args.admin_token,
         "batch_groups": args.batch_groups,
         "keep_versions": args.keep_versions,

@@ -104,6 +104,16 @@ class Publisher:
         async with self._lock:
             await self._sync()
 
+    async def adopt(self) -> None:
+        """What the store says is served, for the first calls; publishing waits for ``run``.
+
+        The app's start-up calls this, not ``sync_once``: a vLLM that fetches an adapter by
+        name may fetch it from this very proxy, which answers only once started.
+        """
+        async with self._lock:
+            await self._reclaim_expired()
+            await self._adopt_store_state()
+
     @asynccontextmanager
     async def held(self) -> AsyncIterator[Callable[[], Awaitable[None]]]:
         """Publish nothing until the block ends; it gets the sync to run once vLLM can load again.
