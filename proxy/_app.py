@@ -37,6 +37,7 @@ from proxy.judge import _routes as _judge_routes
 from proxy.judge._service import JudgeService
 from proxy.observability._langfuse import start_langfuse
 from proxy.observability._metrics import Metrics
+from proxy.training import _adapter_routes
 from proxy.training._guard import RegressionGuard
 from proxy.training._handover import HandoverCoordinator
 from proxy.training._publisher import Publisher
@@ -98,10 +99,11 @@ def create_app(
         )
         publisher = Publisher(
             store, registry, router, keep_versions=settings.keep_versions, unload_grace_s=settings.unload_grace_s,
-            guard=settings.regression_guard,
+            guard=settings.regression_guard, delivery=settings.adapter_delivery,
         )  # fmt: skip
-        await router.check_once(publisher.restore)  # servers that answer get the published adapters, then traffic
-        await publisher.sync_once()
+        # Publishing, and restoring the adapters of servers, start once this proxy serves: a vLLM that
+        # fetches an adapter by name (tracetrain_vllm's resolver) may fetch it from this very proxy.
+        await publisher.adopt()
         background = [
             asyncio.create_task(publisher.run(), name="tracetrain-publisher"),
             asyncio.create_task(router.run(publisher.restore), name="tracetrain-upstream-health"),
@@ -172,6 +174,7 @@ def create_app(
     app.include_router(_admin_routes.router)
     app.include_router(_judge_routes.router)
     app.include_router(_dashboard_routes.router)
+    app.include_router(_adapter_routes.router)
     app.state.admin_auth = AdminAuth(settings.admin_token, loopback=is_loopback(settings.host))
     _add_health_routes(app)
     _add_error_handlers(app)

@@ -85,6 +85,23 @@ async def require_reward_key(request: Request, services: ServicesDep) -> None:
         _check(request, settings.api_keys, "key")
 
 
+async def require_adapter_reader(request: Request, services: ServicesDep) -> None:
+    """An adapter key or the admin token; without adapter keys, the admin rule alone (``require_admin``).
+
+    Adapter keys read adapter files and nothing else: the key every vLLM server holds
+    cannot roll back, train or read trajectories if it leaks.
+    """
+    settings = services.settings
+    if not settings.adapter_keys:
+        await require_admin(request)
+        return
+    auth: AdminAuth = request.app.state.admin_auth
+    presented = presented_token(request)
+    if presented is not None and auth.token_matches(presented):
+        return
+    _check(request, settings.adapter_keys, "adapter key")
+
+
 async def require_admin(request: Request) -> Admin:
     """The admin token or a dashboard session (see ``proxy.admin._auth``); 401/403 otherwise."""
     auth: AdminAuth = request.app.state.admin_auth

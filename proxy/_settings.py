@@ -75,6 +75,10 @@ class Settings(BaseSettings):
     unload_grace_s: float = Field(default=30.0, ge=0)
     # How often each upstream's /health is asked; a server that fails it leaves the rotation.
     health_check_s: float = Field(default=2.0, gt=0)
+    # How vLLM gets an adapter: "path" sends the directory the trainer wrote (vLLM sees that disk);
+    # "resolver" asks vLLM for `policy@N` by name and its tracetrain resolver fetches the files from
+    # GET /v1/adapters/... (a trainer on another machine); "auto": by path when the directory is here.
+    adapter_delivery: Literal["auto", "path", "resolver"] = "auto"
 
     # One GPU for vLLM and the trainer (proxy.training._handover): around each training step new calls wait
     # in the proxy, vLLM finishes what runs, sleeps, the trainer steps, vLLM wakes with the new adapter.
@@ -121,6 +125,9 @@ class Settings(BaseSettings):
     api_keys: Secrets = ()
     reward_keys: Secrets = ()
     admin_token: SecretStr | None = None
+    # Keys that may only read adapter files (GET /v1/adapters/...): what vLLM's resolver sends
+    # (TRACETRAIN_ADAPTERS_KEY there). The admin token reads them too; without adapter keys it alone does.
+    adapter_keys: Secrets = ()
 
     # Export trajectories, calls and rewards to Langfuse (proxy.observability._langfuse). The keys and the URL are
     # read from Langfuse's usual variables: LANGFUSE_PUBLIC_KEY, LANGFUSE_SECRET_KEY, LANGFUSE_BASE_URL
@@ -150,6 +157,7 @@ class Settings(BaseSettings):
         return data
 
     @field_validator("api_keys", "reward_keys", "upstreams", mode="before")
+    @field_validator("api_keys", "reward_keys", "adapter_keys", "upstreams", mode="before")
     @classmethod
     def _split_keys(cls, value: object) -> object:
         if isinstance(value, str):
@@ -189,7 +197,12 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_secrets(self) -> Settings:
-        secrets = [*self.api_keys, *self.reward_keys, *([self.admin_token] if self.admin_token else [])]
+        secrets = [
+            *self.api_keys,
+            *self.reward_keys,
+            *self.adapter_keys,
+            *([self.admin_token] if self.admin_token else []),
+        ]
         for secret in secrets:
             raw = secret.get_secret_value()
             if raw.lower() in _PLACEHOLDER_SECRETS or len(raw) < _MIN_SECRET_LENGTH:

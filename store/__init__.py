@@ -5,6 +5,7 @@ neither FastAPI/Starlette nor torch, so the trainer worker reads its jobs withou
 the proxy, and the proxy never loads torch. ``Store.open(url)`` is the way in.
 """
 
+from store._adapter_files import FILE_NAME_PATTERN, AdapterFile, AdapterFiles, FileEntry
 from store._adapters import ADAPTER_FIELDS, Adapters, Policies
 from store._advantages import GroupAdvantages, group_advantages
 from store._conversation import canonical_message, common_prefix, first_choice, reply_message, same_message
@@ -24,11 +25,14 @@ from store._writer import CallWrite
 
 __all__ = [
     "ADAPTER_FIELDS",
+    "FILE_NAME_PATTERN",
     "GROUP_VIEW_STATES",
     "JOB_FIELDS",
     "JUDGEMENT_STATES",
     "MOVES",
     "TRAINING_FIELDS",
+    "AdapterFile",
+    "AdapterFiles",
     "AdapterState",
     "Adapters",
     "Call",
@@ -37,6 +41,7 @@ __all__ = [
     "ExportFilter",
     "ExportPage",
     "ExportReads",
+    "FileEntry",
     "GpuHandover",
     "GroupAdvantages",
     "GroupCalls",

@@ -9,11 +9,13 @@ replica then takes it back (``trained`` again, ``reclaimed`` counted) and publis
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from store._adapter_files import AdapterFile, write_files
 from store._engine import insert_ignore
 from store._lifecycle import AdapterState, JobState, move
 from store._tables import adapters as A
@@ -59,13 +61,26 @@ class Adapters:
     def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
 
-    async def record(self, policy: str, version: int, path: str, job_id: int | None, metrics: dict[str, Any]) -> None:
-        """A freshly trained adapter, waiting to be published."""
+    async def record(
+        self,
+        policy: str,
+        version: int,
+        path: str,
+        job_id: int | None,
+        metrics: dict[str, Any],
+        files: Sequence[AdapterFile] = (),
+    ) -> None:
+        """A freshly trained adapter, waiting to be published; with ``files``, its files too, in one transaction.
+
+        ``path`` is where the trainer wrote it; ``files`` reach a vLLM that cannot see that
+        directory (``store._adapter_files``).
+        """
         async with self._engine.begin() as conn:
             await conn.execute(
                 A.insert().values(policy=policy, version=version, path=path, job_id=job_id,
                                   state=AdapterState.TRAINED.value, metrics=metrics, created_at=time.time())
             )  # fmt: skip
+            await write_files(conn, policy, version, files)
 
     async def get(self, policy: str, version: int) -> dict[str, Any] | None:
         async with self._engine.connect() as conn:

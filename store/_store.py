@@ -2,7 +2,7 @@
 
 ``Store.open(url)`` connects (bringing the schema to the current revision), starts the
 group-commit writer when the process captures calls, and gathers the store's parts:
-``policies``, ``adapters``, ``jobs``, ``judgements``, ``reads``, ``export``, ``guards``,
+``policies``, ``adapters``, ``adapter_files``, ``jobs``, ``judgements``, ``reads``, ``export``, ``guards``,
 ``reward_timeouts``. The few
 lookups on the proxy's request path (keying) are methods here: on SQLite they read
 synchronously through the writer's engine, because an indexed SQLite read takes tens of
@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from sqlalchemy import Connection, Engine, func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from store._adapter_files import AdapterFiles
 from store._adapters import Adapters, Policies
 from store._engine import connect, sqlite_sync_engine
 from store._export import ExportReads
@@ -42,6 +43,7 @@ class Store:
         self._writer: GroupCommitWriter | None = None
         self.policies = Policies(engine)
         self.adapters = Adapters(engine)
+        self.adapter_files = AdapterFiles(engine)
         self.jobs = Jobs(engine)
         self.judgements = Judgements(engine)
         self.reads = Reads(engine)

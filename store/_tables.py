@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from sqlalchemy import JSON, Column, Index, Table, UniqueConstraint
+from sqlalchemy import JSON, Column, Index, LargeBinary, Table, UniqueConstraint
 from sqlmodel import Field, SQLModel
 
 KeyedBy = Literal["header", "path", "thread", "new"]
@@ -180,6 +180,27 @@ class AdapterVersion(SQLModel, table=True):
     guard: dict[str, Any] | None = _json(None)
 
 
+class AdapterFile(SQLModel, table=True):
+    """One file of an adapter version, kept in the store so that vLLM need not see the trainer's disk.
+
+    The worker writes an adapter's files with its ``adapters`` row, in one transaction; the
+    proxy serves them (``GET /v1/adapters/{policy}/{version}/files/{name}``) to the resolver
+    that vLLM runs (``tracetrain_vllm``). ``sha256`` is the hex digest of ``data``.
+    """
+
+    __tablename__ = "adapter_files"
+    __table_args__ = (UniqueConstraint("policy", "version", "name"),)
+
+    pk: int | None = Field(default=None, primary_key=True)
+    policy: str
+    version: int
+    name: str  # a plain file name: "adapter_model.safetensors", "adapter_config.json", ...
+    size: int
+    sha256: str
+    data: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
+    created_at: float
+
+
 class Judgement(SQLModel, table=True):
     """One run of the group judge (``proxy.judge._service``): its scores, or why it failed.
 
@@ -224,4 +245,5 @@ calls = _table(Call)
 rewards = _table(Reward)
 training_jobs = _table(TrainingJob)
 adapters = _table(AdapterVersion)
+adapter_files = _table(AdapterFile)
 judgements = _table(Judgement)

@@ -51,6 +51,9 @@ Simplified:
   "required" or named acts like "auto"; at most 20 top logprobs. Loading a LoRA never
   reads ``lora_path``: set ``fail_next_load`` to make a load fail. ``/metrics`` has no other
   metric, and its running count is always 0.
+- LoRA resolvers: set ``resolve_lora`` (an async function of the name that returns a path
+  or None) to play vLLM's registered resolvers; a request naming a model the fake does not
+  hold asks it first (``POST /tokenize`` and generation), as vLLM's ``_check_model`` does.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ import threading
 import time
 import zlib
 from collections import deque
-from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -374,6 +377,8 @@ class FakeVLLM:
         # Asked first with each generation body: a Reply answers it, None leaves it to the script.
         # Lets a test answer one kind of request (a judge's) whatever else is queued.
         self.reply_for: Callable[[dict[str, Any]], Reply | None] | None = None
+        # vLLM's LoRA resolvers: a name it does not hold -> the path of what it loads, or None (404).
+        self.resolve_lora: Callable[[str], Awaitable[str | None]] | None = None
         self._fingerprint = f"vllm-{VLLM_VERSION}-{zlib.crc32(base_model.encode()):08x}"
         self.handover = HandoverEndpoints()  # pause, sleep and their order of calls
         self.app = Starlette(
@@ -384,6 +389,7 @@ class FakeVLLM:
                 Route("/v1/load_lora_adapter", self._load_lora, methods=["POST"]),
                 Route("/v1/unload_lora_adapter", self._unload_lora, methods=["POST"]),
                 Route("/detokenize", self._detokenize, methods=["POST"]),
+                Route("/tokenize", self._tokenize, methods=["POST"]),
                 Route("/health", self._health, methods=["GET"]),
                 Route("/metrics", self._metrics, methods=["GET"]),
                 Route("/ping", self._health, methods=["GET", "POST"]),
@@ -409,6 +415,7 @@ class FakeVLLM:
         messages = body.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise _invalid("messages")
+        await self._resolved(body.get("model"))
         model = self._served_model(body.get("model"))
         self.handover.note(f"chat {model}")
         add_generation_prompt = body.get("add_generation_prompt", True) is not False
@@ -444,6 +451,7 @@ class FakeVLLM:
         if not isinstance(prompt, str) and not all(isinstance(t, int) for t in prompt):
             raise _VLLMError("fake_vllm serves one prompt per request.", "BadRequestError", 400, "prompt")
         prompt_ids = tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        await self._resolved(body.get("model"))
         model = self._served_model(body.get("model"))
         self.handover.note(f"completions {model}")
         reply = await self._take_reply(body, f"echo: {detokenize(prompt_ids)}")
@@ -454,6 +462,14 @@ class FakeVLLM:
         if self.token_delay_s:
             await asyncio.sleep(self.token_delay_s * len(job.out.token_ids))
         return self._respond(self._completion_body(job, k), reply)
+
+    async def _resolved(self, model: Any) -> None:
+        """vLLM's _check_model: a name it does not hold goes to the resolvers, and what they find is loaded."""
+        if self.resolve_lora is None or not isinstance(model, str) or model == self.base_model or model in self.loras:
+            return
+        path = await self.resolve_lora(model)
+        if path is not None:
+            self.loras[model] = path
 
     def _served_model(self, model: Any) -> str:
         if not model or model == self.base_model:
@@ -773,6 +789,17 @@ class FakeVLLM:
             ),
         ]
         return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def _tokenize(self, request: Request) -> Response:
+        body = await _json_body(request)
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise _invalid("prompt")
+        await self._resolved(body.get("model"))
+        if body.get("model") is not None:
+            self._served_model(body["model"])
+        tokens = tokenize(prompt)
+        return _json({"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens, "token_strs": None})
 
     async def _health(self, request: Request) -> Response:
         return Response()

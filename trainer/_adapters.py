@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from peft import PeftModel
 
+from store import AdapterFile
 from trainer._config import TrainConfig
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -30,6 +31,11 @@ OPTIMIZER = "optimizer.pt"
 # What makes a step directory complete. optimizer.pt is optional: without it a resume
 # starts AdamW's moments afresh (and an SFT warm start never has one).
 REQUIRED_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, TRAINER_CONFIG, METRICS)
+
+
+def files_for_store(adapter_dir: Path) -> list[AdapterFile]:
+    """The files a vLLM elsewhere needs (all but the optimizer state, which only the trainer reads)."""
+    return [AdapterFile(name, (adapter_dir / name).read_bytes()) for name in REQUIRED_FILES]
 
 
 def write_adapter_dir(

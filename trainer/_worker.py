@@ -1,12 +1,13 @@
 """The trainer worker: claims a queued job from the store, trains one step, records the adapter.
 
     store (queued job) --claim--> load its groups' trajectories --> build samples and advantages
-        --> Learner.step --> <data>/adapters/<policy>/<N>/ --> adapters row (state "trained")
+        --> Learner.step --> <data>/adapters/<policy>/<N>/ --> adapters row (state "trained") and its files
 
 The proxy publishes what the worker records (``proxy.training._publisher``). The worker
 trains on top of the version the policy serves: after a rollback or a failed publish it
 reloads that version's adapter first. It never talks to vLLM or the proxy; the store is
-the only thing they share, so the worker can run on its own GPU machine.
+the only thing they share, so the worker can run on its own GPU machine: the adapter's
+files are recorded in the store with it, and vLLM fetches them through the proxy.
 
 A claimed job carries a lease that the worker renews while it trains. A worker that dies
 stops renewing: after the lease any proxy replica queues the job again (``store._jobs``).
@@ -33,6 +34,7 @@ from typing import Any
 
 from store import Store
 from trainer import _distributed
+from trainer._adapters import files_for_store
 from trainer._batch import TrajectoryData, build_batch
 from trainer._config import TrainConfig
 from trainer._distributed import Idle, Load, Ranks, Step, StepFailed, Stop, Word
@@ -183,8 +185,10 @@ class Worker:
             out_dir = self.settings.adapters_dir / str(version)
             await asyncio.to_thread(learner.save, out_dir, metrics)
             self._held.version = version
+            # The files go with the record: a vLLM that cannot see this disk fetches them through the proxy.
+            files = await asyncio.to_thread(files_for_store, out_dir)
             await self._store.adapters.record(self.settings.policy, version, str(out_dir.resolve()), job["id"],
-                                              metrics)  # fmt: skip
+                                              metrics, files)  # fmt: skip
         log.info("job %s: trained %s@%d (loss %.4f, reward mean %.3f, %.1f s)", job["id"], self.settings.policy,
                  version, result.loss, batch.metrics["reward_mean"], result.seconds)  # fmt: skip
         return metrics, version

@@ -60,6 +60,21 @@ class Upstream:
         """vLLM's runtime LoRA loading (needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)."""
         await self._lora("/load_lora_adapter", {"lora_name": name, "lora_path": path})
 
+    async def resolve_lora(self, name: str) -> None:
+        """Make vLLM load ``name`` through its LoRA resolvers (tracetrain_vllm's fetches it from the proxy).
+
+        vLLM 0.32's ``/v1/load_lora_adapter`` takes a path and never asks a resolver; a request
+        for a model it does not hold does, and loads what the resolver returns before it
+        answers. ``POST /tokenize`` is the cheapest such request: no sampling, no KV cache.
+        It answers 200 once the adapter is loaded, 404 when no resolver knows the name,
+        400 when one found it but the engine could not load it.
+        """
+        body = orjson.dumps({"model": name, "prompt": "resolve", "add_special_tokens": False})
+        async with upstream_errors(self.base_url):
+            response = await self._client.post(self.root_url + "/tokenize", content=body, headers=_JSON)
+        if response.status_code != 200:
+            raise UpstreamHTTPError(response.status_code, response.content)
+
     async def unload_lora(self, name: str) -> None:
         await self._lora("/unload_lora_adapter", {"lora_name": name})
 

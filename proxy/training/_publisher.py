@@ -22,6 +22,14 @@ is claimed while no server is in rotation.
 Versions are immutable names: a name is never reloaded with other weights, so vLLM's
 prefix cache cannot serve an old policy under a new name.
 
+Adapters reach vLLM one of two ways (``--adapter-delivery``). By path: vLLM is sent the
+directory the trainer wrote (one box, or a filesystem shared by every machine). Through
+the resolver: vLLM is asked for ``policy@N`` by name, and tracetrain_vllm's LoRA resolver,
+running inside vLLM, downloads the files the trainer recorded in the store from
+``GET /v1/adapters/...`` of a proxy (``Upstream.resolve_lora``). Either way the call
+returns once that vLLM holds the version, so the alias still flips only after every
+replica loaded it. ``auto`` goes by path when the directory exists on this machine.
+
 While vLLM sleeps for a training step (``--share-gpu``), the hand-over's coordinator holds
 the publisher (``held()``): nothing is loaded into a sleeping vLLM; once it is awake the
 coordinator publishes what the step recorded before any held call goes on.
@@ -37,10 +45,12 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Literal
 
 from proxy.errors import NotFound, ProxyError, UpstreamUnreachable
 from proxy.gateway._policies import PolicyRegistry
 from proxy.gateway._router import Router, Server
+from proxy.gateway._upstream import Upstream
 from proxy.training._regression import watch_record
 from store import Store, TrainingState
 
@@ -51,6 +61,8 @@ _RELOAD_CHECK_S = 5.0
 # A publish takes milliseconds to seconds per vLLM; a replica that held a claim this long is gone.
 PUBLISH_LEASE_S = 120.0
 _RECLAIM_CHECK_S = 5.0
+# How adapters reach vLLM: the trainer's directory by path, or fetched by vLLM's tracetrain resolver.
+AdapterDelivery = Literal["auto", "path", "resolver"]
 
 
 class PublishError(ProxyError):
@@ -71,8 +83,10 @@ class Publisher:
         unload_grace_s: float = _UNLOAD_GRACE_S,
         lease_s: float = PUBLISH_LEASE_S,
         guard: bool = False,
+        delivery: AdapterDelivery = "auto",
     ) -> None:
         self._store = store
+        self._delivery = delivery
         self._owner = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
         self._lease_s = lease_s
         self._last_reclaim = 0.0
@@ -99,6 +113,16 @@ class Publisher:
     async def sync_once(self) -> None:
         async with self._lock:
             await self._sync()
+
+    async def adopt(self) -> None:
+        """What the store says is served, for the first calls; publishing waits for ``run``.
+
+        The app's start-up calls this, not ``sync_once``: a vLLM that fetches an adapter by
+        name may fetch it from this very proxy, which answers only once started.
+        """
+        async with self._lock:
+            await self._reclaim_expired()
+            await self._adopt_store_state()
 
     @asynccontextmanager
     async def held(self) -> AsyncIterator[Callable[[], Awaitable[None]]]:
@@ -131,8 +155,8 @@ class Publisher:
             policy = self._registry.policy
             if version != 0 and version not in self._registry.loaded_versions:
                 row = await self._store.adapters.get(policy, version)
-                if row is None or not Path(row["path"]).is_dir():
-                    raise NotFound(f"No adapter {policy}@{version} on disk.", param="version")
+                if row is None or not await self._loadable(version, row["path"]):
+                    raise NotFound(f"No adapter {policy}@{version} on disk or in the store.", param="version")
                 await self._load_everywhere(version, row["path"])
                 await self._store.adapters.published(policy, version)
             await self._flip(version)
@@ -154,7 +178,7 @@ class Publisher:
                     row = await self._store.adapters.get(policy, version)
                     if row is None:
                         continue
-                    await server.upstream.load_lora(name, row["path"])
+                    await self._load_into(server.upstream, name, row["path"])
                     log.info("loaded %s into %s before it takes traffic again", name, server.url)
                 server.versions.add(version)
 
@@ -166,8 +190,9 @@ class Publisher:
             policy = self._registry.policy
             if to != 0 and to not in self._registry.loaded_versions:
                 row = await self._store.adapters.get(policy, to)
-                if row is None or not Path(row["path"]).is_dir():
-                    log.error("cannot roll %s@%d back: %s@%d is not on disk", policy, bad, policy, to)
+                if row is None or not await self._loadable(to, row["path"]):
+                    log.error("cannot roll %s@%d back: %s@%d is neither on disk nor in the store", policy, bad, policy,
+                              to)  # fmt: skip
                     return False
                 await self._load_everywhere(to, row["path"])
                 await self._store.adapters.published(policy, to)
@@ -234,7 +259,7 @@ class Publisher:
             raise PublishError(f"loading {name} failed: no vLLM server is in rotation")
         for server in servers:
             try:
-                await server.upstream.load_lora(name, path)
+                await self._load_into(server.upstream, name, path)
             except UpstreamUnreachable as exc:  # gone: out of rotation; it gets every version when back
                 self._router.mark_down(server, exc.message)
                 continue
@@ -251,6 +276,30 @@ class Publisher:
         if not loaded:
             raise PublishError(f"loading {name} failed: every vLLM server left the rotation meanwhile")
         self._registry.loaded_versions.add(version)
+
+    async def _load_into(self, replica: Upstream, name: str, path: str) -> None:
+        """Returns once ``replica`` holds ``name``: sent by path, or fetched by its resolver."""
+        if self._by_path(path):
+            await replica.load_lora(name, path)
+            return
+        try:
+            await replica.resolve_lora(name)
+        except ProxyError as exc:
+            raise ProxyError(
+                f"{exc.message} (the adapter goes by name: {replica.base_url} must run tracetrain_vllm's resolver, "
+                "with TRACETRAIN_ADAPTERS_URL naming a proxy)"
+            ) from exc
+
+    def _by_path(self, path: str) -> bool:
+        if self._delivery == "auto":
+            return Path(path).is_dir()
+        return self._delivery == "path"
+
+    async def _loadable(self, version: int, path: str) -> bool:
+        """Whether ``version`` can still be loaded: its directory, or its files in the store."""
+        if self._by_path(path):
+            return Path(path).is_dir()
+        return await self._store.adapter_files.has_files(self._registry.policy, version)
 
     async def _flip(self, version: int) -> None:
         await self._store.policies.flip(self._registry.policy, version)
@@ -278,7 +327,7 @@ class Publisher:
                 row = None if name in present else await self._store.adapters.get(self._registry.policy, version)
                 if row is not None:
                     try:
-                        await server.upstream.load_lora(name, row["path"])
+                        await self._load_into(server.upstream, name, row["path"])
                         server.versions.add(version)
                         log.info("reloaded %s into %s", name, server.url)
                     except ProxyError as exc:

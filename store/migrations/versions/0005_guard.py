@@ -16,8 +16,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0006_guard"
-down_revision = "0003_gpu_handover"
+revision = "0005_guard"
+down_revision = "0004_adapter_files"
 branch_labels = None
 depends_on = None
 
