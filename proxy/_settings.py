@@ -156,7 +156,6 @@ class Settings(BaseSettings):
             data["upstreams"] = given[0]
         return data
 
-    @field_validator("api_keys", "reward_keys", "upstreams", mode="before")
     @field_validator("api_keys", "reward_keys", "adapter_keys", "upstreams", mode="before")
     @classmethod
     def _split_keys(cls, value: object) -> object:

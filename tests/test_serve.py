@@ -142,7 +142,7 @@ async def test_serve_starts_vllm_trains_publishes_and_survives_a_vllm_crash(tmp_
         os.killpg(vllm, signal.SIGKILL)
         await serve.wait_for_output("vLLM exited with status", timeout_s=30)
         await serve.wait_for_output("vLLM ready again", timeout_s=420)
-        await serve.wait_for_output("reloaded agent@1", timeout_s=60)
+        await serve.wait_for_output("loaded agent@1 into", timeout_s=60)
         assert ask(port, "t-after-crash", group_id="g3").model == "agent@1"
         restarted = child_pid(serve, "vLLM")
     finally:
