@@ -31,7 +31,7 @@ from proxy.gateway._forward import Forwarder, error_response
 from proxy.gateway._gate import NOT_AWAKE, RETRY_AFTER_FAILED_S, Gate
 from proxy.gateway._keying import Keyer
 from proxy.gateway._policies import PolicyRegistry
-from proxy.gateway._upstream import Upstream
+from proxy.gateway._upstream import Upstream, generation_session
 from proxy.judge import _routes as _judge_routes
 from proxy.judge._service import JudgeService
 from proxy.observability._langfuse import start_langfuse
@@ -43,8 +43,8 @@ from store import Store
 
 log = logging.getLogger("tracetrain.proxy")
 
-# Upstream requests are spread over this many httpx clients (see proxy.gateway._upstream).
-_UPSTREAM_POOLS = 8
+# Generation calls go through one aiohttp session; these httpx clients carry only the control calls.
+_UPSTREAM_POOLS = 1
 
 
 def create_app(
@@ -72,7 +72,8 @@ def create_app(
             )
             for _ in range(_UPSTREAM_POOLS)
         ]
-        upstream = Upstream(settings.upstream, clients)
+        session = generation_session(settings.upstream_timeout_s)
+        upstream = Upstream(settings.upstream, clients, session)
         registry = PolicyRegistry(settings.policy, settings.served_model)
         if registry.base_model is None:
             try:
@@ -92,7 +93,7 @@ def create_app(
             batch_groups=settings.batch_groups,
             min_group_size=settings.min_group_size,
         )
-        replicas = [upstream, *(Upstream(url.rstrip("/"), clients[:1]) for url in settings.replicas)]
+        replicas = [upstream, *(Upstream(url.rstrip("/"), clients[:1], session) for url in settings.replicas)]
         publisher = Publisher(
             store, registry, replicas, keep_versions=settings.keep_versions, unload_grace_s=settings.unload_grace_s
         )
@@ -130,6 +131,7 @@ def create_app(
                 await langfuse.aclose()  # sends what is still queued, within its time limit
             for client in clients:
                 await client.aclose()
+            await session.close()
             await store.close()  # writes every queued record first
 
     app = FastAPI(

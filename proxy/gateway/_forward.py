@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
-import httpx
 import orjson
 from pydantic import BaseModel, ValidationError
 from starlette.responses import Response, StreamingResponse
@@ -43,7 +42,7 @@ from proxy.gateway._capture import (
 from proxy.gateway._gate import Gate
 from proxy.gateway._keying import Conversation, Key, Keyer, KeyHints
 from proxy.gateway._policies import PolicyRegistry, Route
-from proxy.gateway._upstream import Upstream
+from proxy.gateway._upstream import Upstream, UpstreamStream
 from proxy.gateway._wire import ChatCompletionRequest, CompletionRequest
 from proxy.observability._langfuse import LangfuseExporter
 from proxy.observability._metrics import Metrics
@@ -270,7 +269,7 @@ class _Relay:
     the upstream response closed.
     """
 
-    def __init__(self, forwarder: Forwarder, registry: PolicyRegistry, call: _Call, upstream: httpx.Response) -> None:
+    def __init__(self, forwarder: Forwarder, registry: PolicyRegistry, call: _Call, upstream: UpstreamStream) -> None:
         self._forwarder = forwarder
         self._registry = registry
         self._call = call
@@ -296,7 +295,7 @@ class _Relay:
                     yield b"data: " + orjson.dumps(chunk) + b"\n\n"
             if not finished:
                 raise UpstreamError("the upstream closed the stream before it finished")
-        except (UpstreamError, httpx.TransportError, orjson.JSONDecodeError) as exc:
+        except (UpstreamError, orjson.JSONDecodeError) as exc:
             message = exc.message if isinstance(exc, ProxyError) else f"the upstream stream broke: {exc!r}"
             self._recorded = True
             await self._forwarder.record(self._record(502, message))
