@@ -42,6 +42,7 @@ from proxy.gateway._capture import (
 from proxy.gateway._gate import Gate
 from proxy.gateway._keying import Conversation, Key, Keyer, KeyHints
 from proxy.gateway._policies import PolicyRegistry, Route
+from proxy.gateway._sse import SSEDecoder
 from proxy.gateway._upstream import Upstream, UpstreamStream
 from proxy.gateway._wire import ChatCompletionRequest, CompletionRequest
 from proxy.observability._langfuse import LangfuseExporter
@@ -247,18 +248,11 @@ def _call_write(
 
 
 async def _sse_data(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """The ``data:`` payload of each server-sent event, as soon as the event is complete."""
-    buffer = b""
+    """The data of each server-sent event (``proxy.gateway._sse``), as soon as the event is complete."""
+    decoder = SSEDecoder()
     async for chunk in chunks:
-        buffer += chunk
-        while True:
-            end = buffer.find(b"\n\n")
-            if end < 0:
-                break
-            event, buffer = buffer[:end], buffer[end + 2 :]
-            for line in event.split(b"\n"):
-                if line.startswith(b"data:"):
-                    yield line[5:].strip()
+        for event in decoder.feed(chunk):
+            yield event.data
 
 
 class _Relay:
