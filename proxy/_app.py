@@ -117,7 +117,7 @@ def create_app(
         app.state.services = Services(
             settings, store, upstream, registry, keyer, forwarder, scheduler, publisher, metrics, TokenTexts(upstream),
             judging, report_rewards, langfuse=langfuse, handover=handover,
-        )
+        )  # fmt: skip
         try:
             yield
         finally:

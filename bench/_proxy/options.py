@@ -18,3 +18,4 @@ class Options:
     ttfb_requests: int
     out: Path | None
     profile: Path | None
+    observe: bool = False  # tracetrain with --langfuse (to a local sink) and /metrics scraped every second

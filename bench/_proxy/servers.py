@@ -73,8 +73,13 @@ def _litellm_config(workdir: Path, upstream_port: int) -> Path:
     return path
 
 
-def start_servers(stack: contextlib.ExitStack, targets: Sequence[str], workdir: Path) -> dict[str, Server]:
-    """Start the fake upstream and the proxies the run needs, each answering before this returns."""
+def start_servers(
+    stack: contextlib.ExitStack, targets: Sequence[str], workdir: Path, observe: bool = False
+) -> dict[str, Server]:
+    """Start the fake upstream and the proxies the run needs, each answering before this returns.
+
+    ``observe``: tracetrain also exports to Langfuse (a local sink that answers 200) with ``--langfuse``.
+    """
 
     def start(name: str, argv: list[str], ready_path: str, model: str, env: dict[str, str] | None = None) -> Server:
         port, log = free_port(HOST), workdir / f"{name}.log"
@@ -87,7 +92,14 @@ def start_servers(stack: contextlib.ExitStack, targets: Sequence[str], workdir: 
     upstream = f"{fake.url}/v1"
     if "tracetrain" in targets:
         argv = [tool("tracetrain"), "serve", "--upstream", upstream, "--data-dir", str(workdir / "tracetrain")]
-        servers["tracetrain"] = start("tracetrain", [*argv, "--no-train", "--log-level", "warning"], "/readyz", POLICY)
+        argv += ["--no-train", "--log-level", "warning"]
+        env = None
+        if observe:
+            sink = start("langfuse-sink", [sys.executable, str(Path(__file__).with_name("langfuse_sink.py"))], "/", "")
+            keys = {"LANGFUSE_PUBLIC_KEY": "pk-lf-bench", "LANGFUSE_SECRET_KEY": "sk-lf-bench"}
+            env = {**os.environ, **keys, "LANGFUSE_BASE_URL": sink.url}
+            argv.append("--langfuse")
+        servers["tracetrain"] = start("tracetrain", argv, "/readyz", POLICY, env)
     if "litellm" in targets:
         quiet = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "DISABLE_ADMIN_UI": "True", "LITELLM_LOG": "ERROR"}
         config = str(_litellm_config(workdir, fake.port))

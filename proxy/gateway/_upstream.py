@@ -82,9 +82,11 @@ class Upstream:
 
     async def post(self, path: str, body: bytes) -> Reply:
         """POST and read the whole answer (any status)."""
-        async with upstream_errors(self.base_url):
-            async with self._session.post(self.base_url + path, data=body, headers=_JSON) as response:
-                return Reply(response.status, await response.read())
+        async with (
+            upstream_errors(self.base_url),
+            self._session.post(self.base_url + path, data=body, headers=_JSON) as response,
+        ):
+            return Reply(response.status, await response.read())
 
     async def open_stream(self, path: str, body: bytes) -> UpstreamStream:
         """POST and return once the status line and headers arrived; the caller closes it.
