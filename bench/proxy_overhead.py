@@ -19,6 +19,8 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -50,22 +52,41 @@ def parse_options(argv: Sequence[str] | None) -> Options:
         "--upstreams", type=int, default=1, help="fake vLLM servers behind tracetrain (2: its router spreads them)"
     )
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 s cells, concurrency 1,64, 30 TTFB probes")
+    parser.add_argument(
+        "--observe",
+        action="store_true",
+        help="tracetrain with --langfuse (a local sink) and /metrics scraped each second",
+    )
     args = parser.parse_args(argv)
     targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
     if not targets or set(targets) - set(TARGETS):
         parser.error(f"--targets: choose from {','.join(TARGETS)}")
     if args.quick:
-        return Options(2, 1, (1, 64), targets, 30, args.out, args.profile, args.upstreams)
+        return Options(2, 1, (1, 64), targets, 30, args.out, args.profile, args.upstreams, args.observe)
     concurrency = tuple(int(c) for c in args.concurrency.split(","))
     return Options(
-        args.duration, args.warmup, concurrency, targets, args.ttfb_requests, args.out, args.profile, args.upstreams
+        args.duration, args.warmup, concurrency, targets, args.ttfb_requests, args.out, args.profile, args.upstreams,
+        args.observe,
     )
+
+
+def scrape_metrics(url: str, stop: threading.Event, every_s: float = 1.0) -> None:
+    """GET ``url`` every ``every_s`` until ``stop`` (``--observe``: what a Prometheus scraping the proxy costs)."""
+    while not stop.wait(every_s):
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=5) as response:
+            response.read()
 
 
 def run(opts: Options, workdir: Path, stack: contextlib.ExitStack) -> Results:
     """Start the servers, run everything the options ask for, count the records."""
     print(f"starting servers in {workdir} ...", file=sys.stderr, flush=True)
-    servers = start_servers(stack, opts.targets, workdir, opts.upstreams)
+    servers = start_servers(stack, opts.targets, workdir, opts.upstreams, opts.observe)
+    if opts.observe and "tracetrain" in servers:
+        stop = threading.Event()
+        scraper = threading.Thread(target=scrape_metrics, args=(servers["tracetrain"].url + "/metrics", stop))
+        scraper.start()
+        stack.callback(scraper.join)
+        stack.callback(stop.set)
     bench = Bench(servers, opts, "bench" + secrets.token_hex(3))
     notes = litellm_setup_notes(servers["litellm"]) if "litellm" in servers else []
     for name, server in servers.items():

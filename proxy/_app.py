@@ -32,7 +32,7 @@ from proxy.gateway._gate import NOT_AWAKE, RETRY_AFTER_FAILED_S, Gate
 from proxy.gateway._keying import Keyer
 from proxy.gateway._policies import PolicyRegistry
 from proxy.gateway._router import Router
-from proxy.gateway._upstream import Upstream
+from proxy.gateway._upstream import Upstream, generation_session
 from proxy.judge import _routes as _judge_routes
 from proxy.judge._service import JudgeService
 from proxy.observability._langfuse import start_langfuse
@@ -48,8 +48,8 @@ from store import Store
 
 log = logging.getLogger("tracetrain.proxy")
 
-# Upstream requests are spread over this many httpx clients (see proxy.gateway._upstream).
-_UPSTREAM_POOLS = 8
+# Generation calls go through one aiohttp session; these httpx clients carry only the control calls.
+_UPSTREAM_POOLS = 1
 
 
 def create_app(
@@ -77,7 +77,10 @@ def create_app(
             )
             for _ in range(_UPSTREAM_POOLS)
         ]
-        router = Router([Upstream(url, clients) for url in settings.upstreams], health_check_s=settings.health_check_s)
+        session = generation_session(settings.upstream_timeout_s)
+        router = Router(
+            [Upstream(url, clients, session) for url in settings.upstreams], health_check_s=settings.health_check_s
+        )
         registry = PolicyRegistry(settings.policy, settings.served_model)
         if registry.base_model is None:
             try:
@@ -161,6 +164,7 @@ def create_app(
                 await langfuse.aclose()  # sends what is still queued, within its time limit
             for client in clients:
                 await client.aclose()
+            await session.close()
             await store.close()  # writes every queued record first
 
     app = FastAPI(

@@ -4,18 +4,22 @@
 group-commit writer when the process captures calls, and gathers the store's parts:
 ``policies``, ``adapters``, ``adapter_files``, ``jobs``, ``judgements``, ``reads``, ``export``, ``guards``,
 ``reward_timeouts``. The few
-lookups on the proxy's request path (keying) are methods here: on SQLite they read
-synchronously through the writer's engine, because an indexed SQLite read takes tens of
-microseconds while a hop to aiosqlite's thread and back costs ten times that.
+lookups on the proxy's request path (keying) are methods here. On SQLite the two asked on
+every call (a trajectory's group, an open thread) read synchronously through one raw
+``sqlite3`` connection held for the store's life: an indexed SQLite read takes tens of
+microseconds, a hop to aiosqlite's thread and back ten times that, and SQLAlchemy's
+connection checkout and parameter processing around it were 18% of the proxy's time under
+load (docs/BENCHMARKS.md). Each statement is stepped to its end, so no read pins a snapshot.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection, Engine, func, select
+from sqlalchemy import Connection, Engine, bindparam, func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from store._adapter_files import AdapterFiles
@@ -35,11 +39,25 @@ from store._writer import CallWrite, GroupCommitWriter
 
 _R = TypeVar("_R")
 
+# Built once: SQLAlchemy then finds their compiled form by a memoized cache key (Postgres).
+_TRAJECTORY_GROUP = select(T.c.group_id, T.c.policy).where(T.c.id == bindparam("id"))
+_OPEN_THREADS = select(T.c.id, T.c.group_id, T.c.tail_hash).where(
+    T.c.tail_hash.in_(bindparam("tails", expanding=True)), T.c.updated_at >= bindparam("since"), T.c.reward.is_(None)
+)
+# The same two on SQLite's own driver (the hot path).
+_SQLITE_TRAJECTORY_GROUP = "SELECT group_id, policy FROM trajectories WHERE id = ?"
+_SQLITE_OPEN_THREADS = (
+    "SELECT id, group_id, tail_hash FROM trajectories WHERE tail_hash IN ({}) AND updated_at >= ? AND reward IS NULL"
+)
+
 
 class Store:
     def __init__(self, engine: AsyncEngine, sync_engine: Engine | None = None) -> None:
         self.engine = engine
         self._sync = sync_engine
+        # The event loop's own SQLite connection for the keying reads (the writer thread has its own).
+        self._held = sync_engine.raw_connection() if sync_engine is not None else None
+        self._reader: sqlite3.Connection | None = self._held.driver_connection if self._held is not None else None
         self._writer: GroupCommitWriter | None = None
         self.policies = Policies(engine)
         self.adapters = Adapters(engine)
@@ -66,6 +84,9 @@ class Store:
         if self._writer is not None:
             await self._writer.close()
             self._writer = None
+        if self._held is not None:
+            self._held.close()  # back to the pool, closed by dispose() below
+            self._held = self._reader = None
         if self._sync is not None:
             self._sync.dispose()
         await self.engine.dispose()
@@ -97,12 +118,12 @@ class Store:
 
     async def trajectory_group(self, trajectory_id: str) -> tuple[str, str] | None:
         """(group_id, policy) of a stored trajectory, or None."""
-
-        def query(conn: Connection) -> tuple[str, str] | None:
-            row = conn.execute(select(T.c.group_id, T.c.policy).where(T.c.id == trajectory_id)).first()
-            return (row[0], row[1]) if row else None
-
-        return await self._read(query)
+        if self._reader is not None:
+            rows = self._reader.execute(_SQLITE_TRAJECTORY_GROUP, (trajectory_id,)).fetchall()
+        else:
+            async with self.engine.connect() as conn:
+                rows = list((await conn.execute(_TRAJECTORY_GROUP, {"id": trajectory_id})).all())
+        return (rows[0][0], rows[0][1]) if rows else None
 
     async def find_open_thread(self, tail_hashes: Sequence[str], since: float) -> tuple[str, str, str] | None:
         """The unrewarded trajectory whose last request plus reply hashes to one of ``tail_hashes``.
@@ -112,14 +133,14 @@ class Store:
         """
         if not tail_hashes:
             return None
-
-        def query(conn: Connection) -> list[Any]:
-            found = select(T.c.id, T.c.group_id, T.c.tail_hash).where(
-                T.c.tail_hash.in_(list(tail_hashes)), T.c.updated_at >= since, T.c.reward.is_(None)
-            )
-            return list(conn.execute(found).all())
-
-        by_hash = {row[2]: (row[0], row[1], row[2]) for row in await self._read(query)}
+        rows: list[Any]
+        if self._reader is not None:
+            sql = _SQLITE_OPEN_THREADS.format(",".join("?" * len(tail_hashes)))
+            rows = self._reader.execute(sql, (*tail_hashes, since)).fetchall()
+        else:
+            async with self.engine.connect() as conn:
+                rows = list((await conn.execute(_OPEN_THREADS, {"tails": list(tail_hashes), "since": since})).all())
+        by_hash = {row[2]: (row[0], row[1], row[2]) for row in rows}
         return next((by_hash[h] for h in tail_hashes if h in by_hash), None)
 
     async def open_group_for_task(self, policy: str, task_key: str) -> tuple[str, int] | None:

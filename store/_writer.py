@@ -11,6 +11,7 @@ commit to the async engine on the event loop.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
@@ -19,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, Engine, bindparam, insert, update
+from sqlalchemy import Connection, Engine, Executable, bindparam, insert, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 from tenacity import Retrying, before_sleep_log, stop_after_attempt, wait_exponential
 
@@ -55,6 +56,24 @@ class CallWrite:
 _Pending = tuple[CallWrite, "asyncio.Future[None] | None"]
 
 
+@functools.cache
+def _statements(dialect: str) -> tuple[Executable, Executable, Executable, Executable]:
+    """The batch's four statements, built once: SQLAlchemy then finds their compiled form by a memoized key."""
+    return (
+        insert_ignore(dialect, G, ["id"]),
+        insert_ignore(dialect, T, ["id"]),
+        insert(C),
+        update(T)
+        .where(T.c.id == bindparam("b_id"))
+        .values(
+            n_calls=T.c.n_calls + bindparam("b_n"),
+            updated_at=bindparam("b_t"),
+            last_version=bindparam("b_v"),
+            tail_hash=bindparam("b_tail"),
+        ),
+    )
+
+
 def write_batch(conn: Connection, dialect: str, writes: Sequence[CallWrite]) -> None:
     """One transaction's worth of captured calls, with their groups and trajectories."""
     groups: dict[str, dict[str, Any]] = {}
@@ -79,20 +98,11 @@ def write_batch(conn: Connection, dialect: str, writes: Sequence[CallWrite]) -> 
             "b_v": w.version,
             "b_tail": w.tail_hash,
         }
-    conn.execute(insert_ignore(dialect, G, ["id"]), list(groups.values()))
-    conn.execute(insert_ignore(dialect, T, ["id"]), list(trajectories.values()))
-    conn.execute(insert(C), [w.call for w in writes])
-    conn.execute(
-        update(T)
-        .where(T.c.id == bindparam("b_id"))
-        .values(
-            n_calls=T.c.n_calls + bindparam("b_n"),
-            updated_at=bindparam("b_t"),
-            last_version=bindparam("b_v"),
-            tail_hash=bindparam("b_tail"),
-        ),
-        list(updates.values()),
-    )
+    insert_groups, insert_trajectories, insert_calls, update_trajectories = _statements(dialect)
+    conn.execute(insert_groups, list(groups.values()))
+    conn.execute(insert_trajectories, list(trajectories.values()))
+    conn.execute(insert_calls, [w.call for w in writes])
+    conn.execute(update_trajectories, list(updates.values()))
 
 
 def _settle(done: asyncio.Future[None], error: Exception | None) -> None:

@@ -19,3 +19,4 @@ class Options:
     out: Path | None
     profile: Path | None
     upstreams: int = 1  # fake vLLM servers behind tracetrain (its router spreads trajectories over them)
+    observe: bool = False  # tracetrain with --langfuse (to a local sink) and /metrics scraped every second

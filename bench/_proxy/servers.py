@@ -74,11 +74,12 @@ def _litellm_config(workdir: Path, upstream_port: int) -> Path:
 
 
 def start_servers(
-    stack: contextlib.ExitStack, targets: Sequence[str], workdir: Path, upstreams: int = 1
+    stack: contextlib.ExitStack, targets: Sequence[str], workdir: Path, upstreams: int = 1, observe: bool = False
 ) -> dict[str, Server]:
     """Start the fake upstream and the proxies the run needs, each answering before this returns.
 
     ``upstreams`` > 1 starts more fakes ("upstream2", ...) that only tracetrain routes to.
+    ``observe``: tracetrain also exports to Langfuse (a local sink that answers 200) with ``--langfuse``.
     """
 
     def start(name: str, argv: list[str], ready_path: str, model: str, env: dict[str, str] | None = None) -> Server:
@@ -96,7 +97,14 @@ def start_servers(
     if "tracetrain" in targets:
         argv = [tool("tracetrain"), "serve", "--upstream", upstream, "--data-dir", str(workdir / "tracetrain")]
         argv += [arg for server in more for arg in ("--upstream", f"{server.url}/v1")]
-        servers["tracetrain"] = start("tracetrain", [*argv, "--no-train", "--log-level", "warning"], "/readyz", POLICY)
+        argv += ["--no-train", "--log-level", "warning"]
+        env = None
+        if observe:
+            sink = start("langfuse-sink", [sys.executable, str(Path(__file__).with_name("langfuse_sink.py"))], "/", "")
+            keys = {"LANGFUSE_PUBLIC_KEY": "pk-lf-bench", "LANGFUSE_SECRET_KEY": "sk-lf-bench"}
+            env = {**os.environ, **keys, "LANGFUSE_BASE_URL": sink.url}
+            argv.append("--langfuse")
+        servers["tracetrain"] = start("tracetrain", argv, "/readyz", POLICY, env)
     if "litellm" in targets:
         quiet = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "DISABLE_ADMIN_UI": "True", "LITELLM_LOG": "ERROR"}
         config = str(_litellm_config(workdir, fake.port))

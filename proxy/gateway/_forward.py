@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
-import httpx
 import orjson
 from pydantic import BaseModel, ValidationError
 from starlette.responses import Response, StreamingResponse
@@ -44,7 +43,8 @@ from proxy.gateway._gate import Gate
 from proxy.gateway._keying import Conversation, Key, Keyer, KeyHints
 from proxy.gateway._policies import PolicyRegistry, Route
 from proxy.gateway._router import Router
-from proxy.gateway._upstream import Upstream
+from proxy.gateway._sse import SSEDecoder
+from proxy.gateway._upstream import Upstream, UpstreamStream
 from proxy.gateway._wire import ChatCompletionRequest, CompletionRequest
 from proxy.observability._langfuse import LangfuseExporter
 from proxy.observability._metrics import Metrics
@@ -250,18 +250,11 @@ def _call_write(
 
 
 async def _sse_data(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """The ``data:`` payload of each server-sent event, as soon as the event is complete."""
-    buffer = b""
+    """The data of each server-sent event (``proxy.gateway._sse``), as soon as the event is complete."""
+    decoder = SSEDecoder()
     async for chunk in chunks:
-        buffer += chunk
-        while True:
-            end = buffer.find(b"\n\n")
-            if end < 0:
-                break
-            event, buffer = buffer[:end], buffer[end + 2 :]
-            for line in event.split(b"\n"):
-                if line.startswith(b"data:"):
-                    yield line[5:].strip()
+        for event in decoder.feed(chunk):
+            yield event.data
 
 
 class _Relay:
@@ -277,7 +270,7 @@ class _Relay:
         forwarder: Forwarder,
         registry: PolicyRegistry,
         call: _Call,
-        upstream: httpx.Response,
+        upstream: UpstreamStream,
         on_close: Callable[[], None] = lambda: None,
     ) -> None:
         self._forwarder = forwarder
@@ -306,7 +299,7 @@ class _Relay:
                     yield b"data: " + orjson.dumps(chunk) + b"\n\n"
             if not finished:
                 raise UpstreamError("the upstream closed the stream before it finished")
-        except (UpstreamError, httpx.TransportError, orjson.JSONDecodeError) as exc:
+        except (UpstreamError, orjson.JSONDecodeError) as exc:
             message = exc.message if isinstance(exc, ProxyError) else f"the upstream stream broke: {exc!r}"
             self._recorded = True
             await self._forwarder.record(self._record(502, message))

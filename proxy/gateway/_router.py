@@ -35,10 +35,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import aiohttp
 import httpx
 
 from proxy.errors import ProxyError, UpstreamNotReady, UpstreamUnreachable
-from proxy.gateway._upstream import Upstream
+from proxy.gateway._upstream import Reply, Upstream, UpstreamStream
 
 log = logging.getLogger("tracetrain.router")
 
@@ -78,7 +79,9 @@ class Server:
 
 def _refused(exc: ProxyError) -> bool:
     """The connection was never made, so nothing was sent: the call can go to another server."""
-    return isinstance(exc, UpstreamUnreachable) and isinstance(exc.__cause__, httpx.ConnectError)
+    return isinstance(exc, UpstreamUnreachable) and isinstance(
+        exc.__cause__, (httpx.ConnectError, aiohttp.ClientConnectorError)
+    )
 
 
 class Router:
@@ -149,7 +152,7 @@ class Router:
         problems = "; ".join(f"{s.url}: {s.problem or s.state}" for s in self.servers)
         return f"no vLLM server can take the call ({problems})"
 
-    async def post(self, trajectory_id: str, path: str, body: bytes) -> httpx.Response:
+    async def post(self, trajectory_id: str, path: str, body: bytes) -> Reply:
         """POST to the trajectory's server and read the whole answer; a refused connection tries another."""
         tried: list[Server] = []
         while True:
@@ -164,7 +167,7 @@ class Router:
 
     async def open_stream(
         self, trajectory_id: str, path: str, body: bytes
-    ) -> tuple[httpx.Response, Callable[[], None]]:
+    ) -> tuple[UpstreamStream, Callable[[], None]]:
         """Open a stream on the trajectory's server; call the second item once the stream is closed.
 
         The server counts the stream in flight until then. A refused connection tries another server.

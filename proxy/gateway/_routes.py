@@ -1,14 +1,27 @@
-"""The OpenAI-compatible routes, under ``/v1`` and the keying path prefixes."""
+"""The OpenAI-compatible routes, under ``/v1`` and the keying path prefixes.
+
+The two generation endpoints are FastAPI routes for everything but serving: FastAPI
+documents them (OpenAPI, the body examples) from the functions below, while each request
+goes straight to a plain ASGI callable (``_GenerationRoute``). That callable does what
+FastAPI's request handler did for these routes: the inference key check
+(``require_inference_key``), the raw body, the key hints; errors still reach the app's
+handlers, so they keep OpenAI's shape. FastAPI's per-request machinery (dependency
+solving, its request wrapper and exit stacks) cost more than our own code on this path.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import re
+from collections.abc import Callable
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.routing import APIRoute
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
-from proxy._deps import ServicesDep, require_inference_key
+from proxy._deps import Services, ServicesDep, require_inference_key
 from proxy._params import ID_PATTERN, json_body
 from proxy.errors import InvalidRequest, UpstreamError
 from proxy.gateway._capture import Endpoint
@@ -44,7 +57,8 @@ def key_hints(request: Request) -> KeyHints:
     )
 
 
-async def _forward(endpoint: Endpoint, request: Request, services: ServicesDep) -> Response:
+async def _forward(endpoint: Endpoint, request: Request, services: Services) -> Response:
+    await require_inference_key(request, services)
     return await services.forwarder.handle(endpoint, await request.body(), key_hints(request))
 
 
@@ -56,6 +70,24 @@ async def chat_completions(request: Request, services: ServicesDep) -> Response:
 async def completions(request: Request, services: ServicesDep) -> Response:
     """OpenAI's (legacy) text completions, forwarded and captured."""
     return await _forward("completions", request, services)
+
+
+_ENDPOINTS: dict[Callable[..., Any], Endpoint] = {chat_completions: "chat.completions", completions: "completions"}
+
+
+class _GenerationRoute(APIRoute):
+    """Documented by FastAPI like any route; served by a plain ASGI callable (see the module docstring)."""
+
+    def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
+        super().__init__(path, endpoint, **kwargs)
+        kind = _ENDPOINTS[endpoint]
+
+        async def serve(scope: Scope, receive: Receive, send: Send) -> None:
+            services: Services = scope["app"].state.services
+            response = await _forward(kind, Request(scope, receive), services)
+            await response(scope, receive, send)
+
+        self.app = serve
 
 
 async def list_models(services: ServicesDep) -> dict[str, object]:
@@ -70,10 +102,10 @@ async def list_models(services: ServicesDep) -> dict[str, object]:
 for _prefix in PREFIXES:
     router.add_api_route(
         f"{_prefix}/v1/chat/completions", chat_completions, methods=["POST"], include_in_schema=not _prefix,
-        openapi_extra=_CHAT_BODY,
+        openapi_extra=_CHAT_BODY, route_class_override=_GenerationRoute,
     )  # fmt: skip
     router.add_api_route(
         f"{_prefix}/v1/completions", completions, methods=["POST"], include_in_schema=not _prefix,
-        openapi_extra=_COMPLETION_BODY,
+        openapi_extra=_COMPLETION_BODY, route_class_override=_GenerationRoute,
     )  # fmt: skip
     router.add_api_route(f"{_prefix}/v1/models", list_models, methods=["GET"], include_in_schema=not _prefix)

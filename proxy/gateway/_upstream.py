@@ -1,60 +1,107 @@
-"""The upstream OpenAI-compatible server (vLLM), reached over pooled httpx clients.
+"""The upstream OpenAI-compatible server (vLLM): generation over aiohttp, the rest over httpx.
 
-httpcore's pool looks at every one of its connections each time it assigns a request
-(``_assign_requests_to_connections``): with 64 connections in one pool that scan was the
-largest single cost of the proxy under load. Requests are therefore spread round-robin
-over several clients, each with a small pool; the total concurrency towards vLLM is not
-capped any lower.
+The two calls on every agent's path (``post`` and ``open_stream``) go through one pooled
+``aiohttp.ClientSession``: measured under load (docs/BENCHMARKS.md), httpx + httpcore +
+anyio cost the proxy 55-65% of its time (anyio's socket bookkeeping, sniffio's task
+lookups, httpcore's scan of every pooled connection per request), aiohttp on uvloop a
+fraction of that. The control endpoints (adapters, models, health, pause and sleep) are
+rare and stay on httpx, whose ``MockTransport`` tests may pass to ``create_app``.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
+import aiohttp
 import httpx
 import orjson
 
-from proxy.errors import UpstreamHTTPError, UpstreamNotReady, upstream_errors
+from proxy.errors import UpstreamError, UpstreamHTTPError, UpstreamNotReady, upstream_errors
 
 _JSON = {"content-type": "application/json"}
 # vLLM's PauseMode: "wait" lets what runs finish; "abort" (its default) ends it; "keep" freezes it.
 PauseMode = Literal["abort", "wait", "keep"]
 
 
+def generation_session(timeout_s: float, connect_s: float = 5.0) -> aiohttp.ClientSession:
+    """The pooled session for generation calls (build it inside the running event loop).
+
+    ``timeout_s`` bounds each wait for bytes (as httpx's read timeout did), not a whole
+    stream: a long generation that keeps sending is never cut off.
+    """
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=False),
+        timeout=aiohttp.ClientTimeout(total=None, connect=connect_s, sock_read=timeout_s),
+        skip_auto_headers=("User-Agent",),
+        auto_decompress=False,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A whole upstream answer."""
+
+    status_code: int
+    content: bytes
+
+
+class UpstreamStream:
+    """An upstream response whose body is still arriving; ``aclose`` it however it ends."""
+
+    def __init__(self, response: aiohttp.ClientResponse, base_url: str) -> None:
+        self._response = response
+        self._base_url = base_url
+
+    async def aiter_bytes(self) -> AsyncIterator[bytes]:
+        """The body's bytes as they arrive; a broken connection raises ``UpstreamError``."""
+        try:
+            async for chunk in self._response.content.iter_any():
+                yield chunk
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise UpstreamError(f"the upstream stream broke: {exc!r}") from exc
+
+    async def aclose(self) -> None:
+        # Unread bytes left (the client hung up): the connection closes, so vLLM stops generating.
+        self._response.release()
+
+
 class Upstream:
-    def __init__(self, base_url: str, clients: Sequence[httpx.AsyncClient]) -> None:
+    def __init__(self, base_url: str, clients: Sequence[httpx.AsyncClient], session: aiohttp.ClientSession) -> None:
         self.base_url = base_url
         self._clients = list(clients)
         self._next = itertools.cycle(self._clients)
+        self._session = session
 
     @property
     def _client(self) -> httpx.AsyncClient:
         return next(self._next)
 
-    async def post(self, path: str, body: bytes) -> httpx.Response:
+    async def post(self, path: str, body: bytes) -> Reply:
         """POST and read the whole answer (any status)."""
-        async with upstream_errors(self.base_url):
-            return await self._client.post(self.base_url + path, content=body, headers=_JSON)
+        async with (
+            upstream_errors(self.base_url),
+            self._session.post(self.base_url + path, data=body, headers=_JSON) as response,
+        ):
+            return Reply(response.status, await response.read())
 
-    async def open_stream(self, path: str, body: bytes) -> httpx.Response:
+    async def open_stream(self, path: str, body: bytes) -> UpstreamStream:
         """POST and return once the status line and headers arrived; the caller closes it.
 
         An error status is read whole and raised as ``UpstreamHTTPError``.
         """
-        client = self._client
-        request = client.build_request("POST", self.base_url + path, content=body, headers=_JSON)
         async with upstream_errors(self.base_url):
-            response = await client.send(request, stream=True)
-            if response.status_code != 200:
+            response = await self._session.post(self.base_url + path, data=body, headers=_JSON)
+            if response.status != 200:
                 try:
-                    content = await response.aread()
+                    content = await response.read()
                 finally:
-                    await response.aclose()
-                raise UpstreamHTTPError(response.status_code, content)
-        return response
+                    response.release()
+                raise UpstreamHTTPError(response.status, content)
+        return UpstreamStream(response, self.base_url)
 
     async def load_lora(self, name: str, path: str) -> None:
         """vLLM's runtime LoRA loading (needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)."""

@@ -11,6 +11,7 @@ Each app has its own registry, so several apps in one process (tests) do not col
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, get_args
 
@@ -131,13 +132,27 @@ class Metrics:
 
     def call_recorded(self, call: dict[str, Any]) -> None:
         endpoint = str(call["endpoint"])
-        self.requests.labels(endpoint, str(call["status_code"])).inc()
-        self.latency.labels(endpoint).observe(float(call["latency_ms"]) / 1000)
+        requests, latency, ttft = self._children(endpoint, int(call["status_code"]))
+        requests.inc()
+        latency.observe(float(call["latency_ms"]) / 1000)
         if call.get("ttft_ms") is not None:
-            self.ttft.labels(endpoint).observe(float(call["ttft_ms"]) / 1000)
-        self.tokens.labels("prompt").inc(int(call["prompt_tokens"]))
-        self.tokens.labels("completion").inc(int(call["completion_tokens"]))
+            ttft.observe(float(call["ttft_ms"]) / 1000)
+        self._prompt_tokens.inc(int(call["prompt_tokens"]))
+        self._completion_tokens.inc(int(call["completion_tokens"]))
         self.captures.inc()
+
+    @functools.cached_property
+    def _prompt_tokens(self) -> Any:
+        return self.tokens.labels("prompt")
+
+    @functools.cached_property
+    def _completion_tokens(self) -> Any:
+        return self.tokens.labels("completion")
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 (one Metrics per app, alive as long as it)
+    def _children(self, endpoint: str, status: int) -> tuple[Any, Any, Any]:
+        """The labelled series of one call, looked up once: ``labels()`` takes a lock and builds a key each time."""
+        return self.requests.labels(endpoint, str(status)), self.latency.labels(endpoint), self.ttft.labels(endpoint)
 
     def call_not_recorded(self, call: dict[str, Any]) -> None:
         self.requests.labels(str(call["endpoint"]), "503").inc()
