@@ -87,7 +87,6 @@ def create_app(
         forwarder = Forwarder(upstream, store, keyer, registry, metrics, langfuse, gate)
         scheduler = JobScheduler(
             store,
-            keyer,
             policy=settings.policy,
             batch_groups=settings.batch_groups,
             min_group_size=settings.min_group_size,

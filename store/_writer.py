@@ -79,8 +79,10 @@ def write_batch(conn: Connection, dialect: str, writes: Sequence[CallWrite]) -> 
             "b_v": w.version,
             "b_tail": w.tail_hash,
         }
-    conn.execute(insert_ignore(dialect, G, ["id"]), list(groups.values()))
-    conn.execute(insert_ignore(dialect, T, ["id"]), list(trajectories.values()))
+    # Rows in key order: two replicas' batches touching the same rows lock them in the same
+    # order, so Postgres never finds them waiting on each other (a deadlock, one batch aborted).
+    conn.execute(insert_ignore(dialect, G, ["id"]), sorted(groups.values(), key=_by_id))
+    conn.execute(insert_ignore(dialect, T, ["id"]), sorted(trajectories.values(), key=_by_id))
     conn.execute(insert(C), [w.call for w in writes])
     conn.execute(
         update(T)
@@ -91,8 +93,12 @@ def write_batch(conn: Connection, dialect: str, writes: Sequence[CallWrite]) -> 
             last_version=bindparam("b_v"),
             tail_hash=bindparam("b_tail"),
         ),
-        list(updates.values()),
+        [updates[key] for key in sorted(updates)],
     )
+
+
+def _by_id(row: dict[str, Any]) -> str:
+    return str(row["id"])
 
 
 def _settle(done: asyncio.Future[None], error: Exception | None) -> None:

@@ -8,8 +8,9 @@ always stays) are unloaded once no request of this proxy is running on them and 
 have been out of the window for a grace period. A failed load leaves the old version
 serving and marks the adapter and its job failed, with the reason.
 
-Every proxy replica runs a publisher: claims make one replica publish each adapter, and
-each replica adopts the active version from the store. A claim carries a lease: an
+Every proxy replica runs a publisher: claims make one replica publish each adapter (only
+the claim's owner marks it published), its alias flip only moves forward, one replica
+retires and unloads each version, and each replica adopts the active version from the store. A claim carries a lease: an
 adapter left ``loading`` by a replica that died is taken back after the lease by
 whichever replica polls first, and published again. The same poll requeues training jobs
 whose worker stopped renewing its lease (see ``store._lifecycle``).
@@ -149,8 +150,12 @@ class Publisher:
             log.error("adapter %s@%d not published: %s", self._registry.policy, version, exc.message)
             await self._store.adapters.failed(self._registry.policy, version, exc.message)
             return
-        await self._store.adapters.published(self._registry.policy, version)
-        await self._flip(version)
+        if not await self._store.adapters.published(self._registry.policy, version, self._owner):
+            # Our lease ran out mid-load and another replica took the adapter over: it publishes it.
+            log.warning("%s@%d: the claim was taken back while loading; left to its new publisher",
+                        self._registry.policy, version)  # fmt: skip
+            return
+        await self._flip(version, forward_only=True)
         log.info("published %s@%d in %.0f ms", self._registry.policy, version, (time.perf_counter() - started) * 1e3)
 
     async def _load_everywhere(self, version: int, path: str) -> None:
@@ -169,8 +174,11 @@ class Publisher:
             loaded.append(replica)
         self._registry.loaded_versions.add(version)
 
-    async def _flip(self, version: int) -> None:
-        await self._store.policies.flip(self._registry.policy, version)
+    async def _flip(self, version: int, *, forward_only: bool = False) -> None:
+        if not await self._store.policies.flip(self._registry.policy, version, forward_only=forward_only):
+            # Another replica published a newer version meanwhile: the alias stays on it.
+            log.info("%s@%d published; the alias stays on a newer version", self._registry.policy, version)
+            return
         self._registry.active_version = version
         self._left_window.pop(version, None)
 
@@ -207,12 +215,14 @@ class Publisher:
             left = self._left_window.setdefault(version, now)
             if now - left < self._grace_s or self._registry.in_flight[version] > 0:
                 continue
+            self._registry.loaded_versions.discard(version)
+            self._left_window.pop(version, None)
+            # One replica retires a version (a guarded move) and unloads it; the others adopt that.
+            if not await self._store.adapters.retired(self._registry.policy, version):
+                continue
             name = f"{self._registry.policy}@{version}"
             for replica in self._replicas:
                 try:
                     await replica.unload_lora(name)
                 except ProxyError as exc:
                     log.warning("could not unload %s from %s: %s", name, replica.base_url, exc.message)
-            self._registry.loaded_versions.discard(version)
-            self._left_window.pop(version, None)
-            await self._store.adapters.retired(self._registry.policy, version)
