@@ -5,13 +5,13 @@ asked N times forms one GRPO group of at most ``group_size`` trajectories, then 
 group of the task opens. Several replicas key calls at once, so the store decides, in one
 short transaction per new trajectory:
 
-1. take a seat in the task's newest open group: ``UPDATE groups SET seats = seats + 1
-   WHERE id = <newest open> AND seats < :group_size`` (a guarded update: the row count
-   says whether this replica got the seat; Postgres re-checks ``seats`` after a concurrent
-   update, SQLite runs writers one at a time);
-2. none free: open the task's next group, numbered ``max(task_seq) + 1``, with
-   ``INSERT ... ON CONFLICT (policy, task_key, task_seq) DO NOTHING``: of replicas opening
-   it together, one inserts and the others go back to 1 and take a seat in it;
+1. if the task's newest group is open and has a free seat, take it: ``UPDATE groups SET
+   seats = seats + 1 WHERE id = :newest AND state = 'open' AND seats < :group_size`` (a
+   guarded update: the row count says whether this replica got the seat; Postgres re-checks
+   the condition after a concurrent update, SQLite runs writers one at a time);
+2. else open the task's next group, numbered after the newest, with ``INSERT ... ON CONFLICT
+   (policy, task_key, task_seq) DO NOTHING``: of replicas opening it together, one inserts
+   and the others look again and take a seat in it;
 3. insert the trajectory row (``ON CONFLICT (id) DO NOTHING``): if another replica keyed
    the same new trajectory first, this transaction rolls back (the seat is given back) and
    the trajectory's group is the one already stored.
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import uuid
 
-from sqlalchemy import func, select, update
+from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from store._engine import insert_ignore
@@ -53,11 +53,9 @@ async def join_task_group(
     for _ in range(_ROUNDS):
         try:
             async with engine.begin() as conn:
-                group_id = await _take_seat(conn, policy, task_key, group_size)
+                group_id = await _seat(conn, dialect, policy, task_key, group_size, now)
                 if group_id is None:
-                    group_id = await _open_next(conn, dialect, policy, task_key, now)
-                if group_id is None:
-                    continue  # another replica opened the task's next group: take a seat in it
+                    continue  # another replica took the last seat, or opened the next group: look again
                 joined = await conn.execute(
                     insert_ignore(dialect, T, ["id"]).values(group_id=group_id, **trajectory).returning(T.c.id)
                 )
@@ -70,22 +68,27 @@ async def join_task_group(
     raise StoreUnavailable(f"no seat in a group of task {task_key[:12]} after {_ROUNDS} rounds")
 
 
-async def _take_seat(conn: AsyncConnection, policy: str, task_key: str, group_size: int) -> str | None:
-    mine = (G.c.policy == policy) & (G.c.task_key == task_key) & (G.c.state == GroupState.OPEN.value)
-    newest = select(G.c.id).where(mine).order_by(G.c.task_seq.desc()).limit(1).scalar_subquery()
-    taken = await conn.execute(
-        update(G).where(G.c.id == newest, G.c.seats < group_size, mine).values(seats=G.c.seats + 1).returning(G.c.id)
-    )
-    row = taken.first()
-    return None if row is None else str(row[0])
+async def _seat(
+    conn: AsyncConnection, dialect: str, policy: str, task_key: str, group_size: int, now: float
+) -> str | None:
+    """A seat in the task's newest group if it is open and not full, else in the next one; None if we lost a race.
 
-
-async def _open_next(conn: AsyncConnection, dialect: str, policy: str, task_key: str, now: float) -> str | None:
-    number = (
-        select(func.coalesce(func.max(G.c.task_seq), 0) + 1)
-        .where(G.c.policy == policy, G.c.task_key == task_key)
-        .scalar_subquery()
-    )
+    The next group's number comes from the newest group this round saw, not from a later read:
+    under Postgres' READ COMMITTED each statement sees newer commits, and a replica that saw group
+    N full must not open N + 2 because another replica opened N + 1 in between.
+    """
+    task = (G.c.policy == policy) & (G.c.task_key == task_key)
+    newest = (
+        await conn.execute(select(G.c.id, G.c.task_seq, G.c.state, G.c.seats).where(task).order_by(G.c.task_seq.desc()).limit(1))
+    ).first()
+    if newest is not None and newest.state == GroupState.OPEN.value and newest.seats < group_size:
+        taken = await conn.execute(
+            update(G)
+            .where(G.c.id == newest.id, G.c.state == GroupState.OPEN.value, G.c.seats < group_size)
+            .values(seats=G.c.seats + 1)
+        )
+        return str(newest.id) if taken.rowcount else None
+    number = (newest.task_seq or 0) + 1 if newest is not None else 1
     group = {"id": f"grp-{task_key[:12]}-{uuid.uuid4().hex[:8]}", "policy": policy, "task_key": task_key,
              "task_seq": number, "seats": 1, "state": GroupState.OPEN.value, "created_at": now}  # fmt: skip
     opened = await conn.execute(

@@ -48,6 +48,11 @@ PUBLISH_LEASE_S = 120.0
 _RECLAIM_CHECK_S = 5.0
 
 
+def _already_loaded(exc: ProxyError) -> bool:
+    """vLLM's answer to loading a name it holds (400, "... has already been loaded ...")."""
+    return exc.status_code == 400 and "has already been loaded" in exc.message
+
+
 class PublishError(ProxyError):
     status_code = 502
     type = "upstream_error"
@@ -165,6 +170,9 @@ class Publisher:
             try:
                 await replica.load_lora(name, path)
             except ProxyError as exc:
+                if _already_loaded(exc):  # a replica that died mid-publish loaded it: names are immutable, so it is ours
+                    loaded.append(replica)
+                    continue
                 for done in loaded:  # leave no replica serving a version the others lack
                     try:
                         await done.unload_lora(name)
