@@ -79,7 +79,9 @@ async def _seat(
     """
     task = (G.c.policy == policy) & (G.c.task_key == task_key)
     newest = (
-        await conn.execute(select(G.c.id, G.c.task_seq, G.c.state, G.c.seats).where(task).order_by(G.c.task_seq.desc()).limit(1))
+        await conn.execute(
+            select(G.c.id, G.c.task_seq, G.c.state, G.c.seats).where(task).order_by(G.c.task_seq.desc()).limit(1)
+        )
     ).first()
     if newest is not None and newest.state == GroupState.OPEN.value and newest.seats < group_size:
         taken = await conn.execute(

@@ -102,7 +102,9 @@ class Judgements:
         free = G.c.judge_owner.is_(None) | G.c.judge_lease_expires_at.is_(None) | (G.c.judge_lease_expires_at < now)
         async with self._engine.begin() as conn:
             taken = await conn.execute(
-                update(G).where(G.c.id == group_id, free).values(judge_owner=owner, judge_lease_expires_at=now + lease_s)
+                update(G)
+                .where(G.c.id == group_id, free)
+                .values(judge_owner=owner, judge_lease_expires_at=now + lease_s)
             )
         return bool(taken.rowcount)
 
@@ -158,8 +160,11 @@ class Judgements:
                     update(T)
                     .where(T.c.id == bindparam("b_id"))
                     .values(reward=bindparam("b_r"), reward_source="judge", rewarded_at=now, tail_hash=None),
-                    [{"b_id": s["trajectory_id"], "b_r": s["score"]}
-                     for s in sorted(row["scores"], key=lambda s: str(s["trajectory_id"]))],  # key order, as every writer
+                    # In key order, as every writer of trajectories (no deadlock between replicas).
+                    [
+                        {"b_id": s["trajectory_id"], "b_r": s["score"]}
+                        for s in sorted(row["scores"], key=lambda s: str(s["trajectory_id"]))
+                    ],
                 )
             row |= {"state": "ok", "finished_at": now}
             row["id"] = (await conn.execute(insert(JG).values(**row).returning(JG.c.id))).scalar_one()

@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,7 +97,7 @@ def write_batch(conn: Connection, dialect: str, writes: Sequence[CallWrite]) -> 
     )
 
 
-def _by_id(row: dict[str, Any]) -> str:
+def _by_id(row: Mapping[str, Any]) -> str:
     return str(row["id"])
 
 

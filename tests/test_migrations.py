@@ -36,14 +36,14 @@ from store._migrate import FIRST, LEGACY, Upgrade, alembic_config, current_revis
 from tracetrain_cli._main import main
 
 DATA = Path(__file__).parent / "data"
-NEW_COLUMNS = {
+NEW_COLUMNS: dict[str, dict[str, Any]] = {
     "training_jobs": {"lease_expires_at": None, "reclaimed": 0, "gpu_state": "none", "gpu_requested_at": None,
                       "gpu_granted_at": None, "gpu_released_at": None, "gpu_asleep_s": None},
     "adapters": {"lease_owner": None, "lease_expires_at": None, "reclaimed": 0},
     "groups": {"judge_owner": None, "judge_lease_expires_at": None},
 }
 # Columns a revision fills from the rows already there: derived groups numbered within their task, seats taken.
-BACKFILLED = {
+BACKFILLED: dict[str, dict[str, dict[str, Any]]] = {
     "groups": {
         "g-open": {"task_seq": 1, "seats": 1},
         "g-training": {"task_seq": None, "seats": 0},

@@ -33,7 +33,7 @@ from proxy.training._publisher import Publisher
 from proxy.training._scheduler import JobScheduler
 from store import CallWrite, RewardIn, Store
 
-TASK = [{"role": "user", "content": "What is the capital of France?"}]
+TASK: list[Any] = [{"role": "user", "content": "What is the capital of France?"}]
 PG_ENV = "TRACETRAIN_TEST_POSTGRES_URL"
 
 
@@ -104,18 +104,16 @@ async def test_attempts_racing_on_two_replicas_never_overfill_a_group(replicas: 
         await replicas[i % 2].record_call(recorded(key, time.time()))
         return key.group_id
 
-    groups = await asyncio.gather(*(attempt(i) for i in range(24)))
-    assert sorted(Counter(groups).values()) == [4] * 6
-    assert await group_sizes(replicas[0]) == [4] * 6
+    groups = await asyncio.gather(*(attempt(i) for i in range(22)))
+    assert sorted(Counter(groups).values()) == [2, 4, 4, 4, 4, 4]  # one group still filling, not one per replica
+    assert await group_sizes(replicas[0]) == [2, 4, 4, 4, 4, 4]
 
 
 async def test_a_new_trajectory_keyed_on_two_replicas_at_once_gets_one_group(replicas: tuple[Store, Store]) -> None:
     keyers = [Keyer(store, group_size=2, thread_ttl_s=60) for store in replicas]
     for n in range(5):
         hints = KeyHints(header_trajectory=f"run-{n}")
-        a, b = await asyncio.gather(
-            *(k.resolve("agent", hints, Conversation("agent", TASK)) for k in keyers)
-        )
+        a, b = await asyncio.gather(*(k.resolve("agent", hints, Conversation("agent", TASK)) for k in keyers))
         assert a.group_id == b.group_id
     assert await group_sizes(replicas[0]) == [1, 2, 2]  # five trajectories, two seats a group, none taken twice
 
@@ -232,8 +230,8 @@ def test_two_proxies_on_one_postgres_share_groups_judgements_adapters_and_thread
 ) -> None:
     pg_url = _pg_url()
     asked = fake_judge(fake, delay_s=0.3)
-    options: dict[str, Any] = {"database_url": pg_url, "reward_source": "judge", "group_size": 4,
-                               "min_group_size": 4, "batch_groups": 2, "judge_quiet_s": 0.3, "judge_idle_s": 60}  # fmt: skip
+    options: dict[str, Any] = {"database_url": pg_url, "reward_source": "judge", "group_size": 4, "min_group_size": 4,
+                               "batch_groups": 2, "judge_quiet_s": 0.3, "judge_idle_s": 60}  # fmt: skip
     proxies = [start_proxy(data_dir=tmp_path / name, **options) for name in ("a", "b")]
     clients = [p.client() for p in proxies]
     fake.script(*[Reply("Paris." if i % 2 else "Lyon.") for i in range(8)])
@@ -261,9 +259,9 @@ def test_two_proxies_on_one_postgres_share_groups_judgements_adapters_and_thread
 
     # An unkeyed conversation threads whichever replica takes its next call.
     fake.script(Reply("Rome."), Reply("Yes."), Reply("Sure."))
-    task = [{"role": "user", "content": "Capital of Italy?"}]
+    task: list[Any] = [{"role": "user", "content": "Capital of Italy?"}]
     first = clients[0].chat.completions.with_raw_response.create(model="agent", messages=task)
-    turns = [*task, {"role": "assistant", "content": "Rome."}, {"role": "user", "content": "Sure?"}]
+    turns: list[Any] = [*task, {"role": "assistant", "content": "Rome."}, {"role": "user", "content": "Sure?"}]
     second = clients[1].chat.completions.with_raw_response.create(model="agent", messages=turns)
     turns += [{"role": "assistant", "content": "Yes."}, {"role": "user", "content": "Really?"}]
     third = clients[0].chat.completions.with_raw_response.create(model="agent", messages=turns)

@@ -170,7 +170,8 @@ class Publisher:
             try:
                 await replica.load_lora(name, path)
             except ProxyError as exc:
-                if _already_loaded(exc):  # a replica that died mid-publish loaded it: names are immutable, so it is ours
+                # A replica that died mid-publish loaded it; names are immutable, so it is this adapter.
+                if _already_loaded(exc):
                     loaded.append(replica)
                     continue
                 for done in loaded:  # leave no replica serving a version the others lack
