@@ -95,7 +95,6 @@ def create_app(
         forwarder = Forwarder(router, store, keyer, registry, metrics, langfuse, gate)
         scheduler = JobScheduler(
             store,
-            keyer,
             policy=settings.policy,
             batch_groups=settings.batch_groups,
             min_group_size=settings.min_group_size,
@@ -132,7 +131,7 @@ def create_app(
         judging = JudgeService(settings, store, registry, scheduler, on_rewards=report_rewards)
         judging.start()  # scans for complete groups unless rewards are external only
         if settings.reward_timeout_s is not None:
-            timeouts = RewardTimeout(settings, store, judging, keyer, metrics)
+            timeouts = RewardTimeout(settings, store, judging, metrics)
             background.append(asyncio.create_task(timeouts.run(), name="tracetrain-reward-timeout"))
         app.state.services = Services(
             settings,

@@ -4,6 +4,13 @@ The trainer records an adapter (``trained``); one proxy replica claims it (``loa
 with a lease), loads it into every vLLM, marks it ``published`` and flips the policy's
 ``active_version``. A replica that dies while loading leaves the claim to expire; any
 replica then takes it back (``trained`` again, ``reclaimed`` counted) and publishes it.
+
+Across replicas: claims are taken with ``SELECT ... FOR UPDATE SKIP LOCKED`` on Postgres
+(replicas polling together split the work instead of queueing on one row) and a guarded
+move; only the claim's owner can mark its adapter published; a publisher's alias flip only
+moves forward (``flip(..., forward_only=True)``), so a slow replica finishing an older
+version never pulls the alias back; a version leaves the window once (``retired``), and
+only the replica whose move won unloads it.
 """
 
 from __future__ import annotations
@@ -46,10 +53,17 @@ class Policies:
             value = (await conn.execute(select(P.c.active_version).where(P.c.name == name))).scalar()
         return None if value is None else int(value)
 
-    async def flip(self, name: str, version: int) -> None:
-        """Point the policy's alias at ``version``."""
+    async def flip(self, name: str, version: int, *, forward_only: bool = False) -> bool:
+        """Point the policy's alias at ``version``; ``forward_only``: only if it serves an older one.
+
+        Returns whether the alias moved (or already pointed there).
+        """
+        where = P.c.name == name
+        if forward_only:
+            where &= P.c.active_version <= version
         async with self._engine.begin() as conn:
-            await conn.execute(update(P).where(P.c.name == name).values(active_version=version, updated_at=time.time()))
+            moved = await conn.execute(update(P).where(where).values(active_version=version, updated_at=time.time()))
+        return bool(moved.rowcount)
 
     async def all(self) -> list[dict[str, Any]]:
         async with self._engine.connect() as conn:
@@ -107,6 +121,7 @@ class Adapters:
                     select(A.c.version, A.c.path)
                     .where(A.c.policy == policy, A.c.state == AdapterState.TRAINED.value)
                     .order_by(A.c.version)
+                    .with_for_update(skip_locked=True)  # Postgres: rows another replica is claiming are skipped
                 )
             ).all()
             claimed = []
@@ -140,14 +155,20 @@ class Adapters:
                     taken.append((str(policy), int(version), owner))
         return taken
 
-    async def published(self, policy: str, version: int) -> bool:
-        """A claimed (or, when an admin activates it, any on-disk) version is now served."""
+    async def published(self, policy: str, version: int, owner: str | None = None) -> bool:
+        """A version is now served: the one ``owner`` claimed, or (no owner: an admin activates it) any on disk.
+
+        False when ``owner``'s claim was taken back meanwhile (another replica publishes it).
+        """
+        where = (A.c.policy == policy) & (A.c.version == version)
+        olds: tuple[AdapterState, ...] = (AdapterState.LOADING, AdapterState.TRAINED, AdapterState.RETIRED,
+                                          AdapterState.FAILED, AdapterState.ROLLED_BACK)  # fmt: skip
+        if owner is not None:
+            where, olds = where & (A.c.lease_owner == owner), (AdapterState.LOADING,)
         async with self._engine.begin() as conn:
             moved = await move(
-                conn, A, (A.c.policy == policy) & (A.c.version == version),
-                (AdapterState.LOADING, AdapterState.TRAINED, AdapterState.RETIRED, AdapterState.FAILED,
-                 AdapterState.ROLLED_BACK),
-                AdapterState.PUBLISHED, published_at=time.time(), error=None, lease_owner=None, lease_expires_at=None,
+                conn, A, where, olds, AdapterState.PUBLISHED, published_at=time.time(), error=None, lease_owner=None,
+                lease_expires_at=None,
             )  # fmt: skip
         return bool(moved)
 

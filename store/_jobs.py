@@ -111,6 +111,7 @@ class Jobs:
             job = (
                 await conn.execute(
                     select(J).where(J.c.policy == policy, J.c.state == JobState.QUEUED.value).order_by(J.c.id).limit(1)
+                    .with_for_update(skip_locked=True)  # Postgres: two workers claim two jobs, not one each try
                 )
             ).first()
             if job is None:

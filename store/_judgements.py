@@ -3,6 +3,12 @@
 A judgement's scores are written in one transaction with its ``judgements`` row, or not
 at all: if the group changed while it was judged (a trajectory joined or moved on), or a
 job took it, ``GroupChanged`` is raised and nothing but a failed judgement is recorded.
+
+Proxy replicas sharing the store judge a group one at a time: a judge first claims the
+group (``claim``: ``judge_owner`` and a lease on the group's row, taken with a guarded
+``UPDATE``), renews the lease while the judge model thinks, and writes its scores only
+while the claim is still its own. A replica that died while judging leaves a claim that
+runs out, and any replica may then claim the group.
 """
 
 from __future__ import annotations
@@ -90,12 +96,42 @@ class Judgements:
             ).first()
         return None if row is None else list(row.scores)
 
+    async def claim(self, group_id: str, owner: str, lease_s: float) -> bool:
+        """Claim ``group_id`` for judging; False while another judge's claim on it runs."""
+        now = time.time()
+        free = G.c.judge_owner.is_(None) | G.c.judge_lease_expires_at.is_(None) | (G.c.judge_lease_expires_at < now)
+        async with self._engine.begin() as conn:
+            taken = await conn.execute(
+                update(G)
+                .where(G.c.id == group_id, free)
+                .values(judge_owner=owner, judge_lease_expires_at=now + lease_s)
+            )
+        return bool(taken.rowcount)
+
+    async def renew(self, group_id: str, owner: str, lease_s: float) -> bool:
+        """Extend the claim while the judge thinks; False once it is no longer ``owner``'s."""
+        async with self._engine.begin() as conn:
+            renewed = await conn.execute(
+                update(G).where(G.c.id == group_id, G.c.judge_owner == owner)
+                .values(judge_lease_expires_at=time.time() + lease_s)
+            )  # fmt: skip
+        return bool(renewed.rowcount)
+
+    async def release(self, group_id: str, owner: str) -> None:
+        """Give the claim back (the judgement is written, or failed)."""
+        async with self._engine.begin() as conn:
+            await conn.execute(
+                update(G).where(G.c.id == group_id, G.c.judge_owner == owner)
+                .values(judge_owner=None, judge_lease_expires_at=None)
+            )  # fmt: skip
+
     async def write_scores(
-        self, row: dict[str, Any], judged: Sequence[str], *, scores_are_rewards: bool
+        self, row: dict[str, Any], judged: Sequence[str], *, scores_are_rewards: bool, owner: str
     ) -> list[dict[str, Any]]:
         """The scores as ``rewards`` rows (and, if they are the rewards, the trajectories'), with the judgement.
 
-        Returns the reward rows written. Raises ``GroupChanged`` if the group is not as it was judged.
+        Returns the reward rows written. Raises ``GroupChanged`` if the group is not as it was judged,
+        or if ``owner``'s claim on it was taken over.
         """
         now = time.time()
         group_id = row["group_id"]
@@ -105,6 +141,12 @@ class Judgements:
             for s in row["scores"]
         ]  # fmt: skip
         async with self._engine.begin() as conn:
+            # Locks the group's row until the commit: nobody takes the claim over meanwhile.
+            still_mine = await conn.execute(
+                update(G).where(G.c.id == group_id, G.c.judge_owner == owner).values(judge_owner=owner)
+            )
+            if not still_mine.rowcount:
+                raise GroupChanged("another replica took over judging the group (this one's claim ran out)")
             state = (await conn.execute(select(G.c.state).where(G.c.id == group_id))).scalar_one()
             present = (await conn.execute(select(T.c.id, T.c.updated_at).where(T.c.group_id == group_id))).all()
             moved_on = any(r.updated_at > row["started_at"] for r in present)
@@ -118,7 +160,11 @@ class Judgements:
                     update(T)
                     .where(T.c.id == bindparam("b_id"))
                     .values(reward=bindparam("b_r"), reward_source="judge", rewarded_at=now, tail_hash=None),
-                    [{"b_id": s["trajectory_id"], "b_r": s["score"]} for s in row["scores"]],
+                    # In key order, as every writer of trajectories (no deadlock between replicas).
+                    [
+                        {"b_id": s["trajectory_id"], "b_r": s["score"]}
+                        for s in sorted(row["scores"], key=lambda s: str(s["trajectory_id"]))
+                    ],
                 )
             row |= {"state": "ok", "finished_at": now}
             row["id"] = (await conn.execute(insert(JG).values(**row).returning(JG.c.id))).scalar_one()
@@ -139,8 +185,12 @@ class Judgements:
         async with self._engine.connect() as conn:
             return [dict(r._mapping) for r in (await conn.execute(query)).all()]
 
-    async def due(self, rule: DueRule) -> list[tuple[str, str]]:
-        """(group id, trigger) of the groups to judge now: "complete" when full and quiet, else "idle"."""
+    async def due(self, rule: DueRule, group_id: str | None = None) -> list[tuple[str, str]]:
+        """(group id, trigger) of the groups to judge now: "complete" when full and quiet, else "idle".
+
+        With ``group_id``: that group if it is due (a judge asks again once it holds the claim,
+        since another replica may have judged it since the scan).
+        """
         now = time.time()
         size = func.count(T.c.pk)
         n_rewarded = func.count(T.c.reward)
@@ -174,6 +224,8 @@ class Judgements:
         )
         if rule.scores_are_rewards:
             query = query.where(G.c.state == GroupState.OPEN.value)
+        if group_id is not None:
+            query = query.where(G.c.id == group_id)
         async with self._engine.connect() as conn:
             rows = (await conn.execute(query)).all()
         return [(row[0], "complete" if row[1] else "idle") for row in rows]

@@ -51,6 +51,9 @@ async def add_rewards(engine: AsyncEngine, rewards: Iterable[RewardIn]) -> list[
                 .values(reward=bindparam("b_r"), reward_source="external", metrics=bindparam("b_m"),
                         rewarded_at=now, tail_hash=None)
                 ,
-                [{"b_id": r.trajectory_id, "b_r": r.reward, "b_m": r.metrics} for r in external],
+                # In key order, as every writer of trajectories does (no deadlock between replicas);
+                # the sort is stable, so the later of two rewards for one trajectory still wins.
+                [{"b_id": r.trajectory_id, "b_r": r.reward, "b_m": r.metrics}
+                 for r in sorted(external, key=lambda r: r.trajectory_id)],
             )  # fmt: skip
     return created

@@ -10,29 +10,30 @@ every call (a trajectory's group, an open thread) read synchronously through one
 microseconds, a hop to aiosqlite's thread and back ten times that, and SQLAlchemy's
 connection checkout and parameter processing around it were 18% of the proxy's time under
 load (docs/BENCHMARKS.md). Each statement is stepped to its end, so no read pins a snapshot.
+Nothing of the store is cached in the process: every replica keys from what the store holds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import sqlite3
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection, Engine, bindparam, func, select
+from sqlalchemy import Connection, Engine, bindparam, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from store._adapter_files import AdapterFiles
 from store._adapters import Adapters, Policies
+from store._derived import join_task_group
 from store._engine import connect, sqlite_sync_engine
 from store._export import ExportReads
 from store._guard import Guards
 from store._jobs import Jobs
 from store._judgements import Judgements
-from store._lifecycle import GroupState
 from store._reads import Reads
 from store._rewards import RewardIn, add_rewards
-from store._tables import groups as G
 from store._tables import trajectories as T
 from store._timeouts import RewardTimeouts
 from store._writer import CallWrite, GroupCommitWriter
@@ -143,19 +144,15 @@ class Store:
         by_hash = {row[2]: (row[0], row[1], row[2]) for row in rows}
         return next((by_hash[h] for h in tail_hashes if h in by_hash), None)
 
-    async def open_group_for_task(self, policy: str, task_key: str) -> tuple[str, int] | None:
-        """The newest open group derived from ``task_key`` and how many trajectories it has."""
+    async def join_task_group(
+        self, policy: str, task_key: str, trajectory_id: str, *, keyed_by: str, group_size: int
+    ) -> str:
+        """The derived group of a new trajectory: a seat in the task's open group, shared by every replica.
 
-        def query(conn: Connection) -> tuple[str, int] | None:
-            row = conn.execute(
-                select(G.c.id)
-                .where(G.c.policy == policy, G.c.task_key == task_key, G.c.state == GroupState.OPEN.value)
-                .order_by(G.c.created_at.desc())
-                .limit(1)
-            ).first()
-            if row is None:
-                return None
-            size = conn.execute(select(func.count()).where(T.c.group_id == row[0])).scalar_one()
-            return str(row[0]), int(size)
-
-        return await self._read(query)
+        Stores the trajectory's row; if another replica stored it first, returns the group it gave it
+        (see ``store._derived``).
+        """
+        return await join_task_group(
+            self.engine, policy=policy, task_key=task_key, trajectory_id=trajectory_id, keyed_by=keyed_by,
+            group_size=group_size, now=time.time(),
+        )  # fmt: skip

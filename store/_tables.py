@@ -46,6 +46,8 @@ class Group(SQLModel, table=True):
     """Trajectories that answer the same task: the unit of GRPO's relative advantage."""
 
     __tablename__ = "groups"
+    # One replica opens a task's next derived group: the others find it (store._derived).
+    __table_args__ = (Index("ux_groups_task_seq", "policy", "task_key", "task_seq", unique=True),)
 
     id: str = Field(primary_key=True)
     policy: str = Field(index=True)
@@ -54,6 +56,12 @@ class Group(SQLModel, table=True):
     state: str = Field(default="open", index=True)  # store.GroupState
     job_id: int | None = None
     created_at: float
+    # Derived groups: the task's groups numbered 1, 2, ... and the trajectories keying placed in this one.
+    task_seq: int | None = None
+    seats: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
+    # The judge's claim: the replica judging the group now, until its lease runs out.
+    judge_owner: str | None = None
+    judge_lease_expires_at: float | None = None
 
 
 class Trajectory(SQLModel, table=True):

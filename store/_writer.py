@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,10 +99,16 @@ def write_batch(conn: Connection, dialect: str, writes: Sequence[CallWrite]) -> 
             "b_tail": w.tail_hash,
         }
     insert_groups, insert_trajectories, insert_calls, update_trajectories = _statements(dialect)
-    conn.execute(insert_groups, list(groups.values()))
-    conn.execute(insert_trajectories, list(trajectories.values()))
+    # Rows in key order: two replicas' batches touching the same rows lock them in the same
+    # order, so Postgres never finds them waiting on each other (a deadlock, one batch aborted).
+    conn.execute(insert_groups, sorted(groups.values(), key=_by_id))
+    conn.execute(insert_trajectories, sorted(trajectories.values(), key=_by_id))
     conn.execute(insert_calls, [w.call for w in writes])
-    conn.execute(update_trajectories, list(updates.values()))
+    conn.execute(update_trajectories, [updates[key] for key in sorted(updates)])
+
+
+def _by_id(row: Mapping[str, Any]) -> str:
+    return str(row["id"])
 
 
 def _settle(done: asyncio.Future[None], error: Exception | None) -> None:

@@ -36,11 +36,21 @@ from store._migrate import FIRST, LEGACY, Upgrade, alembic_config, current_revis
 from tracetrain_cli._main import main
 
 DATA = Path(__file__).parent / "data"
-NEW_COLUMNS = {
+NEW_COLUMNS: dict[str, dict[str, Any]] = {
     "training_jobs": {"lease_expires_at": None, "reclaimed": 0, "gpu_state": "none", "gpu_requested_at": None,
                       "gpu_granted_at": None, "gpu_released_at": None, "gpu_asleep_s": None},
     "adapters": {"lease_owner": None, "lease_expires_at": None, "reclaimed": 0, "guard": None},
     "policies": {"training": "active", "training_reason": None, "paused_at": None, "rolled_back_at": None},
+    "groups": {"judge_owner": None, "judge_lease_expires_at": None},
+}
+# Columns a revision fills from the rows already there: derived groups numbered within their task, seats taken.
+BACKFILLED: dict[str, dict[str, dict[str, Any]]] = {
+    "groups": {
+        "g-open": {"task_seq": 1, "seats": 1},
+        "g-training": {"task_seq": None, "seats": 0},
+        "g-trained": {"task_seq": 1, "seats": 2},
+        "g-failed": {"task_seq": None, "seats": 0},
+    },
 }
 MakeDatabase = Callable[[], str]
 _T = TypeVar("_T")
@@ -300,8 +310,12 @@ async def test_a_35c4648_database_is_upgraded_with_every_row_intact(make_databas
     assert {name: len(rows) for name, rows in before.items()} == {name: len(r) for name, r in release_rows().items()}
     for name, rows in before.items():
         added = NEW_COLUMNS.get(name, {})
-        assert [{k: v for k, v in row.items() if k not in added} for row in after[name]] == rows, name
+        filled = BACKFILLED.get(name, {})
+        new = added.keys() | {k for values in filled.values() for k in values}
+        assert [{k: v for k, v in row.items() if k not in new} for row in after[name]] == rows, name
         assert all({k: row[k] for k in added} == added for row in after[name]), name
+        for row in after[name] if filled else ():
+            assert {k: row[k] for k in filled[row["id"]]} == filled[row["id"]], (name, row["id"])
 
 
 async def test_upgrading_an_empty_database_runs_every_revision(make_database: MakeDatabase) -> None:

@@ -8,7 +8,8 @@ extend (threading), or starts a new one.
 A group left unnamed is derived from the policy plus the messages up to the first
 user message, so the same task asked N times forms one GRPO group. A derived group
 takes at most ``group_size`` trajectories, then the next one opens; a group that
-left the ``open`` state (a training job took it) takes no more.
+left the ``open`` state (a training job took it) takes no more. The store hands out
+the seats (``Store.join_task_group``), so replicas sharing it fill the same groups.
 
 Messages are compared in a canonical form (``store._conversation.canonical_message``):
 content parts joined, tool-call ids dropped and arguments re-serialized, unknown fields
@@ -22,7 +23,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -30,7 +31,6 @@ import orjson
 from store import Store, canonical_message
 
 _CACHE_SIZE = 100_000
-_GROUP_RECHECK_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,14 +89,13 @@ class Conversation:
 
 
 class Keyer:
-    """Resolves keys; caches trajectory groups and open derived groups, asks the store on a miss."""
+    """Resolves keys from the store; caches only what never changes: the group of a stored trajectory."""
 
     def __init__(self, store: Store, *, group_size: int, thread_ttl_s: float) -> None:
         self._store = store
         self._group_size = group_size
         self._thread_ttl_s = thread_ttl_s
         self._groups_of: OrderedDict[str, str] = OrderedDict()  # trajectory id -> group id
-        self._open_groups: dict[tuple[str, str], _OpenGroup] = {}  # (policy, task key) -> its open group
 
     async def resolve(self, policy: str, hints: KeyHints, conversation: Conversation) -> Key:
         trajectory_id = hints.header_trajectory or hints.path_trajectory
@@ -106,27 +105,30 @@ class Keyer:
             known = await self._known_group(trajectory_id)
             if known is not None:
                 return Key(trajectory_id, known, keyed_by, None)
-            group_id = group_hint or await self._derived_group(policy, conversation.task_key)
-            return self._remember(Key(trajectory_id, group_id, keyed_by, None if group_hint else conversation.task_key))
+            return await self._new(policy, trajectory_id, keyed_by, group_hint, conversation)
         if group_hint is None:
             found = await self._find_thread(conversation.thread_candidates)
             if found is not None:
                 return Key(found[0], found[1], "thread", None)
-        group_id = group_hint or await self._derived_group(policy, conversation.task_key)
-        return self._remember(Key(new_trajectory_id(), group_id, "new", None if group_hint else conversation.task_key))
+        return await self._new(policy, new_trajectory_id(), "new", group_hint, conversation)
 
-    def forget_groups(self, group_ids: Sequence[str]) -> None:
-        """Groups that left the open state (taken for training) take no new trajectories."""
-        gone = set(group_ids)
-        for task, entry in list(self._open_groups.items()):
-            if entry.group_id in gone:
-                del self._open_groups[task]
+    async def _new(
+        self, policy: str, trajectory_id: str, keyed_by: str, group_hint: str | None, conversation: Conversation
+    ) -> Key:
+        """A trajectory the store does not hold yet: in the group it names, or a seat in its task's group."""
+        if group_hint is not None:
+            return self._remember(Key(trajectory_id, group_hint, keyed_by, None))
+        task_key = conversation.task_key
+        group_id = await self._store.join_task_group(
+            policy, task_key, trajectory_id, keyed_by=keyed_by, group_size=self._group_size
+        )
+        return self._remember(Key(trajectory_id, group_id, keyed_by, task_key))
 
     def _remember(self, key: Key) -> Key:
-        self._groups_of[key.trajectory_id] = key.group_id
+        self._groups_of.setdefault(key.trajectory_id, key.group_id)
         if len(self._groups_of) > _CACHE_SIZE:
             self._groups_of.popitem(last=False)
-        return key
+        return Key(key.trajectory_id, self._groups_of[key.trajectory_id], key.keyed_by, key.task_key)
 
     async def _known_group(self, trajectory_id: str) -> str | None:
         group = self._groups_of.get(trajectory_id)
@@ -149,29 +151,3 @@ class Keyer:
             return None
         stored = await self._store.find_open_thread(candidates, since=time.time() - self._thread_ttl_s)
         return (stored[0], stored[1]) if stored else None
-
-    async def _derived_group(self, policy: str, task_key: str) -> str:
-        slot = (policy, task_key)
-        entry = self._open_groups.get(slot)
-        if entry is None or time.monotonic() - entry.checked > _GROUP_RECHECK_S:
-            stored = await self._store.open_group_for_task(policy, task_key)
-            entry = self._open_groups.get(slot)  # a concurrent call may have refreshed it meanwhile
-            if entry is None or time.monotonic() - entry.checked > _GROUP_RECHECK_S:
-                if stored is None:
-                    entry = None
-                elif entry is not None and entry.group_id == stored[0]:
-                    entry.size, entry.checked = max(entry.size, stored[1]), time.monotonic()
-                else:
-                    entry = _OpenGroup(stored[0], stored[1])
-        if entry is None or entry.size >= self._group_size:
-            entry = _OpenGroup(f"grp-{task_key[:12]}-{uuid.uuid4().hex[:8]}", 0)
-        self._open_groups[slot] = entry
-        entry.size += 1
-        return entry.group_id
-
-
-@dataclass(slots=True)
-class _OpenGroup:
-    group_id: str
-    size: int
-    checked: float = field(default_factory=time.monotonic)

@@ -51,8 +51,12 @@ away: ``--judge-model openai/gpt-4o-mini`` with ``OPENAI_API_KEY`` in the enviro
 ``proxy.training._reward_timeout``): whatever ``--reward-source`` says, those scores become
 the rewards of the whole group.
 
-Several proxy replicas each run this scan, and two may judge the same group at once;
-each write is still a whole group, and the later one is what the trajectories keep.
+Several proxy replicas each run this scan; a group is judged by one of them at a time.
+A judge claims the group in the store first (an owner and a lease, renewed every third of
+it while the judge model thinks), asks again under the claim whether the group is still
+due (another replica may have judged it since the scan read the store), and writes only
+while the claim is its own. A replica that finds the claim taken skips the group; an admin
+who asks then gets a 409. A replica that died mid-judgement leaves a claim that runs out.
 """
 
 from __future__ import annotations
@@ -60,8 +64,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +91,9 @@ from store import JUDGEMENT_STATES, DueRule, GroupChanged, GroupState, Store
 log = logging.getLogger("tracetrain.judge")
 
 _HORIZON_S = 24 * 3600.0
+# A judge's claim on a group: renewed every third of it while the judge model thinks, so only a
+# dead replica's claim runs out (and its group waits this long for another replica).
+JUDGE_LEASE_S = 60.0
 _JUDGEMENT_FIELDS = ("id", "group_id", "policy", "reward_source", "trigger", "state", "model", "cache_key", "cached",
                      "attempts", "n_trajectories", "scores", "error", "usage", "started_at", "finished_at")  # fmt: skip
 
@@ -108,8 +117,11 @@ class JudgeService:
         *,
         backoff_s: float = 1.0,
         on_rewards: Callable[[list[dict[str, Any]]], None] | None = None,
+        lease_s: float = JUDGE_LEASE_S,
     ) -> None:
         self._settings = settings
+        self._owner = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"  # this judge's claims
+        self._lease_s = lease_s
         self._on_rewards = on_rewards  # told of every reward written, as POST /v1/rewards answers them (metrics)
         self._store = store
         self._registry = registry
@@ -149,16 +161,54 @@ class JudgeService:
     # -- on demand --------------------------------------------------------------------
 
     async def judge_group(self, group_id: str, *, trigger: str = "admin") -> dict[str, Any]:
-        """Judge one group now and return the judgement (state "ok" or "failed", with the reason)."""
+        """Judge one group now and return the judgement (state "ok" or "failed", with the reason).
+
+        Raises ``Conflict`` while another replica judges it.
+        """
+        judged = await self._judge_claimed(group_id, trigger, only_if_due=False)
+        if judged is None:
+            await self._load(group_id)  # a group that does not exist is a 404, not a conflict
+            raise Conflict(f"Group '{group_id}' is being judged by another replica; ask again once it is done.",
+                           param="group_id", code="group_being_judged")  # fmt: skip
+        return judged
+
+    async def _judge_claimed(self, group_id: str, trigger: str, *, only_if_due: bool) -> dict[str, Any] | None:
+        """Judge under this process's lock and the store's claim; None if another replica has the claim
+        (or, ``only_if_due``, when the group is no longer due once claimed)."""
         lock = self._locks.setdefault(group_id, asyncio.Lock())
         self._lock_users[group_id] = self._lock_users.get(group_id, 0) + 1
         try:
-            async with lock:
+            async with lock, self._claim(group_id) as claimed:
+                if not claimed or (only_if_due and not await self._due(group_id)):
+                    return None
                 return await self._judge(group_id, trigger)
         finally:
             self._lock_users[group_id] -= 1
             if not self._lock_users[group_id]:
                 del self._lock_users[group_id], self._locks[group_id]
+
+    @contextlib.asynccontextmanager
+    async def _claim(self, group_id: str) -> AsyncIterator[bool]:
+        """The store's claim on the group, renewed while the block runs and given back after it."""
+        judgements = self._store.judgements
+        if not await judgements.claim(group_id, self._owner, self._lease_s):
+            yield False
+            return
+
+        async def renew() -> None:
+            while True:
+                await asyncio.sleep(self._lease_s / 3)
+                if not await judgements.renew(group_id, self._owner, self._lease_s):
+                    return  # taken over: the write will say so
+
+        renewing = asyncio.create_task(renew(), name=f"judge-claim-{group_id}")
+        try:
+            yield True
+        finally:
+            renewing.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await renewing
+            await judgements.release(group_id, self._owner)
 
     async def list_judgements(self, *, group_id: str | None, state: str | None, limit: int) -> dict[str, Any]:
         """Judgements, newest first."""
@@ -266,7 +316,9 @@ class JudgeService:
     async def _write(self, row: dict[str, Any], group: _Group, as_rewards: bool) -> None:
         """The scores and the judgement, in one transaction; ``GroupChanged`` if the group moved on."""
         judged = [t.trajectory_id for t in group.trajectories]
-        rewards = await self._store.judgements.write_scores(row, judged, scores_are_rewards=as_rewards)
+        rewards = await self._store.judgements.write_scores(
+            row, judged, scores_are_rewards=as_rewards, owner=self._owner
+        )
         if self._on_rewards is not None:
             self._on_rewards([reward_view(r) for r in rewards])
 
@@ -306,7 +358,8 @@ class JudgeService:
     async def _judge_in_background(self, group_id: str, trigger: str) -> None:
         try:
             async with self._slots:
-                await self.judge_group(group_id, trigger=trigger)
+                if await self._judge_claimed(group_id, trigger, only_if_due=True) is None:
+                    log.debug("group %s is judged by another replica, or was judged meanwhile", group_id)
         except ProxyError as exc:  # e.g. a job took the group meanwhile
             log.info("group %s was not judged: %s", group_id, exc.message)
         except Exception:  # a bug or an unreachable store: logged; the group is tried again later
@@ -318,14 +371,14 @@ class JudgeService:
                 for stale in sorted(self._ended, key=self._ended.__getitem__)[:5_000]:
                     del self._ended[stale]
 
-    async def _due(self) -> list[tuple[str, str]]:
-        """(group id, trigger) of the groups to judge now."""
+    async def _due(self, group_id: str | None = None) -> list[tuple[str, str]]:
+        """(group id, trigger) of the groups to judge now (of ``group_id`` alone, if given)."""
         s = self._settings
         rule = DueRule(
             policy=s.policy, scores_are_rewards=s.reward_source == "judge", group_size=s.group_size,
             min_group_size=s.min_group_size, quiet_s=s.judge_quiet_s, idle_s=s.judge_idle_s, horizon_s=_HORIZON_S,
         )  # fmt: skip
-        return await self._store.judgements.due(rule)
+        return await self._store.judgements.due(rule, group_id)
 
 
 def _score_rows(prompt: JudgePrompt, scores: Sequence[Score]) -> list[dict[str, Any]]:

@@ -8,8 +8,9 @@ always stays) are unloaded once no request of this proxy is running on them and 
 have been out of the window for a grace period. A failed load leaves the old version
 serving and marks the adapter and its job failed, with the reason.
 
-Every proxy replica runs a publisher: claims make one replica publish each adapter, and
-each replica adopts the active version from the store. A claim carries a lease: an
+Every proxy replica runs a publisher: claims make one replica publish each adapter (only
+the claim's owner marks it published), its alias flip only moves forward, one replica
+retires and unloads each version, and each replica adopts the active version from the store. A claim carries a lease: an
 adapter left ``loading`` by a replica that died is taken back after the lease by
 whichever replica polls first, and published again. The same poll requeues training jobs
 whose worker stopped renewing its lease (see ``store._lifecycle``).
@@ -63,6 +64,11 @@ PUBLISH_LEASE_S = 120.0
 _RECLAIM_CHECK_S = 5.0
 # How adapters reach vLLM: the trainer's directory by path, or fetched by vLLM's tracetrain resolver.
 AdapterDelivery = Literal["auto", "path", "resolver"]
+
+
+def _already_loaded(exc: ProxyError) -> bool:
+    """vLLM's answer to loading a name it holds (400, "... has already been loaded ...")."""
+    return exc.status_code == 400 and "has already been loaded" in exc.message
 
 
 class PublishError(ProxyError):
@@ -244,9 +250,13 @@ class Publisher:
             log.error("adapter %s@%d not published: %s", self._registry.policy, version, exc.message)
             await self._store.adapters.failed(self._registry.policy, version, exc.message)
             return
-        await self._store.adapters.published(self._registry.policy, version)
+        if not await self._store.adapters.published(self._registry.policy, version, self._owner):
+            # Our lease ran out mid-load and another replica took the adapter over: it publishes it.
+            log.warning("%s@%d: the claim was taken back while loading; left to its new publisher",
+                        self._registry.policy, version)  # fmt: skip
+            return
         replaced = self._registry.active_version
-        await self._flip(version)
+        await self._flip(version, forward_only=True)
         if self._guard:
             await self._store.guards.watch(self._registry.policy, version, watch_record(replaced))
         log.info("published %s@%d in %.0f ms", self._registry.policy, version, (time.perf_counter() - started) * 1e3)
@@ -264,6 +274,11 @@ class Publisher:
                 self._router.mark_down(server, exc.message)
                 continue
             except ProxyError as exc:
+                # A replica that died mid-publish loaded it; names are immutable, so it is this adapter.
+                if _already_loaded(exc):
+                    server.versions.add(version)
+                    loaded.append(server)
+                    continue
                 for done in loaded:  # leave no server serving a version the others lack
                     try:
                         await done.upstream.unload_lora(name)
@@ -301,8 +316,11 @@ class Publisher:
             return Path(path).is_dir()
         return await self._store.adapter_files.has_files(self._registry.policy, version)
 
-    async def _flip(self, version: int) -> None:
-        await self._store.policies.flip(self._registry.policy, version)
+    async def _flip(self, version: int, *, forward_only: bool = False) -> None:
+        if not await self._store.policies.flip(self._registry.policy, version, forward_only=forward_only):
+            # Another replica published a newer version meanwhile: the alias stays on it.
+            log.info("%s@%d published; the alias stays on a newer version", self._registry.policy, version)
+            return
         self._registry.active_version = version
         self._left_window.pop(version, None)
 
@@ -345,6 +363,11 @@ class Publisher:
             left = self._left_window.setdefault(version, now)
             if now - left < self._grace_s or self._registry.in_flight[version] > 0:
                 continue
+            self._registry.loaded_versions.discard(version)
+            self._left_window.pop(version, None)
+            # One replica retires a version (a guarded move) and unloads it; the others adopt that.
+            if not await self._store.adapters.retired(self._registry.policy, version):
+                continue
             name = f"{self._registry.policy}@{version}"
             for server in self._router.servers:
                 if server.state == "refused":
@@ -354,6 +377,3 @@ class Publisher:
                     server.versions.discard(version)
                 except ProxyError as exc:
                     log.warning("could not unload %s from %s: %s", name, server.url, exc.message)
-            self._registry.loaded_versions.discard(version)
-            self._left_window.pop(version, None)
-            await self._store.adapters.retired(self._registry.policy, version)

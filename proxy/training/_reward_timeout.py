@@ -22,7 +22,6 @@ import logging
 
 from proxy._settings import Settings
 from proxy.errors import ProxyError
-from proxy.gateway._keying import Keyer
 from proxy.judge._service import JudgeService
 from proxy.observability._metrics import Metrics
 from store import Store
@@ -33,13 +32,12 @@ log = logging.getLogger("tracetrain.rewards")
 class RewardTimeout:
     """Closes or judges overdue groups of one policy; ``run()`` until cancelled."""
 
-    def __init__(self, settings: Settings, store: Store, judging: JudgeService, keyer: Keyer, metrics: Metrics) -> None:
+    def __init__(self, settings: Settings, store: Store, judging: JudgeService, metrics: Metrics) -> None:
         assert settings.reward_timeout_s is not None
         self._settings = settings
         self._timeout_s = settings.reward_timeout_s
         self._store = store
         self._judging = judging
-        self._keyer = keyer
         self._metrics = metrics
         self._poll_s = min(max(self._timeout_s / 4, 0.05), 5.0)
 
@@ -73,7 +71,6 @@ class RewardTimeout:
                     continue
                 why = f"the judge failed: {judgement['error']}"
             if await self._store.reward_timeouts.close_unrewarded(group_id):
-                self._keyer.forget_groups([group_id])
                 settled[group_id] = "unrewarded"
                 self._metrics.reward_timeouts.labels("unrewarded").inc()
                 log.warning("group %s had rewards missing after %.0f s and %s: closed unrewarded, never trained",

@@ -14,16 +14,14 @@ import asyncio
 import time
 from typing import Any
 
-from proxy.gateway._keying import Keyer
 from store import JobState, Store, TrainingState
 
 
 class JobScheduler:
     """Creates training jobs from ready groups; one instance per proxy process."""
 
-    def __init__(self, store: Store, keyer: Keyer, *, policy: str, batch_groups: int, min_group_size: int) -> None:
+    def __init__(self, store: Store, *, policy: str, batch_groups: int, min_group_size: int) -> None:
         self._store = store
-        self._keyer = keyer
         self._policy = policy
         self._batch_groups = batch_groups
         self._min_group_size = min_group_size
@@ -54,6 +52,5 @@ class JobScheduler:
             job_id = await self._store.jobs.create(self._policy, groups)
             if job_id is None:  # another replica took some of them first
                 return None
-            self._keyer.forget_groups(groups)  # new attempts at these tasks open new groups
             return {"id": job_id, "policy": self._policy, "state": JobState.QUEUED.value, "group_ids": groups,
                     "created_at": time.time()}  # fmt: skip

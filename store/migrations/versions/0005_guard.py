@@ -6,8 +6,8 @@ adapter keeps the guard's watch over it (``guard``, JSON: baseline, group means,
 Groups closed by ``--reward-timeout`` take the state "unrewarded", a value, not a column.
 Existing policies train ("active"); existing adapters were never watched (NULL).
 
-Revision ID: 0006_guard
-Revises: 0003_gpu_handover
+Revision ID: 0005_guard
+Revises: 0004_adapter_files
 Create Date: 2026-12-09
 """
 

@@ -1,0 +1,40 @@
+"""What keying a new unkeyed trajectory costs: the seat in its derived group is a write in the store.
+
+    python bench/keying.py [DATABASE_URL]   # default: a fresh SQLite file; a Postgres URL is wiped first
+
+1,000 ``Keyer.resolve`` calls of new trajectories over 50 tasks, one after another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import tempfile
+import time
+
+import asyncpg
+
+from proxy.gateway import Keyer, KeyHints
+from proxy.gateway._keying import Conversation
+from store import Store
+
+
+async def main(url: str, n: int = 1000) -> None:
+    if url.startswith("postgresql"):
+        conn = await asyncpg.connect(url.replace("+asyncpg", ""))
+        await conn.execute("DROP SCHEMA public CASCADE")
+        await conn.execute("CREATE SCHEMA public")
+        await conn.close()
+    store = await Store.open(url)
+    keyer = Keyer(store, group_size=8, thread_ttl_s=60)
+    started = time.perf_counter()
+    for i in range(n):
+        messages = [{"role": "user", "content": f"task {i % 50}"}]
+        await keyer.resolve("agent", KeyHints(), Conversation("agent", messages))
+    seconds = time.perf_counter() - started
+    print(f"{url.split(':')[0]}: {seconds / n * 1e3:.3f} ms per new unkeyed trajectory (n={n})")
+    await store.close()
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1] if len(sys.argv) > 1 else f"sqlite+aiosqlite:///{tempfile.mkdtemp()}/keying.db"))

@@ -1,0 +1,100 @@
+"""Derived groups shared by proxy replicas: a task's attempts fill one group, seat by seat.
+
+A group the client leaves unnamed is derived from the task (``task_key``): the same task
+asked N times forms one GRPO group of at most ``group_size`` trajectories, then the next
+group of the task opens. Several replicas key calls at once, so the store decides, in one
+short transaction per new trajectory:
+
+1. if the task's newest group is open and has a free seat, take it: ``UPDATE groups SET
+   seats = seats + 1 WHERE id = :newest AND state = 'open' AND seats < :group_size`` (a
+   guarded update: the row count says whether this replica got the seat; Postgres re-checks
+   the condition after a concurrent update, SQLite runs writers one at a time);
+2. else open the task's next group, numbered after the newest, with ``INSERT ... ON CONFLICT
+   (policy, task_key, task_seq) DO NOTHING``: of replicas opening it together, one inserts
+   and the others look again and take a seat in it;
+3. insert the trajectory row (``ON CONFLICT (id) DO NOTHING``): if another replica keyed
+   the same new trajectory first, this transaction rolls back (the seat is given back) and
+   the trajectory's group is the one already stored.
+
+The trajectory row exists from its first call's keying on, with no calls until that call
+is recorded (``store._writer``).
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from sqlalchemy import select, update
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from store._engine import insert_ignore
+from store._errors import StoreUnavailable
+from store._lifecycle import GroupState
+from store._tables import groups as G
+from store._tables import trajectories as T
+
+# Each round either takes a seat or sees another replica take the last one; many replicas racing
+# for the seats of one task need a few rounds at most.
+_ROUNDS = 32
+
+
+class _KeyedElsewhere(Exception):
+    """The trajectory was stored by another replica meanwhile: roll back, use its group."""
+
+
+async def join_task_group(
+    engine: AsyncEngine, *, policy: str, task_key: str, trajectory_id: str, keyed_by: str, group_size: int,
+    now: float,
+) -> str:  # fmt: skip
+    """The group (derived from ``task_key``) that ``trajectory_id`` belongs to, taking a seat for it."""
+    dialect = engine.dialect.name
+    trajectory = {"id": trajectory_id, "policy": policy, "keyed_by": keyed_by, "created_at": now, "updated_at": now,
+                  "n_calls": 0, "last_version": 0, "metrics": {}}  # fmt: skip
+    for _ in range(_ROUNDS):
+        try:
+            async with engine.begin() as conn:
+                group_id = await _seat(conn, dialect, policy, task_key, group_size, now)
+                if group_id is None:
+                    continue  # another replica took the last seat, or opened the next group: look again
+                joined = await conn.execute(
+                    insert_ignore(dialect, T, ["id"]).values(group_id=group_id, **trajectory).returning(T.c.id)
+                )
+                if joined.first() is None:
+                    raise _KeyedElsewhere
+                return group_id
+        except _KeyedElsewhere:
+            async with engine.connect() as conn:
+                return str((await conn.execute(select(T.c.group_id).where(T.c.id == trajectory_id))).scalar_one())
+    raise StoreUnavailable(f"no seat in a group of task {task_key[:12]} after {_ROUNDS} rounds")
+
+
+async def _seat(
+    conn: AsyncConnection, dialect: str, policy: str, task_key: str, group_size: int, now: float
+) -> str | None:
+    """A seat in the task's newest group if it is open and not full, else in the next one; None if we lost a race.
+
+    The next group's number comes from the newest group this round saw, not from a later read:
+    under Postgres' READ COMMITTED each statement sees newer commits, and a replica that saw group
+    N full must not open N + 2 because another replica opened N + 1 in between.
+    """
+    task = (G.c.policy == policy) & (G.c.task_key == task_key)
+    newest = (
+        await conn.execute(
+            select(G.c.id, G.c.task_seq, G.c.state, G.c.seats).where(task).order_by(G.c.task_seq.desc()).limit(1)
+        )
+    ).first()
+    if newest is not None and newest.state == GroupState.OPEN.value and newest.seats < group_size:
+        taken = await conn.execute(
+            update(G)
+            .where(G.c.id == newest.id, G.c.state == GroupState.OPEN.value, G.c.seats < group_size)
+            .values(seats=G.c.seats + 1)
+        )
+        return str(newest.id) if taken.rowcount else None
+    number = (newest.task_seq or 0) + 1 if newest is not None else 1
+    group = {"id": f"grp-{task_key[:12]}-{uuid.uuid4().hex[:8]}", "policy": policy, "task_key": task_key,
+             "task_seq": number, "seats": 1, "state": GroupState.OPEN.value, "created_at": now}  # fmt: skip
+    opened = await conn.execute(
+        insert_ignore(dialect, G, ["policy", "task_key", "task_seq"]).values(**group).returning(G.c.id)
+    )
+    row = opened.first()
+    return None if row is None else str(row[0])
