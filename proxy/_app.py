@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -103,9 +104,10 @@ def create_app(
             store, registry, router, keep_versions=settings.keep_versions, unload_grace_s=settings.unload_grace_s,
             guard=settings.regression_guard, delivery=settings.adapter_delivery,
         )  # fmt: skip
-        # Publishing, and restoring the adapters of servers, start once this proxy serves: a vLLM that
-        # fetches an adapter by name (tracetrain_vllm's resolver) may fetch it from this very proxy.
+        # Publishing starts once this proxy serves: a vLLM that fetches an adapter by name
+        # (tracetrain_vllm's resolver) may fetch it from this very proxy.
         await publisher.adopt()
+        await router.check_once(functools.partial(publisher.restore, paths_only=True))  # then they take traffic
         background = [
             asyncio.create_task(publisher.run(), name="tracetrain-publisher"),
             asyncio.create_task(router.run(publisher.restore), name="tracetrain-upstream-health"),

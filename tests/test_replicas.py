@@ -27,6 +27,8 @@ from test_publishing import wait_for
 
 from proxy import Settings
 from proxy.gateway import Keyer, KeyHints, PolicyRegistry, Upstream
+from proxy.gateway._router import Router
+from proxy.gateway._upstream import generation_session
 from proxy.gateway._keying import Conversation
 from proxy.judge._service import JudgeService
 from proxy.training._publisher import Publisher
@@ -171,10 +173,12 @@ async def test_an_adapter_a_dead_replica_left_loaded_is_published_by_another(
     await dead.adapters.record("agent", 1, str(path), None, {})
     # The dead replica claimed it, loaded it into the shared vLLM, and died before marking it published.
     assert await dead.adapters.claim_trained("agent", "dead-host:1", lease_s=0.0) == [(1, str(path))]
-    async with httpx.AsyncClient() as client:
-        vllm = Upstream(f"{fake.url}/v1", [client])  # type: ignore[attr-defined]
+    async with httpx.AsyncClient() as client, generation_session(10.0) as session:
+        vllm = Upstream(f"{fake.url}/v1", [client], session)  # type: ignore[attr-defined]
         await vllm.load_lora("agent@1", str(path))
-        publisher = Publisher(alive, PolicyRegistry("agent", None), [vllm], keep_versions=3)
+        router = Router([vllm])
+        await router.check_once()  # in rotation: the publisher loads only into servers that serve
+        publisher = Publisher(alive, PolicyRegistry("agent", None), router, keep_versions=3)
         await publisher.sync_once()
     adapter = await alive.adapters.get("agent", 1)
     assert adapter is not None and (adapter["state"], adapter["reclaimed"]) == ("published", 1)

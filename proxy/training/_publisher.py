@@ -168,11 +168,14 @@ class Publisher:
             await self._flip(version)
             return version
 
-    async def restore(self, server: Server) -> None:
+    async def restore(self, server: Server, *, paths_only: bool = False) -> None:
         """Load every published version into ``server`` (a vLLM back in service) that it lacks.
 
         Runs under the publishing lock: no version is published meanwhile, so when the router
         admits the server right after, it holds every version the alias may point at.
+        ``paths_only`` (the proxy's start, before it answers): versions that go by name are left
+        to vLLM's resolver, which fetches one from a proxy on its first call; asking for them
+        now would wait on this very proxy.
         """
         async with self._lock:
             await self._adopt_store_state()
@@ -182,7 +185,7 @@ class Publisher:
                 name = f"{policy}@{version}"
                 if name not in present:
                     row = await self._store.adapters.get(policy, version)
-                    if row is None:
+                    if row is None or (paths_only and not self._by_path(row["path"])):
                         continue
                     await self._load_into(server.upstream, name, row["path"])
                     log.info("loaded %s into %s before it takes traffic again", name, server.url)
