@@ -111,4 +111,7 @@ def test_a_vllm_that_cannot_see_the_trainers_disk_loads_the_adapter_through_the_
             model="agent", messages=TASK, max_tokens=8, seed=0
         )
         assert raw.headers["x-policy-version"] == "1" and raw.parse().model == "agent@1"
-        assert "tracetrain resolver: agent@1 fetched" in launch.log_path.read_text()
+        deadline = time.monotonic() + 30  # vLLM's output reaches its log file when its process flushes it
+        while "tracetrain resolver: agent@1 fetched" not in launch.log_path.read_text():
+            assert time.monotonic() < deadline, vllm.log_tail()
+            time.sleep(0.2)
