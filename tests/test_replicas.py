@@ -27,9 +27,9 @@ from test_publishing import wait_for
 
 from proxy import Settings
 from proxy.gateway import Keyer, KeyHints, PolicyRegistry, Upstream
+from proxy.gateway._keying import Conversation
 from proxy.gateway._router import Router
 from proxy.gateway._upstream import generation_session
-from proxy.gateway._keying import Conversation
 from proxy.judge._service import JudgeService
 from proxy.training._publisher import Publisher
 from proxy.training._scheduler import JobScheduler

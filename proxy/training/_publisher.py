@@ -187,7 +187,11 @@ class Publisher:
                     row = await self._store.adapters.get(policy, version)
                     if row is None or (paths_only and not self._by_path(row["path"])):
                         continue
-                    await self._load_into(server.upstream, name, row["path"])
+                    try:
+                        await self._load_into(server.upstream, name, row["path"])
+                    except ProxyError as exc:
+                        if not _already_loaded(exc):  # else another proxy restored the same server first
+                            raise
                     log.info("loaded %s into %s before it takes traffic again", name, server.url)
                 server.versions.add(version)
 
