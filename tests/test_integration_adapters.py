@@ -104,14 +104,11 @@ def test_a_vllm_that_cannot_see_the_trainers_disk_loads_the_adapter_through_the_
             time.sleep(0.2)
 
         served = {m["id"]: m for m in httpx.get(f"{vllm.base_url}/models").json()["data"]}
-        cached = Path(served["agent@1"]["root"])
-        assert cached.is_relative_to(tmp_path / "vllm-machine" / "cache")
+        cached = Path(served["agent@1"]["root"])  # where the resolver put what it fetched (vLLM's own
+        assert cached.is_relative_to(tmp_path / "vllm-machine" / "cache")  # INFO log is off in some test orders)
         assert (cached / "adapter_model.safetensors").read_bytes() == weights
         raw = proxy.client().chat.completions.with_raw_response.create(
             model="agent", messages=TASK, max_tokens=8, seed=0
         )
         assert raw.headers["x-policy-version"] == "1" and raw.parse().model == "agent@1"
-        deadline = time.monotonic() + 30  # vLLM's output reaches its log file when its process flushes it
-        while "tracetrain resolver: agent@1 fetched" not in launch.log_path.read_text():
-            assert time.monotonic() < deadline, vllm.log_tail()
-            time.sleep(0.2)
+
