@@ -111,4 +111,3 @@ def test_a_vllm_that_cannot_see_the_trainers_disk_loads_the_adapter_through_the_
             model="agent", messages=TASK, max_tokens=8, seed=0
         )
         assert raw.headers["x-policy-version"] == "1" and raw.parse().model == "agent@1"
-
