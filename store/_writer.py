@@ -5,7 +5,9 @@ commit ran is written in the next single transaction. ``record`` returns once it
 transaction committed, so the proxy sends a response's last byte only after its record
 is durable, while a burst of 64 concurrent calls costs a handful of commits, not 64.
 On SQLite the thread commits through its own connection; on Postgres it hands each
-commit to the async engine on the event loop.
+commit to the async engine on the event loop. On SQLite it also seats new trajectories in
+their derived groups (``seat``, ``store._derived.seat_all_sqlite``): the seats asked while a
+commit ran share the next transaction, committed before that batch's calls.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import asyncio
 import functools
 import logging
 import queue
+import sqlite3
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +27,7 @@ from sqlalchemy import Connection, Engine, Executable, bindparam, insert, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 from tenacity import Retrying, before_sleep_log, stop_after_attempt, wait_exponential
 
+from store._derived import Seat, seat_all_sqlite
 from store._engine import insert_ignore
 from store._errors import StoreUnavailable
 from store._lifecycle import GroupState
@@ -53,7 +57,7 @@ class CallWrite:
     version: int
 
 
-_Pending = tuple[CallWrite, "asyncio.Future[None] | None"]
+_Pending = tuple[CallWrite | Seat, "asyncio.Future[Any] | None"]
 
 
 @functools.cache
@@ -111,13 +115,13 @@ def _by_id(row: Mapping[str, Any]) -> str:
     return str(row["id"])
 
 
-def _settle(done: asyncio.Future[None], error: Exception | None) -> None:
+def _settle(done: asyncio.Future[Any], result: Any, error: Exception | None) -> None:
     if done.done():
         return
     if error is None:
-        done.set_result(None)
+        done.set_result(result)
     else:
-        done.set_exception(StoreUnavailable(f"could not record the call: {error}"))
+        done.set_exception(StoreUnavailable(f"could not write to the store: {error}"))
 
 
 class GroupCommitWriter:
@@ -137,6 +141,13 @@ class GroupCommitWriter:
         done: asyncio.Future[None] = self._loop.create_future()
         self._pending.put((write, done))
         await done
+
+    async def seat(self, seat: Seat) -> str:
+        """The derived group of a new trajectory, seated on this thread (SQLite only)."""
+        assert self._sync is not None, "seats go through the writer on SQLite only"
+        done: asyncio.Future[str] = self._loop.create_future()
+        self._pending.put((seat, done))
+        return await done
 
     def record_nowait(self, write: CallWrite) -> None:
         """Queue a call without waiting (its client is gone; nobody waits for the answer)."""
@@ -160,30 +171,48 @@ class GroupCommitWriter:
         return batch, False
 
     def _run(self) -> None:
-        commit = self._commit_sqlite if self._sync is not None else self._commit_on_loop
         closing = False
         while not closing:
             first = self._pending.get()
             if first is None:
                 return
             batch, closing = self._next_batch(first)
-            writes = [write for write, _ in batch]
-            error: Exception | None = None
-            try:  # the database may be briefly down or locked: retry, then fail the callers
-                for attempt in Retrying(
-                    stop=stop_after_attempt(_WRITE_ATTEMPTS),
-                    wait=wait_exponential(multiplier=0.05),
-                    before_sleep=before_sleep_log(log, logging.WARNING),
-                    reraise=True,
-                ):
-                    with attempt:
-                        commit(writes)
-            except Exception as exc:
-                log.error("could not record %d calls: %s", len(batch), exc)
-                error = exc
-            for _, done in batch:
-                if done is not None:
-                    self._loop.call_soon_threadsafe(_settle, done, error)
+            seats = [item for item in batch if isinstance(item[0], Seat)]
+            if seats:  # first: their callers wait to send upstream, the calls' callers only to answer
+                self._write(self._seat_sqlite, seats)
+            calls = [item for item in batch if isinstance(item[0], CallWrite)]
+            if calls:
+                self._write(self._commit_sqlite if self._sync is not None else self._commit_on_loop, calls)
+
+    def _write(self, commit: Callable[[list[Any]], list[Any] | None], batch: list[_Pending]) -> None:
+        """``commit`` the batch's items, retried if the database is briefly down or locked; then answer."""
+        results: list[Any] | None = None
+        error: Exception | None = None
+        try:
+            for attempt in Retrying(
+                stop=stop_after_attempt(_WRITE_ATTEMPTS),
+                wait=wait_exponential(multiplier=0.05),
+                before_sleep=before_sleep_log(log, logging.WARNING),
+                reraise=True,
+            ):
+                with attempt:
+                    results = commit([item for item, _ in batch])
+        except Exception as exc:
+            log.error("could not write %d items to the store: %s", len(batch), exc)
+            error = exc
+        for i, (_, done) in enumerate(batch):
+            if done is not None:
+                self._loop.call_soon_threadsafe(_settle, done, results[i] if results else None, error)
+
+    def _seat_sqlite(self, seats: list[Seat]) -> list[str]:
+        assert self._sync is not None
+        conn = self._sync.raw_connection()
+        try:
+            driver = conn.driver_connection
+            assert isinstance(driver, sqlite3.Connection)
+            return seat_all_sqlite(driver, seats)
+        finally:
+            conn.close()
 
     def _commit_sqlite(self, writes: list[CallWrite]) -> None:
         assert self._sync is not None
