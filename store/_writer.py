@@ -133,6 +133,14 @@ class GroupCommitWriter:
         self._dialect = engine.dialect.name
         self._loop = loop
         self._pending: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
+        # The database may be briefly down or locked: retry, then fail the callers.
+        self._retrying = Retrying(
+            stop=stop_after_attempt(_WRITE_ATTEMPTS),
+            wait=wait_exponential(multiplier=0.05),
+            before_sleep=before_sleep_log(log, logging.WARNING),
+            reraise=True,
+        )
+        self._seats_conn: Any = None  # the thread's own SQLite connection for seats, held while it runs
         self._thread = threading.Thread(target=self._run, name="tracetrain-store-writer", daemon=True)
         self._thread.start()
 
@@ -171,6 +179,13 @@ class GroupCommitWriter:
         return batch, False
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            if self._seats_conn is not None:
+                self._seats_conn.close()
+
+    def _serve(self) -> None:
         closing = False
         while not closing:
             first = self._pending.get()
@@ -189,12 +204,7 @@ class GroupCommitWriter:
         results: list[Any] | None = None
         error: Exception | None = None
         try:
-            for attempt in Retrying(
-                stop=stop_after_attempt(_WRITE_ATTEMPTS),
-                wait=wait_exponential(multiplier=0.05),
-                before_sleep=before_sleep_log(log, logging.WARNING),
-                reraise=True,
-            ):
+            for attempt in self._retrying:
                 with attempt:
                     results = commit([item for item, _ in batch])
         except Exception as exc:
@@ -206,13 +216,11 @@ class GroupCommitWriter:
 
     def _seat_sqlite(self, seats: list[Seat]) -> list[str]:
         assert self._sync is not None
-        conn = self._sync.raw_connection()
-        try:
-            driver = conn.driver_connection
-            assert isinstance(driver, sqlite3.Connection)
-            return seat_all_sqlite(driver, seats)
-        finally:
-            conn.close()
+        if self._seats_conn is None:
+            self._seats_conn = self._sync.raw_connection()
+        driver = self._seats_conn.driver_connection
+        assert isinstance(driver, sqlite3.Connection)
+        return seat_all_sqlite(driver, seats)
 
     def _commit_sqlite(self, writes: list[CallWrite]) -> None:
         assert self._sync is not None
