@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 import queue
 import sqlite3
@@ -23,12 +24,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, Engine, Executable, bindparam, insert, update
+from sqlalchemy import JSON, Connection, Engine, Executable, bindparam, insert, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 from tenacity import Retrying, before_sleep_log, stop_after_attempt, wait_exponential
 
 from store._derived import Seat, seat_all_sqlite
-from store._engine import insert_ignore
+from store._engine import dumps, insert_ignore
 from store._errors import StoreUnavailable
 from store._lifecycle import GroupState
 from store._tables import calls as C
@@ -78,8 +79,12 @@ def _statements(dialect: str) -> tuple[Executable, Executable, Executable, Execu
     )
 
 
-def write_batch(conn: Connection, dialect: str, writes: Sequence[CallWrite]) -> None:
-    """One transaction's worth of captured calls, with their groups and trajectories."""
+def _rows(writes: Sequence[CallWrite]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """The batch's new groups, new trajectories and trajectory updates, each in key order.
+
+    Rows in key order: two replicas' batches touching the same rows lock them in the same
+    order, so Postgres never finds them waiting on each other (a deadlock, one batch aborted).
+    """
     groups: dict[str, dict[str, Any]] = {}
     trajectories: dict[str, dict[str, Any]] = {}
     updates: dict[str, dict[str, Any]] = {}
@@ -102,13 +107,77 @@ def write_batch(conn: Connection, dialect: str, writes: Sequence[CallWrite]) -> 
             "b_v": w.version,
             "b_tail": w.tail_hash,
         }
+    return (
+        sorted(groups.values(), key=_by_id),
+        sorted(trajectories.values(), key=_by_id),
+        [updates[key] for key in sorted(updates)],
+    )
+
+
+def write_batch(conn: Connection, dialect: str, writes: Sequence[CallWrite]) -> None:
+    """One transaction's worth of captured calls, with their groups and trajectories (through SQLAlchemy)."""
+    groups, trajectories, updates = _rows(writes)
     insert_groups, insert_trajectories, insert_calls, update_trajectories = _statements(dialect)
-    # Rows in key order: two replicas' batches touching the same rows lock them in the same
-    # order, so Postgres never finds them waiting on each other (a deadlock, one batch aborted).
-    conn.execute(insert_groups, sorted(groups.values(), key=_by_id))
-    conn.execute(insert_trajectories, sorted(trajectories.values(), key=_by_id))
+    conn.execute(insert_groups, groups)
+    conn.execute(insert_trajectories, trajectories)
     conn.execute(insert_calls, [w.call for w in writes])
-    conn.execute(update_trajectories, [updates[key] for key in sorted(updates)])
+    conn.execute(update_trajectories, updates)
+
+
+# SQLite's own driver: the same four statements as plain SQL. SQLAlchemy's checkout, compiled-cache
+# lookup and parameter processing cost three times the statements themselves for a batch of one.
+_JSON = {table.name: frozenset(c.name for c in table.columns if isinstance(c.type, JSON)) for table in (G, T, C)}
+# Column defaults SQLAlchemy fills in for a key a row leaves out (all scalars here).
+_DEFAULTS = {
+    table.name: {c.name: getattr(c.default, "arg", None) for c in table.columns if c.default is not None}
+    for table in (G, T, C)
+}
+_UPDATE_TRAJECTORY = (
+    "UPDATE trajectories SET n_calls = n_calls + :b_n, updated_at = :b_t, last_version = :b_v, tail_hash = :b_tail"
+    " WHERE id = :b_id"
+)
+
+
+@functools.cache
+def _sqlite_insert(table: str, columns: tuple[str, ...], ignore_existing: bool) -> str:
+    names, marks = ", ".join(columns), ", ".join("?" * len(columns))
+    return f"INSERT INTO {table} ({names}) VALUES ({marks})" + (
+        " ON CONFLICT (id) DO NOTHING" if ignore_existing else ""
+    )
+
+
+def _columns(row: Mapping[str, Any]) -> tuple[str, ...]:
+    return tuple(row)
+
+
+def _insert_sqlite(conn: sqlite3.Connection, table: str, rows: Sequence[Mapping[str, Any]], ignore: bool) -> None:
+    """Insert ``rows`` in order as SQLAlchemy would: JSON encoded (None as ``null``), defaults for left-out keys."""
+    json_columns = _JSON[table]
+    columns: tuple[str, ...]
+    for columns, same in itertools.groupby(rows, key=_columns):
+        left_out = {name: value for name, value in _DEFAULTS[table].items() if name not in columns}
+        encoders = [dumps if name in json_columns else None for name in columns]
+        values = [
+            (*(v if encode is None else encode(v) for v, encode in zip(row.values(), encoders, strict=True)),
+             *left_out.values())
+            for row in same
+        ]  # fmt: skip
+        conn.executemany(_sqlite_insert(table, (*columns, *left_out), ignore), values)
+
+
+def write_batch_sqlite(conn: sqlite3.Connection, writes: Sequence[CallWrite]) -> None:
+    """``write_batch`` on SQLite's own driver, in one IMMEDIATE transaction."""
+    groups, trajectories, updates = _rows(writes)
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        _insert_sqlite(conn, G.name, groups, ignore=True)
+        _insert_sqlite(conn, T.name, trajectories, ignore=True)
+        _insert_sqlite(conn, C.name, [w.call for w in writes], ignore=False)
+        conn.executemany(_UPDATE_TRAJECTORY, updates)
+    except BaseException:
+        conn.rollback()
+        raise
+    conn.commit()
 
 
 def _by_id(row: Mapping[str, Any]) -> str:
@@ -140,7 +209,7 @@ class GroupCommitWriter:
             before_sleep=before_sleep_log(log, logging.WARNING),
             reraise=True,
         )
-        self._seats_conn: Any = None  # the thread's own SQLite connection for seats, held while it runs
+        self._raw: Any = None  # SQLite: the thread's own connection, held while it runs
         self._thread = threading.Thread(target=self._run, name="tracetrain-store-writer", daemon=True)
         self._thread.start()
 
@@ -182,8 +251,8 @@ class GroupCommitWriter:
         try:
             self._serve()
         finally:
-            if self._seats_conn is not None:
-                self._seats_conn.close()
+            if self._raw is not None:
+                self._raw.close()
 
     def _serve(self) -> None:
         closing = False
@@ -214,18 +283,19 @@ class GroupCommitWriter:
             if done is not None:
                 self._loop.call_soon_threadsafe(_settle, done, results[i] if results else None, error)
 
-    def _seat_sqlite(self, seats: list[Seat]) -> list[str]:
+    def _sqlite(self) -> sqlite3.Connection:
         assert self._sync is not None
-        if self._seats_conn is None:
-            self._seats_conn = self._sync.raw_connection()
-        driver = self._seats_conn.driver_connection
+        if self._raw is None:
+            self._raw = self._sync.raw_connection()
+        driver = self._raw.driver_connection
         assert isinstance(driver, sqlite3.Connection)
-        return seat_all_sqlite(driver, seats)
+        return driver
+
+    def _seat_sqlite(self, seats: list[Seat]) -> list[str]:
+        return seat_all_sqlite(self._sqlite(), seats)
 
     def _commit_sqlite(self, writes: list[CallWrite]) -> None:
-        assert self._sync is not None
-        with self._sync.begin() as conn:
-            write_batch(conn, self._dialect, writes)
+        write_batch_sqlite(self._sqlite(), writes)
 
     def _commit_on_loop(self, writes: list[CallWrite]) -> None:
         """Postgres: the async engine belongs to the event loop, so the commit runs there."""
