@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from proxy._deps import Services, ServicesDep
 from proxy._settings import Settings, is_loopback
@@ -28,7 +29,7 @@ from proxy.admin._token_texts import TokenTexts
 from proxy.data import _routes as _data_routes
 from proxy.errors import GpuBusy, InvalidRequest, NotFound, ProxyError, UpstreamError, UpstreamNotReady, error_body
 from proxy.gateway import _routes as _openai_routes
-from proxy.gateway._forward import Forwarder, error_response
+from proxy.gateway._forward import Forwarder, error_response, server_error_response
 from proxy.gateway._gate import NOT_AWAKE, RETRY_AFTER_FAILED_S, Gate
 from proxy.gateway._keying import Keyer
 from proxy.gateway._policies import PolicyRegistry
@@ -168,7 +169,7 @@ def create_app(
             await session.close()
             await store.close()  # writes every queued record first
 
-    app = FastAPI(
+    app = _App(
         title="tracetrain",
         summary="OpenAI-compatible proxy with transparent trajectory capture for RL.",
         version="0.1.0",
@@ -217,6 +218,18 @@ def _add_health_routes(app: FastAPI) -> None:
         return Response(orjson.dumps({"status": "ready", "base_model": model}), media_type="application/json")
 
 
+class _App(FastAPI):
+    """FastAPI, with the two plain generation paths served before its middleware (``proxy.gateway._routes``)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        endpoint = _openai_routes.GENERATION_PATHS.get(scope["path"]) if scope["type"] == "http" else None
+        if endpoint is not None and scope["method"] == "POST" and not self.root_path:
+            scope["app"] = self
+            await _openai_routes.serve_generation(endpoint, scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ProxyError)
     async def proxy_error(_request: Request, exc: ProxyError) -> Response:
@@ -243,5 +256,4 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unexpected error on %s %s", request.method, request.url.path)
-        body = error_body("The proxy failed unexpectedly; the error is in its log.", "server_error")
-        return Response(orjson.dumps(body), status_code=500, media_type="application/json")
+        return server_error_response()

@@ -18,11 +18,22 @@ short transaction per new trajectory:
 
 The trajectory row exists from its first call's keying on, with no calls until that call
 is recorded (``store._writer``).
+
+On SQLite a proxy with capture seats its trajectories on the group-commit writer's thread
+(``seat_all_sqlite``): the seats asked while the previous commit ran share one ``BEGIN
+IMMEDIATE`` transaction on the writer's own connection. The write lock is held from the first
+read, so no other process's writer comes between a read and its write (no lost round, no
+rollback), and the proxy's two writers (keying and recording) never wait on each other's lock.
+A transaction of its own through aiosqlite cost ~6 ms per new trajectory under load
+(docs/BENCHMARKS.md), most of it waiting for the writer thread's lock.
 """
 
 from __future__ import annotations
 
+import sqlite3
 import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -98,3 +109,55 @@ async def _seat(
     )
     row = opened.first()
     return None if row is None else str(row[0])
+
+
+@dataclass(frozen=True, slots=True)
+class Seat:
+    """A new trajectory asking for a seat in its task's derived group."""
+
+    policy: str
+    task_key: str
+    trajectory_id: str
+    keyed_by: str
+    group_size: int
+    now: float
+
+
+_STORED_GROUP = "SELECT group_id FROM trajectories WHERE id = ?"
+_NEWEST = (
+    "SELECT id, task_seq, state, seats FROM groups WHERE policy = ? AND task_key = ? ORDER BY task_seq DESC LIMIT 1"
+)
+_TAKE = "UPDATE groups SET seats = seats + 1 WHERE id = ?"
+_OPEN = "INSERT INTO groups (id, policy, task_key, task_seq, seats, state, created_at) VALUES (?, ?, ?, ?, 1, ?, ?)"
+_JOIN = (
+    "INSERT INTO trajectories (id, group_id, policy, keyed_by, created_at, updated_at, n_calls, last_version, metrics)"
+    " VALUES (?, ?, ?, ?, ?, ?, 0, 0, '{}')"
+)
+
+
+def seat_all_sqlite(conn: sqlite3.Connection, seats: Sequence[Seat]) -> list[str]:
+    """The group of each trajectory in ``seats``, seated in order in one IMMEDIATE transaction (SQLite)."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        groups = [_seat_sqlite(conn, seat) for seat in seats]
+    except BaseException:
+        conn.rollback()
+        raise
+    conn.commit()
+    return groups
+
+
+def _seat_sqlite(conn: sqlite3.Connection, seat: Seat) -> str:
+    stored = conn.execute(_STORED_GROUP, (seat.trajectory_id,)).fetchone()
+    if stored is not None:  # keyed first by another call of it, here or on another replica
+        return str(stored[0])
+    newest = conn.execute(_NEWEST, (seat.policy, seat.task_key)).fetchone()
+    if newest is not None and newest[2] == GroupState.OPEN.value and newest[3] < seat.group_size:
+        group_id = str(newest[0])
+        conn.execute(_TAKE, (group_id,))
+    else:
+        number = (newest[1] or 0) + 1 if newest is not None else 1
+        group_id = f"grp-{seat.task_key[:12]}-{uuid.uuid4().hex[:8]}"
+        conn.execute(_OPEN, (group_id, seat.policy, seat.task_key, number, GroupState.OPEN.value, seat.now))
+    conn.execute(_JOIN, (seat.trajectory_id, group_id, seat.policy, seat.keyed_by, seat.now, seat.now))
+    return group_id

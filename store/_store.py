@@ -10,6 +10,8 @@ every call (a trajectory's group, an open thread) read synchronously through one
 microseconds, a hop to aiosqlite's thread and back ten times that, and SQLAlchemy's
 connection checkout and parameter processing around it were 18% of the proxy's time under
 load (docs/BENCHMARKS.md). Each statement is stepped to its end, so no read pins a snapshot.
+The one write on that path, a new trajectory's seat in its derived group, goes through the
+group-commit writer's thread on SQLite (``store._derived``).
 Nothing of the store is cached in the process: every replica keys from what the store holds.
 """
 
@@ -26,7 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from store._adapter_files import AdapterFiles
 from store._adapters import Adapters, Policies
-from store._derived import join_task_group
+from store._derived import Seat, join_task_group
 from store._engine import connect, sqlite_sync_engine
 from store._export import ExportReads
 from store._guard import Guards
@@ -150,8 +152,11 @@ class Store:
         """The derived group of a new trajectory: a seat in the task's open group, shared by every replica.
 
         Stores the trajectory's row; if another replica stored it first, returns the group it gave it
-        (see ``store._derived``).
+        (see ``store._derived``). On SQLite with capture the writer's thread seats it.
         """
+        if self._writer is not None and self._sync is not None:
+            seat = Seat(policy, task_key, trajectory_id, keyed_by, group_size, time.time())
+            return await self._writer.seat(seat)
         return await join_task_group(
             self.engine, policy=policy, task_key=task_key, trajectory_id=trajectory_id, keyed_by=keyed_by,
             group_size=group_size, now=time.time(),

@@ -5,26 +5,31 @@ commit ran is written in the next single transaction. ``record`` returns once it
 transaction committed, so the proxy sends a response's last byte only after its record
 is durable, while a burst of 64 concurrent calls costs a handful of commits, not 64.
 On SQLite the thread commits through its own connection; on Postgres it hands each
-commit to the async engine on the event loop.
+commit to the async engine on the event loop. On SQLite it also seats new trajectories in
+their derived groups (``seat``, ``store._derived.seat_all_sqlite``): the seats asked while a
+commit ran share the next transaction, committed before that batch's calls.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 import queue
+import sqlite3
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, Engine, Executable, bindparam, insert, update
+from sqlalchemy import JSON, Connection, Engine, Executable, bindparam, insert, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 from tenacity import Retrying, before_sleep_log, stop_after_attempt, wait_exponential
 
-from store._engine import insert_ignore
+from store._derived import Seat, seat_all_sqlite
+from store._engine import dumps, insert_ignore
 from store._errors import StoreUnavailable
 from store._lifecycle import GroupState
 from store._tables import calls as C
@@ -53,7 +58,7 @@ class CallWrite:
     version: int
 
 
-_Pending = tuple[CallWrite, "asyncio.Future[None] | None"]
+_Pending = tuple[CallWrite | Seat, "asyncio.Future[Any] | None"]
 
 
 @functools.cache
@@ -74,8 +79,12 @@ def _statements(dialect: str) -> tuple[Executable, Executable, Executable, Execu
     )
 
 
-def write_batch(conn: Connection, dialect: str, writes: Sequence[CallWrite]) -> None:
-    """One transaction's worth of captured calls, with their groups and trajectories."""
+def _rows(writes: Sequence[CallWrite]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """The batch's new groups, new trajectories and trajectory updates, each in key order.
+
+    Rows in key order: two replicas' batches touching the same rows lock them in the same
+    order, so Postgres never finds them waiting on each other (a deadlock, one batch aborted).
+    """
     groups: dict[str, dict[str, Any]] = {}
     trajectories: dict[str, dict[str, Any]] = {}
     updates: dict[str, dict[str, Any]] = {}
@@ -98,26 +107,90 @@ def write_batch(conn: Connection, dialect: str, writes: Sequence[CallWrite]) -> 
             "b_v": w.version,
             "b_tail": w.tail_hash,
         }
+    return (
+        sorted(groups.values(), key=_by_id),
+        sorted(trajectories.values(), key=_by_id),
+        [updates[key] for key in sorted(updates)],
+    )
+
+
+def write_batch(conn: Connection, dialect: str, writes: Sequence[CallWrite]) -> None:
+    """One transaction's worth of captured calls, with their groups and trajectories (through SQLAlchemy)."""
+    groups, trajectories, updates = _rows(writes)
     insert_groups, insert_trajectories, insert_calls, update_trajectories = _statements(dialect)
-    # Rows in key order: two replicas' batches touching the same rows lock them in the same
-    # order, so Postgres never finds them waiting on each other (a deadlock, one batch aborted).
-    conn.execute(insert_groups, sorted(groups.values(), key=_by_id))
-    conn.execute(insert_trajectories, sorted(trajectories.values(), key=_by_id))
+    conn.execute(insert_groups, groups)
+    conn.execute(insert_trajectories, trajectories)
     conn.execute(insert_calls, [w.call for w in writes])
-    conn.execute(update_trajectories, [updates[key] for key in sorted(updates)])
+    conn.execute(update_trajectories, updates)
+
+
+# SQLite's own driver: the same four statements as plain SQL. SQLAlchemy's checkout, compiled-cache
+# lookup and parameter processing cost three times the statements themselves for a batch of one.
+_JSON = {table.name: frozenset(c.name for c in table.columns if isinstance(c.type, JSON)) for table in (G, T, C)}
+# Column defaults SQLAlchemy fills in for a key a row leaves out (all scalars here).
+_DEFAULTS = {
+    table.name: {c.name: getattr(c.default, "arg", None) for c in table.columns if c.default is not None}
+    for table in (G, T, C)
+}
+_UPDATE_TRAJECTORY = (
+    "UPDATE trajectories SET n_calls = n_calls + :b_n, updated_at = :b_t, last_version = :b_v, tail_hash = :b_tail"
+    " WHERE id = :b_id"
+)
+
+
+@functools.cache
+def _sqlite_insert(table: str, columns: tuple[str, ...], ignore_existing: bool) -> str:
+    names, marks = ", ".join(columns), ", ".join("?" * len(columns))
+    return f"INSERT INTO {table} ({names}) VALUES ({marks})" + (
+        " ON CONFLICT (id) DO NOTHING" if ignore_existing else ""
+    )
+
+
+def _columns(row: Mapping[str, Any]) -> tuple[str, ...]:
+    return tuple(row)
+
+
+def _insert_sqlite(conn: sqlite3.Connection, table: str, rows: Sequence[Mapping[str, Any]], ignore: bool) -> None:
+    """Insert ``rows`` in order as SQLAlchemy would: JSON encoded (None as ``null``), defaults for left-out keys."""
+    json_columns = _JSON[table]
+    columns: tuple[str, ...]
+    for columns, same in itertools.groupby(rows, key=_columns):
+        left_out = {name: value for name, value in _DEFAULTS[table].items() if name not in columns}
+        encoders = [dumps if name in json_columns else None for name in columns]
+        values = [
+            (*(v if encode is None else encode(v) for v, encode in zip(row.values(), encoders, strict=True)),
+             *left_out.values())
+            for row in same
+        ]  # fmt: skip
+        conn.executemany(_sqlite_insert(table, (*columns, *left_out), ignore), values)
+
+
+def write_batch_sqlite(conn: sqlite3.Connection, writes: Sequence[CallWrite]) -> None:
+    """``write_batch`` on SQLite's own driver, in one IMMEDIATE transaction."""
+    groups, trajectories, updates = _rows(writes)
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        _insert_sqlite(conn, G.name, groups, ignore=True)
+        _insert_sqlite(conn, T.name, trajectories, ignore=True)
+        _insert_sqlite(conn, C.name, [w.call for w in writes], ignore=False)
+        conn.executemany(_UPDATE_TRAJECTORY, updates)
+    except BaseException:
+        conn.rollback()
+        raise
+    conn.commit()
 
 
 def _by_id(row: Mapping[str, Any]) -> str:
     return str(row["id"])
 
 
-def _settle(done: asyncio.Future[None], error: Exception | None) -> None:
+def _settle(done: asyncio.Future[Any], result: Any, error: Exception | None) -> None:
     if done.done():
         return
     if error is None:
-        done.set_result(None)
+        done.set_result(result)
     else:
-        done.set_exception(StoreUnavailable(f"could not record the call: {error}"))
+        done.set_exception(StoreUnavailable(f"could not write to the store: {error}"))
 
 
 class GroupCommitWriter:
@@ -129,6 +202,14 @@ class GroupCommitWriter:
         self._dialect = engine.dialect.name
         self._loop = loop
         self._pending: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
+        # The database may be briefly down or locked: retry, then fail the callers.
+        self._retrying = Retrying(
+            stop=stop_after_attempt(_WRITE_ATTEMPTS),
+            wait=wait_exponential(multiplier=0.05),
+            before_sleep=before_sleep_log(log, logging.WARNING),
+            reraise=True,
+        )
+        self._raw: Any = None  # SQLite: the thread's own connection, held while it runs
         self._thread = threading.Thread(target=self._run, name="tracetrain-store-writer", daemon=True)
         self._thread.start()
 
@@ -137,6 +218,13 @@ class GroupCommitWriter:
         done: asyncio.Future[None] = self._loop.create_future()
         self._pending.put((write, done))
         await done
+
+    async def seat(self, seat: Seat) -> str:
+        """The derived group of a new trajectory, seated on this thread (SQLite only)."""
+        assert self._sync is not None, "seats go through the writer on SQLite only"
+        done: asyncio.Future[str] = self._loop.create_future()
+        self._pending.put((seat, done))
+        return await done
 
     def record_nowait(self, write: CallWrite) -> None:
         """Queue a call without waiting (its client is gone; nobody waits for the answer)."""
@@ -160,35 +248,54 @@ class GroupCommitWriter:
         return batch, False
 
     def _run(self) -> None:
-        commit = self._commit_sqlite if self._sync is not None else self._commit_on_loop
+        try:
+            self._serve()
+        finally:
+            if self._raw is not None:
+                self._raw.close()
+
+    def _serve(self) -> None:
         closing = False
         while not closing:
             first = self._pending.get()
             if first is None:
                 return
             batch, closing = self._next_batch(first)
-            writes = [write for write, _ in batch]
-            error: Exception | None = None
-            try:  # the database may be briefly down or locked: retry, then fail the callers
-                for attempt in Retrying(
-                    stop=stop_after_attempt(_WRITE_ATTEMPTS),
-                    wait=wait_exponential(multiplier=0.05),
-                    before_sleep=before_sleep_log(log, logging.WARNING),
-                    reraise=True,
-                ):
-                    with attempt:
-                        commit(writes)
-            except Exception as exc:
-                log.error("could not record %d calls: %s", len(batch), exc)
-                error = exc
-            for _, done in batch:
-                if done is not None:
-                    self._loop.call_soon_threadsafe(_settle, done, error)
+            seats = [item for item in batch if isinstance(item[0], Seat)]
+            if seats:  # first: their callers wait to send upstream, the calls' callers only to answer
+                self._write(self._seat_sqlite, seats)
+            calls = [item for item in batch if isinstance(item[0], CallWrite)]
+            if calls:
+                self._write(self._commit_sqlite if self._sync is not None else self._commit_on_loop, calls)
+
+    def _write(self, commit: Callable[[list[Any]], list[Any] | None], batch: list[_Pending]) -> None:
+        """``commit`` the batch's items, retried if the database is briefly down or locked; then answer."""
+        results: list[Any] | None = None
+        error: Exception | None = None
+        try:
+            for attempt in self._retrying:
+                with attempt:
+                    results = commit([item for item, _ in batch])
+        except Exception as exc:
+            log.error("could not write %d items to the store: %s", len(batch), exc)
+            error = exc
+        for i, (_, done) in enumerate(batch):
+            if done is not None:
+                self._loop.call_soon_threadsafe(_settle, done, results[i] if results else None, error)
+
+    def _sqlite(self) -> sqlite3.Connection:
+        assert self._sync is not None
+        if self._raw is None:
+            self._raw = self._sync.raw_connection()
+        driver = self._raw.driver_connection
+        assert isinstance(driver, sqlite3.Connection)
+        return driver
+
+    def _seat_sqlite(self, seats: list[Seat]) -> list[str]:
+        return seat_all_sqlite(self._sqlite(), seats)
 
     def _commit_sqlite(self, writes: list[CallWrite]) -> None:
-        assert self._sync is not None
-        with self._sync.begin() as conn:
-            write_batch(conn, self._dialect, writes)
+        write_batch_sqlite(self._sqlite(), writes)
 
     def _commit_on_loop(self, writes: list[CallWrite]) -> None:
         """Postgres: the async engine belongs to the event loop, so the commit runs there."""

@@ -99,6 +99,12 @@ def error_response(exc: ProxyError, headers: dict[str, str] | None = None) -> Re
     )
 
 
+def server_error_response() -> Response:
+    """What the client gets for an error the proxy did not expect (its detail goes to the log)."""
+    body = error_body("The proxy failed unexpectedly; the error is in its log.", "server_error")
+    return Response(orjson.dumps(body), status_code=500, media_type="application/json")
+
+
 class Forwarder:
     def __init__(
         self,

@@ -1,0 +1,90 @@
+"""The group-commit writer's SQLite path (SQLite's own driver) stores what SQLAlchemy's path stores."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import create_engine
+
+from store import CallWrite, Store
+from store._derived import Seat, seat_all_sqlite
+from store._engine import dumps
+from store._writer import write_batch, write_batch_sqlite
+
+
+def _batches() -> list[list[CallWrite]]:
+    """Calls of two trajectories in one group: two with every column, then an error call with the fewest."""
+    full = {"id": "call-1", "trajectory_id": "t-1", "group_id": "g-1", "policy": "agent",
+            "endpoint": "chat.completions", "model": "agent", "served_model": "base", "version": 2, "stream": True,
+            "request": {"model": "agent", "messages": [{"role": "user", "content": "2+2? \u00e9"}]},
+            "response": {"choices": [{"message": {"content": "4"}}]}, "prompt_token_ids": [1, 2, 3],
+            "completion_token_ids": [4], "logprobs": [-0.25], "other_choices": [], "finish_reason": "stop",
+            "prompt_tokens": 3, "completion_tokens": 1, "status_code": 200, "error": None, "latency_ms": 1.5,
+            "ttft_ms": 0.5, "started_at": 100.0}  # fmt: skip
+    second = {**full, "id": "call-2", "started_at": 101.0}
+    failed = {"id": "call-3", "trajectory_id": "t-2", "group_id": "g-1", "policy": "agent", "endpoint": "completions",
+              "model": "agent", "served_model": "base", "version": 2, "stream": False, "request": {"prompt": "x"},
+              "response": None, "status_code": 502, "error": "upstream down", "latency_ms": 2.0,
+              "started_at": 102.0}  # fmt: skip
+    return [
+        [
+            CallWrite(full, "t-1", "g-1", "agent", "header", None, None, 100.0, 2),
+            CallWrite(second, "t-1", "g-1", "agent", "header", None, "tail-1", 101.0, 2),
+        ],
+        [CallWrite(failed, "t-2", "g-1", "agent", "new", "task-1", None, 102.0, 2)],
+    ]
+
+
+def _dump(path: Path) -> dict[str, list[tuple[Any, ...]]]:
+    conn = sqlite3.connect(path)
+    try:
+        return {
+            "groups": conn.execute("SELECT * FROM groups ORDER BY id").fetchall(),
+            # updated_at is the commit's clock
+            "trajectories": conn.execute(
+                "SELECT id, group_id, policy, keyed_by, created_at, n_calls, last_version, tail_hash, reward, metrics "
+                "FROM trajectories ORDER BY id"
+            ).fetchall(),
+            "calls": conn.execute("SELECT * FROM calls ORDER BY pk").fetchall(),
+        }
+    finally:
+        conn.close()
+
+
+async def test_the_sqlite_driver_path_stores_what_sqlalchemy_stores(tmp_path: Path) -> None:
+    paths = {"sqlalchemy": tmp_path / "a.db", "driver": tmp_path / "b.db"}
+    for path in paths.values():
+        store = await Store.open(f"sqlite+aiosqlite:///{path}", capture=False)
+        await store.close()
+    engine = create_engine(f"sqlite:///{paths['sqlalchemy']}", json_serializer=dumps)  # as the store's own
+    for batch in _batches():
+        with engine.begin() as conn:
+            write_batch(conn, "sqlite", batch)
+    engine.dispose()
+    raw = sqlite3.connect(paths["driver"])
+    for batch in _batches():
+        write_batch_sqlite(raw, batch)
+    raw.close()
+
+    through_sqlalchemy, through_driver = _dump(paths["sqlalchemy"]), _dump(paths["driver"])
+    assert len(through_driver["calls"]) == 3
+    assert through_driver == through_sqlalchemy
+    assert through_driver["calls"][2][11] == "null"  # a None response is JSON null, as SQLAlchemy writes it
+
+
+async def test_seats_asked_together_fill_a_group_in_order_then_open_the_next(tmp_path: Path) -> None:
+    path = tmp_path / "seats.db"
+    store = await Store.open(f"sqlite+aiosqlite:///{path}", capture=False)
+    await store.close()
+    conn = sqlite3.connect(path)
+    seats = [Seat("agent", "task-1", f"t-{i}", "new", 2, 100.0 + i) for i in range(5)]
+    groups = seat_all_sqlite(conn, [*seats[:3], seats[0]])  # t-0 asked again: the group it got
+    groups += seat_all_sqlite(conn, seats[3:])
+    stored = conn.execute("SELECT task_seq, seats FROM groups ORDER BY task_seq").fetchall()
+    conn.close()
+    assert groups[:3] == [groups[0], groups[0], groups[2]] and groups[2] != groups[0]
+    assert groups[3] == groups[0]
+    assert groups[4] == groups[2] and groups[5] not in (groups[0], groups[2])
+    assert stored == [(1, 2), (2, 2), (3, 1)]
