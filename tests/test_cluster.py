@@ -137,13 +137,22 @@ def queued_job(proxy: RunningProxy, groups: list[str]) -> bool:
     return any(j["state"] == "queued" and sorted(j["group_ids"]) == sorted(groups) for j in jobs)
 
 
+@pytest.fixture
+def pg_url() -> str:
+    """The wiped PostgreSQL database (asked first, so the test skips before building the model)."""
+    return _pg_url()
+
+
 def test_two_proxies_two_vllm_servers_and_a_trainer_on_one_postgres(
-    start_proxy: Callable[..., RunningProxy], servers: tuple[Server, Server], wide_tiny_model: Path, tmp_path: Path
+    pg_url: str,
+    start_proxy: Callable[..., RunningProxy],
+    servers: tuple[Server, Server],
+    wide_tiny_model: Path,
+    tmp_path: Path,
 ) -> None:
     from trainer import TrainConfig
     from trainer._worker import Worker, WorkerSettings
 
-    pg_url = _pg_url()
     first, second = servers
     loads = [Loads(server, pg_url) for server in servers]
     for server in servers:
