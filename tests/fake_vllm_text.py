@@ -19,6 +19,7 @@ _SPECIAL_IDS = {"<|endoftext|>": 1, "<|im_start|>": 2, "<|im_end|>": 3, "<tool_c
 EOS_TOKEN_ID = _SPECIAL_IDS["<|im_end|>"]
 _BYTE_BASE = 16  # ids 16..271 spell a piece byte by byte
 _HASH_LOW, _HASH_HIGH = 1000, 50000
+TOKEN_ID_LIMIT = _HASH_HIGH  # every id the toy tokenizer gives is below this
 _PIECE_RE = re.compile("|".join(map(re.escape, _SPECIAL_IDS)) + r"|\w+|[^\S\n]+|\n|[^\w\s]")
 # Runners-up offered as top_logprobs alternatives.
 _ALT_PIECES = (

@@ -5,6 +5,7 @@ Two fake vLLM servers on loopback; the real proxy routes over both (``proxy.gate
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -211,6 +212,34 @@ def test_the_alias_flips_only_once_both_servers_hold_the_adapter(
     wait_for(lambda: [a for a in adapters(two)["data"] if a["state"] == "failed"])
     assert adapters(two)["active_version"] == 1
     assert "agent@2" not in first.fake.loras, "a server kept a version the other could not load"
+
+
+def test_a_server_killed_while_loading_leaves_the_rotation_and_the_adapter_is_published_on_the_others(
+    two: RunningProxy, servers: tuple[Server, Server], tmp_path: Path
+) -> None:
+    first, second = servers
+    asked = threading.Event()
+    inner = second.fake.app
+
+    async def hanging(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] == "/v1/load_lora_adapter":
+            asked.set()
+            while True:  # until the kill: uvicorn's shutdown cancels it and answers 500
+                await asyncio.sleep(0.01)
+        await inner(scope, receive, send)
+
+    second.fake.app = hanging  # type: ignore[assignment]
+    second.kill()
+    second.start()
+    wait_for(lambda: states(two)[second.v1] == "serving")
+    record_trained_adapter(two, 1, tmp_path)
+    assert asked.wait(10) and adapters(two)["active_version"] == 0
+    second.kill()
+    wait_for(lambda: adapters(two)["active_version"] == 1)
+    assert set(first.fake.loras) == {"agent@1"} and states(two) == {first.v1: "serving", second.v1: "down"}
+    (adapter,) = adapters(two)["data"]
+    assert adapter["state"] == "published"
+    assert [call(two, f"m{i}").model for i in range(3)] == ["agent@1"] * 3
 
 
 def test_a_data_parallel_vllm_is_refused_and_says_why(

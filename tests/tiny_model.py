@@ -111,8 +111,12 @@ ABCDEFGHIJKLMNOPQRSTUVWXYZ abcdefghijklmnopqrstuvwxyz .,;:!?'"()[]{}<>-_=+*/\\|@
 """
 
 
-def build_tiny_model(out_dir: Path, *, seed: int = 0) -> Path:
+def build_tiny_model(out_dir: Path, *, seed: int = 0, vocab_size: int | None = None) -> Path:
     """Build the tiny model directory at `out_dir` (or reuse a complete one) and return it.
+
+    ``vocab_size`` pads the embedding beyond the tokenizer's ids, as real models pad theirs
+    (Qwen2.5: 151,936 rows for 151,665 tokens); the fake vLLM's token ids (below
+    ``fake_vllm_text.TOKEN_ID_LIMIT``) then fit, so the trainer can learn from what it captured.
 
     Example:
         model_dir = build_tiny_model(tmp_path_factory.getbasetemp() / "tiny-llama")
@@ -137,7 +141,7 @@ def build_tiny_model(out_dir: Path, *, seed: int = 0) -> Path:
 
     im_start, im_end, endoftext = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>", "<|endoftext|>"])
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
+        vocab_size=max(len(tokenizer), vocab_size or 0),
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=2,

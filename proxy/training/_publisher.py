@@ -15,10 +15,11 @@ adapter left ``loading`` by a replica that died is taken back after the lease by
 whichever replica polls first, and published again. The same poll requeues training jobs
 whose worker stopped renewing its lease (see ``store._lifecycle``).
 
-A server out of rotation (down, refusing connections) is skipped, and one that refuses
-the load's connection leaves the rotation: the router hands a server that answers again to
-``restore``, which loads every published version into it before it takes traffic. Nothing
-is claimed while no server is in rotation.
+A server out of rotation (down, refusing connections) is skipped. One that refuses the
+load's connection, or fails the load and then no longer answers ``/health`` (stopped
+mid-load), leaves the rotation and the publish goes on without it: the router hands a
+server that answers again to ``restore``, which loads every published version into it
+before it takes traffic. Nothing is claimed while no server is in rotation.
 
 Versions are immutable names: a name is never reloaded with other weights, so vLLM's
 prefix cache cannot serve an old policy under a new name.
@@ -69,6 +70,15 @@ AdapterDelivery = Literal["auto", "path", "resolver"]
 def _already_loaded(exc: ProxyError) -> bool:
     """vLLM's answer to loading a name it holds (400, "... has already been loaded ...")."""
     return exc.status_code == 400 and "has already been loaded" in exc.message
+
+
+async def _answers(upstream: Upstream) -> bool:
+    """Whether ``upstream`` still answers ``/health``: a load that failed on a server going away is no verdict."""
+    try:
+        await upstream.health()
+    except ProxyError:
+        return False
+    return True
 
 
 class PublishError(ProxyError):
@@ -285,6 +295,9 @@ class Publisher:
                 if _already_loaded(exc):
                     server.versions.add(version)
                     loaded.append(server)
+                    continue
+                if not await _answers(server.upstream):  # it went down mid-load (its shutdown answered 500)
+                    self._router.mark_down(server, f"it stopped answering while loading {name}: {exc.message}")
                     continue
                 for done in loaded:  # leave no server serving a version the others lack
                     try:
