@@ -231,16 +231,20 @@ class Publisher:
         for version, since in list(self._withdrawn.items()):
             if now - since < self._grace_s or self._registry.in_flight[version] > 0:
                 continue
-            name = f"{self._registry.policy}@{version}"
-            for server in self._router.servers:
-                if server.state == "refused":
-                    continue
-                try:
-                    await server.upstream.unload_lora(name)
-                    server.versions.discard(version)
-                except ProxyError as exc:
-                    log.warning("could not unload %s from %s: %s", name, server.url, exc.message)
+            await self._unload_everywhere(version)
             del self._withdrawn[version]
+
+    async def _unload_everywhere(self, version: int) -> None:
+        """Unload ``policy@version`` from every server that takes adapters; a failure is only logged."""
+        name = f"{self._registry.policy}@{version}"
+        for server in self._router.servers:
+            if server.state == "refused":
+                continue
+            try:
+                await server.upstream.unload_lora(name)
+                server.versions.discard(version)
+            except ProxyError as exc:
+                log.warning("could not unload %s from %s: %s", name, server.url, exc.message)
 
     async def _reclaim_expired(self) -> None:
         """Take back the claims of dead processes: adapters left loading, jobs left running."""
@@ -388,12 +392,4 @@ class Publisher:
             # One replica retires a version (a guarded move) and unloads it; the others adopt that.
             if not await self._store.adapters.retired(self._registry.policy, version):
                 continue
-            name = f"{self._registry.policy}@{version}"
-            for server in self._router.servers:
-                if server.state == "refused":
-                    continue
-                try:
-                    await server.upstream.unload_lora(name)
-                    server.versions.discard(version)
-                except ProxyError as exc:
-                    log.warning("could not unload %s from %s: %s", name, server.url, exc.message)
+            await self._unload_everywhere(version)
