@@ -7,6 +7,7 @@ and posts the checker's reward. The whole demo on real vLLM is `make demo`.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from http.server import ThreadingHTTPServer
@@ -19,41 +20,48 @@ from fake_vllm import FakeVLLM, Reply
 
 from tracetrain import Client
 from tracetrain_demo import agent, reward_service
-from tracetrain_demo.task import FORMAT, RETRY, by_country, country_of, json_answer, scenarios, score
+from tracetrain_demo.task import by_prompt, json_city, scenarios, score
 
 
-def test_the_split_is_fixed_and_held_out_questions_are_never_trained_on() -> None:
+def test_the_split_is_fixed_and_held_out_requests_name_only_cities_never_trained_on() -> None:
     train, held_out = scenarios()
-    assert len(held_out) == 24 and len(train) > 60
-    assert not {s.country for s in train} & {s.country for s in held_out}
-    assert scenarios() == (train, held_out)
+    assert (len(train), len(held_out)) == (400, 100)
+    trained_cities = {c for s in train for c in (s.origin, s.destination)}
+    assert not trained_cities & {c for s in held_out for c in (s.origin, s.destination)}
+    assert len({s.prompt for s in train + held_out}) == 500
+    assert all(s.origin != s.destination and s.destination in s.prompt for s in train + held_out)
 
 
 @pytest.mark.parametrize(
-    ("reply", "turns", "reward", "success"),
+    ("reply", "reward", "success"),
     [
-        ('{"answer": "Lima"}', 2, 1.0, True),
-        ('```json\n{"answer": "lima"}\n```', 2, 1.0, True),
-        ('{"answer": "Lima"}', 3, 0.8, True),  # needed the retry turn
-        ('{"answer": "Cusco"}', 2, 0.4, False),  # valid JSON, wrong city
-        ("The capital of Peru is Lima.", 2, 0.2, False),  # right city, not JSON
-        ("The capital of Peru is Limassol.", 2, 0.0, False),  # a word containing it is not it
-        ('{"answer": ["Lima"]}', 2, 0.2, False),
-        ("", 3, 0.0, False),
+        ('{"city": "DEST"}', 1.0, True),
+        ('```json\n{"city": "LOWER"}\n```', 1.0, True),  # a code fence, another case
+        ('{"city": "ORIGIN"}', 0.4, False),  # valid JSON, the city the traveller leaves
+        ('{"city": "DEST"}\nThat is where the hotel is.', 0.2, False),  # prose after the JSON
+        ("The hotel is in DEST.", 0.2, False),  # right city, not JSON
+        ("The hotel is in DESTville.", 0.0, False),  # a word containing it is not it
+        ('{"city": ["DEST"]}', 0.2, False),
+        ('{"town": "DEST"}', 0.2, False),
+        ("", 0.0, False),
     ],
 )
-def test_the_checker_gives_partial_credit(reply: str, turns: int, reward: float, success: bool) -> None:
-    result = score(by_country()["Peru"], reply, turns)
+def test_the_checker_gives_partial_credit(reply: str, reward: float, success: bool) -> None:
+    request = scenarios()[0][0]
+    names = {"DEST": request.destination, "ORIGIN": request.origin, "LOWER": request.destination.lower()}
+    for marker, name in names.items():
+        reply = reply.replace(marker, name)
+    result = score(request, reply)
     assert result.reward == pytest.approx(reward)
     assert result.success is success
 
 
-def test_accents_and_other_spellings_count() -> None:
-    assert score(by_country()["Colombia"], '{"answer": "Bogotá"}', 1).success
-    assert score(by_country()["Ukraine"], '{"answer": "Kiev"}', 1).success
-    assert json_answer('{"answer": 3}') is None
-    assert country_of(by_country()["South Korea"].question) == "South Korea"
-    assert country_of("hello") is None
+def test_accents_and_case_do_not_matter_and_every_request_is_found_by_its_prompt() -> None:
+    malaga = next(s for s in scenarios()[0] + scenarios()[1] if s.destination == "Malaga")
+    assert score(malaga, '{"city": "Málaga"}').success
+    assert score(malaga, '{"city": "MALAGA"}').success
+    assert json_city('{"city": 3}') is None
+    assert all(by_prompt()[s.prompt] is s for s in scenarios()[0] + scenarios()[1])
 
 
 @pytest.fixture
@@ -72,30 +80,19 @@ def rewards_url(proxy: RunningProxy) -> Iterator[str]:
 def test_an_attempt_is_one_trajectory_and_the_reward_service_scores_it(
     proxy: RunningProxy, fake: FakeVLLM, rewards_url: str
 ) -> None:
-    peru = by_country()["Peru"]
-    fake.script(
-        Reply(content="The capital of Peru is Lima."), Reply(content="Lima."), Reply(content='{"answer": "Lima"}'),
-        Reply(content="It is Cusco."), Reply(content='{"answer": "Cusco"}'),
-    )  # fmt: skip
+    request = scenarios()[0][0]
+    fake.script(Reply(content=f'{{"city": "{request.destination}"}}'), Reply(content=f'{{"city": "{request.origin}"}}'))
     client = proxy.client()
-    first = agent.attempt(client, "agent", peru, "peru-0", "peru", temperature=1.0, max_tokens=16)
-    second = agent.attempt(client, "agent", peru, "peru-1", "peru", temperature=1.0, max_tokens=16)
-    assert (first["turns"], second["turns"]) == (3, 2)
-    assert first["served_by"] == "agent@0"
-    # each turn extends the conversation; the retry carries the agent's check back to the model
-    assert [m["content"] for m in fake.requests[2]["messages"]] == [
-        peru.question,
-        "The capital of Peru is Lima.",
-        FORMAT,
-        "Lima.",
-        RETRY,
-    ]
+    first = agent.attempt(client, "agent", request, "r-0", "r", temperature=1.0, max_tokens=16)
+    second = agent.attempt(client, "agent", request, "r-1", "r", temperature=1.0, max_tokens=16)
+    assert first["served_by"] == second["served_by"] == "agent@0"
+    assert fake.requests[0]["messages"] == [{"role": "user", "content": request.prompt}]
 
-    for trajectory_id in ("peru-0", "peru-1"):
+    for trajectory_id in ("r-0", "r-1"):
         assert httpx.post(rewards_url, json={"trajectory_id": trajectory_id}).status_code == 204
     sdk = Client(proxy.url)
-    rewards = {t.id: t.reward for t in sdk.list_trajectories(group_id="peru").data}
-    assert rewards == {"peru-0": pytest.approx(0.8), "peru-1": pytest.approx(0.4)}
+    rewards = {t.id: t.reward for t in sdk.list_trajectories(group_id="r").data}
+    assert rewards == {"r-0": pytest.approx(1.0), "r-1": pytest.approx(0.4)}
     [group] = sdk.list_groups().data
     assert group.state == "ready" and group.size == 2
     sdk.close()
@@ -109,12 +106,15 @@ def test_the_agent_reads_only_the_environment_and_reports_each_attempt(
     monkeypatch.setenv("OPENAI_BASE_URL", proxy.v1)
     monkeypatch.setenv("OPENAI_API_KEY", "unused")
     assert agent.main(["--questions", "2", "--attempts", "3", "--done-url", rewards_url, "--tag", "t"]) == 0
-    printed = capsys.readouterr().out.splitlines()
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert len(printed) == 6
     sdk = Client(proxy.url)
     trajectories = sdk.list_trajectories(limit=50).data
-    assert len(trajectories) == 6 and all(t.reward == 0.0 for t in trajectories)  # the fake echoes: no JSON
-    assert all(t.n_calls == 3 for t in trajectories)  # question, JSON, retry
+    assert len(trajectories) == 6 and all(t.n_calls == 1 for t in trajectories)
+    # the fake echoes the request (no JSON): each reward is the checker's for what the agent printed
+    rewards = {t.id: t.reward for t in trajectories}
+    assert rewards == {e["trajectory_id"]: score(by_prompt()[e["prompt"]], e["reply"]).reward for e in printed}
+    assert all(reward < 0.4 for reward in rewards.values())
     assert len({t.group_id for t in trajectories}) == 2
     sdk.close()
 
@@ -129,3 +129,28 @@ def test_the_demo_uses_the_admin_token_serve_uses(tmp_path: Path, monkeypatch: p
     assert _admin_token(tmp_path) == "made-by-serve-" + "x" * 20
     monkeypatch.setenv("TRACETRAIN_ADMIN_TOKEN", "from-the-environment-" + "y" * 10)
     assert _admin_token(tmp_path) == "from-the-environment-" + "y" * 10
+
+
+def test_busy_fractions_count_overlapping_spans_once() -> None:
+    from tracetrain_demo.run import Report
+
+    report = Report(training_window=(0.0, 100.0))
+    report.sampling = [(0.0, 30.0), (20.0, 50.0), (90.0, 130.0)]  # overlapping rounds; one runs past the end
+    report.training = [(40.0, 60.0), (-10.0, 5.0)]  # one began before the window
+    busy = report.busy()
+    assert busy == pytest.approx({"sampling": 0.6, "training": 0.25, "both": 0.15})
+
+
+def test_the_summary_without_held_out_evaluations_still_writes_the_numbers_and_the_plot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tracetrain_demo.run import Report, Step, _summary
+
+    report = Report(seconds=90.0, training_window=(0.0, 90.0))
+    report.steps = [Step(1, 0.2, 0.1, 5.0, 10.0, samples=32, off_policy=0), Step(2, 0.5, 0.1, 5.0, 10.0, samples=32,
+                    off_policy=32)]  # fmt: skip
+    _summary(report, tmp_path)
+    assert "held-out success: not measured" in capsys.readouterr().out
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["before"] is None and [s["version"] for s in results["steps"]] == [1, 2]
+    assert (tmp_path / "reward-curve.png").stat().st_size > 0

@@ -28,7 +28,7 @@ the policy's LoRA with GRPO.
 
 
 def _demo(argv: Sequence[str]) -> int:
-    missing = missing_modules(("torch", "peft", "openai", "matplotlib", "vllm"))
+    missing = missing_modules(("torch", "peft", "openai", "matplotlib", "psutil", "vllm"))
     if missing:
         raise SystemExit(
             f"tracetrain demo: needs the serving and training extras ({', '.join(missing)} not installed): "

@@ -174,7 +174,9 @@ class VLLMLaunch:
         if self.tool_call_parser is not None:
             args += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_call_parser]
         if self.device == "cpu":
-            args.append("--no-enable-chunked-prefill")
+            # vLLM's CPU default block is 128 tokens: a prompt shorter than that never hits the prefix
+            # cache (0% on the demo's ~80-token prompts; 72% with 32, the attempts of a group sharing it).
+            args += ["--no-enable-chunked-prefill", "--block-size", "32"]
         if self.sleep_mode and self.device == "cuda":
             args.append("--enable-sleep-mode")
         return [*args, *self.extra_args]

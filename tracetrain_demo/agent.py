@@ -1,15 +1,14 @@
 """The demo's agent: an ordinary OpenAI-client program that knows nothing of tracetrain.
 
 Like any OpenAI app it reads OPENAI_BASE_URL and OPENAI_API_KEY from the environment.
-It asks for a country's capital, then for that answer as JSON, and checks the reply
-itself: if it is not valid JSON it says so and lets the model try once more.
-The only tracetrain-specific thing is two headers naming the attempt's trajectory
-and its group (the attempts at one question), so that GRPO compares them; an app
-that cannot set headers would use the path prefix /g/GROUP/t/TRAJECTORY/v1 instead.
+It passes a travel request to the model, asks which city needs a hotel as JSON, and
+parses the reply. The only tracetrain-specific thing is two headers naming the
+attempt's trajectory and its group (the attempts at one request), so that GRPO compares
+them; an app that cannot set headers would use the path prefix /g/GROUP/t/TRAJECTORY/v1.
 
     OPENAI_BASE_URL=http://127.0.0.1:8100/v1 python -m tracetrain_demo.agent --split train --rounds 3
 
-Each round asks --questions questions --attempts times each, all at once. Finished
+Each round asks --questions requests --attempts times each, all at once. Finished
 attempts are printed as JSON lines, and, with --done-url, reported to the reward
 service (the way an app would report that a task ended).
 """
@@ -27,28 +26,18 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 
-from tracetrain_demo.task import FORMAT, MAX_TURNS, RETRY, Scenario, json_answer, scenarios
+from tracetrain_demo.task import Scenario, scenarios
 
 
 def attempt(client: openai.OpenAI, model: str, scenario: Scenario, trajectory_id: str, group_id: str,
             *, temperature: float, max_tokens: int) -> dict[str, object]:  # fmt: skip
-    """One episode: ask, ask for the answer as JSON, check it, ask again once if it is not valid JSON."""
-    headers = {"X-Trajectory-Id": trajectory_id, "X-Group-Id": group_id}
-    messages: list[dict[str, str]] = []
-    reply, served_by = "", ""
-    for turn, say in enumerate((scenario.question, FORMAT, RETRY)[:MAX_TURNS]):
-        if turn == 2 and json_answer(reply) is not None:
-            break
-        messages.append({"role": "user", "content": say})
-        completion = client.chat.completions.create(
-            model=model, messages=messages, temperature=temperature, max_tokens=max_tokens,  # type: ignore[arg-type]
-            extra_headers=headers,
-        )  # fmt: skip
-        reply, served_by = completion.choices[0].message.content or "", completion.model
-        messages.append({"role": "assistant", "content": reply})
-    turns = sum(m["role"] == "assistant" for m in messages)
-    return {"trajectory_id": trajectory_id, "group_id": group_id, "country": scenario.country, "reply": reply,
-            "turns": turns, "served_by": served_by}  # fmt: skip
+    """One attempt: one call; the reply is what the app would parse."""
+    completion = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": scenario.prompt}], temperature=temperature,
+        max_tokens=max_tokens, extra_headers={"X-Trajectory-Id": trajectory_id, "X-Group-Id": group_id},
+    )  # fmt: skip
+    return {"trajectory_id": trajectory_id, "group_id": group_id, "prompt": scenario.prompt,
+            "reply": completion.choices[0].message.content or "", "served_by": completion.model}  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -59,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--attempts", type=int, default=8, help="attempts per question, one group (default 8)")
     p.add_argument("--rounds", type=int, default=1, help="rounds to run; 0 runs until killed (default 1)")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7)")
-    p.add_argument("--max-tokens", type=int, default=32, help="most tokens per reply (default 32)")
+    p.add_argument("--max-tokens", type=int, default=24, help="most tokens per reply (default 24)")
     p.add_argument("--tag", default="demo", help="prefix of trajectory and group ids (default demo)")
     p.add_argument("--done-url", help="POST {trajectory_id} here when an attempt ends (the reward service)")
     p.add_argument("--seed", type=int, default=0, help="order of the training questions (default 0)")

@@ -20,22 +20,20 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from tracetrain import Client, Trajectory
-from tracetrain_demo.task import Score, by_country, country_of, score
+from tracetrain_demo.task import Score, by_prompt, score
 
 log = logging.getLogger("tracetrain_demo.rewards")
 
 
 def score_trajectory(trajectory: Trajectory) -> Score:
-    """Score a captured attempt from what the proxy recorded: its last call's conversation and reply."""
+    """Score a captured attempt from what the proxy recorded: its last call's request and reply."""
     last = trajectory.calls[-1]
     messages = last.request["messages"]
-    country = country_of(messages[0]["content"])
-    scenario = by_country().get(country or "")
+    scenario = by_prompt().get(messages[0]["content"])
     if scenario is None:
-        raise ValueError(f"trajectory {trajectory.id} does not ask a known question")
+        raise ValueError(f"trajectory {trajectory.id} does not start with one of the task's requests")
     reply = (last.response or {}).get("choices", [{}])[0].get("message", {}).get("content") or ""
-    turns = sum(m["role"] == "assistant" for m in messages) + 1
-    return score(scenario, reply, turns)
+    return score(scenario, reply)
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -6,13 +6,16 @@
 
 1. Pull the default model and start ``tracetrain serve`` on a fresh demo directory
    (DATA_DIR/demo; the compile cache is kept between runs).
-2. Start the reward service and measure held-out success on ``agent@0`` (the base model).
-3. Run the agent on the training questions, round after round. Each round's groups are
+2. Start the reward service; measure held-out success of ``agent@0`` (the base model)
+   beside the first round.
+3. Run the agent on the training requests, round after round. Each round's groups are
    rewarded, trigger a training step, and the new adapter is hot-swapped in while the
-   agent keeps asking ``agent``: later rounds are served by newer versions.
+   agent keeps asking ``agent``: later rounds are served by newer versions. vLLM samples
+   the next round while the trainer trains the last (a round starts while at most one
+   job is pending). Every --eval-every minutes the newest version is measured too.
 4. After --steps steps or --minutes minutes, measure held-out success on the newest
-   version, print the per-step table and write the reward curve (reward-curve.png) and
-   the numbers (results.json) to DATA_DIR/demo.
+   version, print the per-step table, how busy each side was, and write the plot
+   (reward-curve.png) and the numbers (results.json) to DATA_DIR/demo.
 """
 
 from __future__ import annotations
@@ -32,14 +35,16 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil  # type: ignore[import-untyped]  # no stubs in the demo extra
 from tqdm import tqdm  # type: ignore[import-untyped]  # no stubs in the train extra
 
 from tracetrain_cli._child import ChildProcess
-from tracetrain_demo.task import Score, by_country, score
+from tracetrain_demo.task import Score, by_prompt, score
 
 _SERVE_READY = "ready: agents use OPENAI_BASE_URL"
-# On a CPU, packed rows near the sample length keep attention cheap (see docs/TRAINING.md).
-_TRAIN_CONFIG = {"micro_batch_tokens": 1024, "learning_rate": 3e-4, "max_staleness": 2}
+# TrainConfig's defaults (docs/TRAINING.md says how they were chosen), except: on a CPU, packed rows
+# near the sample length keep attention cheap.
+_TRAIN_CONFIG = {"micro_batch_tokens": 1024}
 
 
 @dataclass
@@ -50,16 +55,61 @@ class Step:
     train_s: float
     wall_s: float
     success: float | None = None  # success of the training attempts this step's adapter served
+    samples: int = 0
+    off_policy: int = 0  # samples a version older than the one trained sampled (importance-corrected)
+    stale: int = 0  # samples dropped: more than max_staleness versions behind
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    version: int
+    success: float  # of every attempt at every held-out request
+    attempts: int
+    started: float  # time.time()
+    finished: float
 
 
 @dataclass
 class Report:
-    before: float = 0.0
-    after: float = 0.0
-    after_version: int = 0
+    held_out: list[HeldOut] = field(default_factory=list)  # the base model's first, the newest version's last
     steps: list[Step] = field(default_factory=list)
     served_success: dict[int, float] = field(default_factory=dict)  # version -> success of what it served
     seconds: float = 0.0
+    # Busy time, as (start, end) of time.time(): agent rounds and evaluations (vLLM samples), training jobs.
+    rounds: list[tuple[float, float]] = field(default_factory=list)
+    sampling: list[tuple[float, float]] = field(default_factory=list)
+    training: list[tuple[float, float]] = field(default_factory=list)
+    training_window: tuple[float, float] = (0.0, 0.0)
+    machine_busy_cores: float = 0.0  # of psutil.cpu_count() cores, averaged over the training phase
+
+    def busy(self) -> dict[str, float]:
+        """The fraction of the training phase's wall time vLLM was sampling, the trainer training, and both."""
+        start, end = self.training_window
+        sampling, training = _union(self.sampling, start, end), _union(self.training, start, end)
+        both = _union([(max(a, c), min(b, d)) for a, b in sampling for c, d in training if max(a, c) < min(b, d)],
+                      start, end)  # fmt: skip
+        wall = max(end - start, 1e-9)
+        return {name: sum(b - a for a, b in spans) / wall
+                for name, spans in (("sampling", sampling), ("training", training), ("both", both))}  # fmt: skip
+
+
+def _busy_cpu_seconds() -> float:
+    """CPU seconds every core of the machine spent busy so far (anything not idle or waiting on I/O)."""
+    times = psutil.cpu_times()
+    return float(sum(times) - times.idle - getattr(times, "iowait", 0.0))
+
+
+def _union(spans: list[tuple[float, float]], start: float, end: float) -> list[tuple[float, float]]:
+    """Disjoint spans covering the same time as ``spans``, cut to [start, end]."""
+    merged: list[tuple[float, float]] = []
+    for a, b in sorted((max(a, start), min(b, end)) for a, b in spans):
+        if b <= a:
+            continue
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -75,12 +125,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         _start(children, ChildProcess("reward service", [sys.executable, "-m", "tracetrain_demo.reward_service",
                "--proxy", url, "--port", str(rewards_port)], _env(url), run_dir / "logs" / "rewards.log"))  # fmt: skip
         report = Report()
-        report.before = _held_out(url, run_dir, "agent@0", args, children)
-        _say(f"held-out success of agent@0 (the base model): {report.before:.0%}")
+        if args.eval_attempts:
+            _say("measuring held-out success of agent@0 (the base model) while the first round samples")
         _train(url, run_dir, rewards_port, args, report, children)
         version = _active_version(url, args.admin_token)
-        report.after_version = version
-        report.after = _held_out(url, run_dir, f"agent@{version}", args, children)
+        if args.eval_attempts:
+            _say(f"measuring held-out success of agent@{version} ...")
+            report.held_out.append(_Evaluation(url, run_dir, version, args.eval_attempts, args, children).result())
         report.seconds = time.monotonic() - started
         _summary(report, run_dir)
     except KeyboardInterrupt:
@@ -97,7 +148,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         prog="tracetrain demo",
         description="An unmodified agent gets better at its task while it runs. Starts tracetrain serve on "
         "DATA_DIR/demo (unless --url), a reward service and the agent; trains until --steps or --minutes; prints "
-        "a per-step table and held-out success before and after; writes reward-curve.png and results.json.",
+        "a per-step table, held-out success before, during (--eval-every) and after, and how busy sampling and "
+        "training were; writes reward-curve.png and results.json.",
     )
     p.add_argument(
         "--data-dir", type=Path, default=Path(".tracetrain"), help="models and the demo run (default .tracetrain)"
@@ -105,11 +157,25 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8100, help="the proxy's port (default 8100; vLLM uses the next one)")
     p.add_argument("--url", help="use a tracetrain serve already running at this root URL instead of starting one")
     p.add_argument("--steps", type=int, default=60, help="stop after this many training steps (default 60)")
-    p.add_argument("--minutes", type=float, default=11.0, help="or after this many minutes of training (default 11)")
-    p.add_argument("--questions", type=int, default=4, help="questions per round = groups per step (default 4)")
-    p.add_argument("--attempts", type=int, default=8, help="attempts per question = group size (default 8)")
-    p.add_argument("--eval-attempts", type=int, default=4, help="attempts per held-out question (default 4)")
+    p.add_argument("--minutes", type=float, default=6.0, help="or after this many minutes of training (default 6)")
+    p.add_argument("--questions", type=int, default=4, help="requests per round = groups per step (default 4)")
+    p.add_argument("--attempts", type=int, default=8, help="attempts per request = group size (default 8)")
+    p.add_argument(
+        "--eval-attempts",
+        type=int,
+        default=2,
+        help="attempts per held-out request (default 2: 100 requests x 2, a standard error of at "
+        "most 3.5 points; 0: no held-out evaluation, as bench/learning.py measures them itself)",
+    )
+    p.add_argument(
+        "--eval-every",
+        type=float,
+        default=3.0,
+        help="measure the newest version on the held-out requests every this many minutes, beside "
+        "training (default 3; 0: only before and after)",
+    )
     p.add_argument("--temperature", type=float, default=0.7, help="the agent's sampling temperature (default 0.7)")
+    p.add_argument("--learning-rate", type=float, default=3e-4, help="the LoRA's AdamW learning rate (default 3e-4)")
     return p.parse_args(argv)
 
 
@@ -123,7 +189,7 @@ def _start_serve(args: argparse.Namespace, data_dir: Path, run_dir: Path, childr
             path.unlink()
     run_dir.mkdir(parents=True, exist_ok=True)
     config = run_dir / "train-config.json"
-    config.write_text(json.dumps(_TRAIN_CONFIG))
+    config.write_text(json.dumps({**_TRAIN_CONFIG, "learning_rate": args.learning_rate}))
     command = [
         sys.executable, "-m", "tracetrain_cli", "serve", "--model", str(model_dir), "--data-dir", str(run_dir),
         "--port", str(args.port), "--group-size", str(args.attempts), "--min-group-size", str(args.attempts),
@@ -185,19 +251,36 @@ def _pull_model(data_dir: Path) -> Path:
     return Path(done.stdout.strip().splitlines()[-1])
 
 
-def _held_out(url: str, run_dir: Path, model: str, args: argparse.Namespace, children: list[ChildProcess]) -> float:
-    """Success rate of the agent on the held-out questions, served by ``model``."""
-    _say(f"measuring held-out success of {model} ...")
-    tag = f"eval-{model.replace('@', '-v')}"
-    command = [sys.executable, "-m", "tracetrain_demo.agent", "--split", "held-out", "--model", model,
-               "--attempts", str(args.eval_attempts), "--temperature", str(args.temperature), "--tag", tag]  # fmt: skip
-    agent = ChildProcess("held-out agent", command, _env(url), run_dir / "logs" / f"{tag}.jsonl")
-    _start(children, agent)
-    if agent.wait() != 0:
-        raise SystemExit(f"tracetrain demo: the held-out evaluation of {model} failed:\n{agent.log_tail()}")
-    children.remove(agent)
-    episodes = _episodes(agent.log_path)
-    return sum(_score(e).success for e in episodes) / max(1, len(episodes))
+class _Evaluation:
+    """The agent on every held-out request, served by one version, in its own process.
+
+    It runs beside training (vLLM batches its calls with the training round's), so measuring
+    costs little wall time; only the last one waits for training to end.
+    """
+
+    def __init__(self, url: str, run_dir: Path, version: int, attempts: int, args: argparse.Namespace,
+                 children: list[ChildProcess]) -> None:  # fmt: skip
+        self.version, self.started = version, time.time()
+        model = f"agent@{version}"
+        tag = f"eval-agent-v{version}"
+        command = [sys.executable, "-m", "tracetrain_demo.agent", "--split", "held-out", "--model", model,
+                   "--attempts", str(attempts), "--temperature", str(args.temperature), "--tag", tag]  # fmt: skip
+        self._agent = ChildProcess("held-out agent", command, _env(url), run_dir / "logs" / f"{tag}.jsonl")
+        self._children = children
+        _start(children, self._agent)
+
+    @property
+    def done(self) -> bool:
+        return self._agent.returncode is not None
+
+    def result(self) -> HeldOut:
+        """Wait for it; its success rate over every held-out attempt."""
+        if self._agent.wait() != 0:
+            raise SystemExit(f"tracetrain demo: the held-out evaluation of agent@{self.version} failed:\n"
+                             f"{self._agent.log_tail()}")  # fmt: skip
+        self._children.remove(self._agent)
+        wins = [_score(e).success for e in _episodes(self._agent.log_path)]
+        return HeldOut(self.version, sum(wins) / max(1, len(wins)), len(wins), self.started, time.time())
 
 
 def _train(url: str, run_dir: Path, rewards_port: int, args: argparse.Namespace, report: Report,
@@ -206,12 +289,17 @@ def _train(url: str, run_dir: Path, rewards_port: int, args: argparse.Namespace,
 
     A new round starts when the last one ended and at most one training job is pending:
     on two cores vLLM samples the next round while the trainer trains on the last one,
-    and the agent never runs ahead of training into stale, wasted samples.
+    and the agent never runs ahead of training into stale, wasted samples. The base
+    model's held-out evaluation runs beside the first round, and every --eval-every
+    minutes the newest version's beside the rounds of the moment.
     """
+    began, cpu_before = time.time(), _busy_cpu_seconds()
     deadline = time.monotonic() + args.minutes * 60
     log = run_dir / "logs" / "agent-train.jsonl"
+    evaluations = [_Evaluation(url, run_dir, 0, args.eval_attempts, args, children)] if args.eval_attempts else []
+    next_eval = time.monotonic() + args.eval_every * 60
     agent: ChildProcess | None = None
-    rounds = 0
+    round_started = 0.0
     seen: set[int] = set()
     last = time.monotonic()
     with tqdm(total=args.steps, desc="training steps", unit="step") as bar:
@@ -222,30 +310,51 @@ def _train(url: str, run_dir: Path, rewards_port: int, args: argparse.Namespace,
                 if agent.returncode != 0:
                     raise SystemExit(f"tracetrain demo: the agent failed:\n{agent.log_tail()}")
                 children.remove(agent)
+                report.rounds.append((round_started, time.time()))
                 agent = None
             if agent is None and sum(job["state"] in ("queued", "running") for job in jobs) <= 1:
-                rounds += 1
                 command = [sys.executable, "-m", "tracetrain_demo.agent", "--split", "train", "--rounds", "1",
-                           "--seed", str(rounds), "--questions", str(args.questions), "--attempts",
-                           str(args.attempts), "--temperature", str(args.temperature), "--tag", f"round{rounds}",
+                           "--seed", str(len(report.rounds) + 1), "--questions", str(args.questions), "--attempts",
+                           str(args.attempts), "--temperature", str(args.temperature),
+                           "--tag", f"round{len(report.rounds) + 1}",
                            "--done-url", f"http://127.0.0.1:{rewards_port}/finished"]  # fmt: skip
-                agent = ChildProcess("agent", command, _env(url), log)
+                agent, round_started = ChildProcess("agent", command, _env(url), log), time.time()
                 _start(children, agent)
             for job in reversed(jobs):
                 if job["state"] != "succeeded" or job["id"] in seen or job["version"] is None:
                     continue
                 seen.add(job["id"])
+                report.training.append((job["started_at"], job["finished_at"]))
                 metrics, now = job["metrics"], time.monotonic()
-                step = Step(job["version"], metrics["reward_mean"], metrics["loss"], metrics["seconds"], now - last)
+                step = Step(job["version"], metrics["reward_mean"], metrics["loss"], metrics["seconds"], now - last,
+                            samples=metrics.get("samples", 0), off_policy=metrics.get("off_policy_samples", 0),
+                            stale=metrics.get("skipped_stale_samples", 0))  # fmt: skip
                 last = now
                 report.steps.append(step)
                 bar.update(1)
                 bar.set_postfix(reward=f"{step.reward_mean:.2f}")
                 bar.write(_row(step))
+            for evaluation in [e for e in evaluations if e.done]:
+                evaluations.remove(evaluation)
+                report.held_out.append(held := evaluation.result())
+                report.sampling.append((held.started, held.finished))
+                bar.write(f"held-out success of agent@{held.version}: {held.success:.0%} ({held.attempts} attempts)")
+            periodic = args.eval_every > 0 and args.eval_attempts > 0
+            if periodic and time.monotonic() >= next_eval and report.steps and not evaluations:
+                next_eval = time.monotonic() + args.eval_every * 60
+                evaluations.append(_Evaluation(url, run_dir, report.steps[-1].version, args.eval_attempts, args,
+                                               children))  # fmt: skip
             time.sleep(1.0)
     if agent is not None:
         agent.stop()
         children.remove(agent)
+        report.rounds.append((round_started, time.time()))
+    for evaluation in evaluations:  # the base model's, if training ended first
+        report.held_out.append(held := evaluation.result())
+        report.sampling.append((held.started, held.finished))
+    report.sampling.extend(report.rounds)
+    report.training_window = (began, time.time())
+    report.machine_busy_cores = (_busy_cpu_seconds() - cpu_before) / max(time.time() - began, 1e-9)
     report.served_success = _training_success(log)
     for step in report.steps:
         step.success = report.served_success.get(step.version)
@@ -271,11 +380,25 @@ def _summary(report: Report, run_dir: Path) -> None:
     print(_HEADER)
     for step in report.steps:
         print(_row(step))
-    gain = (report.after - report.before) * 100
-    print(f"\nheld-out success: agent@0 {report.before:.0%} -> agent@{report.after_version} {report.after:.0%} "
-          f"({gain:+.0f} points) in {report.seconds / 60:.1f} min")  # fmt: skip
-    results = {"before": report.before, "after": report.after, "after_version": report.after_version,
-               "minutes": report.seconds / 60, "steps": [vars(s) for s in report.steps],
+    if report.held_out:
+        first, last = report.held_out[0], report.held_out[-1]
+        print("\nheld-out success: " + ", ".join(f"agent@{h.version} {h.success:.0%}" for h in report.held_out))
+        print(f"agent@0 {first.success:.0%} -> agent@{last.version} {last.success:.0%} "
+              f"({(last.success - first.success) * 100:+.0f} points) in {report.seconds / 60:.1f} min")  # fmt: skip
+    else:
+        print(f"\nheld-out success: not measured (--eval-attempts 0); {report.seconds / 60:.1f} min")
+    busy = report.busy()
+    print(f"while training: vLLM sampling {busy['sampling']:.0%} of the time, the trainer training "
+          f"{busy['training']:.0%}, both at once {busy['both']:.0%}; the machine's {psutil.cpu_count()} cores "
+          f"{report.machine_busy_cores:.2f} busy on average")  # fmt: skip
+    samples = sum(s.samples for s in report.steps)
+    print(f"trained on {samples} samples: {sum(s.off_policy for s in report.steps)} sampled by the version before "
+          f"the one trained (importance-corrected), {sum(s.stale for s in report.steps)} dropped as stale")  # fmt: skip
+    held = report.held_out
+    results = {"before": held[0].success if held else None, "after": held[-1].success if held else None,
+               "after_version": held[-1].version if held else None, "minutes": report.seconds / 60,
+               "training_began": report.training_window[0], "held_out": [vars(h) for h in held], "busy": busy,
+               "machine_busy_cores": report.machine_busy_cores, "steps": [vars(s) for s in report.steps],
                "served_success": report.served_success}  # fmt: skip
     (run_dir / "results.json").write_text(json.dumps(results, indent=2))
     png = _plot(report, run_dir / "reward-curve.png")
@@ -295,11 +418,14 @@ def _plot(report: Report, path: Path) -> Path:
     served = sorted(report.served_success.items())
     ax.plot([v for v, _ in served], [rate for _, rate in served], marker=".", linestyle="--",
             label="success of the training attempts each version served")  # fmt: skip
-    ax.scatter([0, report.after_version], [report.before, report.after], color="black", zorder=3,
-               label="held-out success")  # fmt: skip
+    held = report.held_out
+    if held:
+        ax.plot([h.version for h in held], [h.success for h in held], color="black", marker="s", zorder=3,
+                label="held-out success (requests never trained on)")  # fmt: skip
     ax.set_xlabel("adapter version (training step)")
     ax.set_ylim(0, 1)
-    ax.set_title(f"tracetrain demo: held-out {report.before:.0%} -> {report.after:.0%}")
+    gain = f"held-out {held[0].success:.0%} -> {held[-1].success:.0%}" if held else "held-out not measured"
+    ax.set_title(f"tracetrain demo: {gain} in {report.seconds / 60:.1f} min")
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
@@ -323,7 +449,7 @@ def _active_version(url: str, token: str) -> int:
 
 
 def _score(episode: dict[str, Any]) -> Score:
-    return score(by_country()[episode["country"]], episode["reply"], episode["turns"])
+    return score(by_prompt()[episode["prompt"]], episode["reply"])
 
 
 def _start(children: list[ChildProcess], child: ChildProcess) -> None:

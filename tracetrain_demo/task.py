@@ -1,26 +1,28 @@
-"""The demo's task: name a country's capital, then give it as JSON; checked by code.
+"""The demo's task: read a travel request, say which city needs a hotel, as JSON; checked by code.
 
-A scenario is one country. The conversation the agent holds with the model:
+A scenario is one request: a traveller, where they leave from, where they go, when.
+The agent's call:
 
-    user       What is the capital of Peru?
-    assistant  The capital of Peru is Lima.
-    user       Now give only your answer as JSON: {"answer": "<city>"}
-    assistant  {"answer": "Lima"}
-   (user       That was not valid JSON. ...      only if the agent's check failed
-    assistant  {"answer": "Lima"})
+    user       Hi, this is Ana. I'm flying from Lima to Oslo on Friday and need a hotel there.
 
-SmolLM2-135M knows many capitals when asked plainly (about half, sampled at T=0.7) but
-rarely carries its answer into the JSON it is asked for (about 5% end right): that is
-the skill GRPO has to find. The reward gives partial credit, because GRPO learns only
-from differences within a group:
+               Which city does Ana need a hotel in? Reply with only JSON: {"city": "<city>"}
+    assistant  {"city": "Oslo"}
 
-    0.2  the right capital appears somewhere in the final reply, even outside JSON
-    0.4  the final reply is a JSON object with an "answer" key
-    1.0  ...and the answer is the right capital
+Everything needed is in the request, so the task is a skill, not knowledge: SmolLM2-135M
+names the right city in prose about half the time (sampled at T=0.7), but answers with
+exactly one JSON object naming it about 6% of the time (it adds prose after the JSON,
+echoes the template, or names the city it leaves from): that is what GRPO has to teach,
+and what the agent's parser needs. One call per attempt keeps the demo's minutes for
+learning: on two CPU cores vLLM samples ~100 tokens/s, and every token counts.
+The reward gives partial credit, because GRPO learns only from differences within a group:
 
-A final reply that needed the retry turn earns 0.8 of that. An episode *succeeds* when
-its final reply is valid JSON with the right capital. The countries are split once, by
-a fixed seed, into the ones the agent trains on and held-out ones only ever measured.
+    0.2  the destination appears somewhere in the final reply, even outside JSON
+    0.4  the final reply is exactly one JSON object with a "city" string
+    1.0  ...and the city is the destination
+
+An attempt *succeeds* when its reply is valid JSON naming the destination. The cities are split once, by a fixed
+seed: held-out requests only ever name held-out cities, so no held-out request, and no
+city in one, is ever trained on.
 """
 
 from __future__ import annotations
@@ -31,99 +33,91 @@ import random
 import unicodedata
 from dataclasses import dataclass
 
-# (country, capital, other accepted spellings)
-_CAPITALS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("Afghanistan", "Kabul", ()), ("Albania", "Tirana", ("Tirane",)), ("Algeria", "Algiers", ()),
-    ("Argentina", "Buenos Aires", ()), ("Armenia", "Yerevan", ()), ("Australia", "Canberra", ()),
-    ("Austria", "Vienna", ("Wien",)), ("Azerbaijan", "Baku", ()), ("Bangladesh", "Dhaka", ("Dacca",)),
-    ("Belarus", "Minsk", ()), ("Belgium", "Brussels", ("Bruxelles",)), ("Bolivia", "Sucre", ("La Paz",)),
-    ("Brazil", "Brasilia", ()), ("Bulgaria", "Sofia", ()), ("Cambodia", "Phnom Penh", ()),
-    ("Canada", "Ottawa", ()), ("Chile", "Santiago", ()), ("China", "Beijing", ("Peking",)),
-    ("Colombia", "Bogota", ()), ("Croatia", "Zagreb", ()), ("Cuba", "Havana", ("La Habana",)),
-    ("Czech Republic", "Prague", ("Praha",)), ("Denmark", "Copenhagen", ()), ("Ecuador", "Quito", ()),
-    ("Egypt", "Cairo", ()), ("Estonia", "Tallinn", ()), ("Ethiopia", "Addis Ababa", ()),
-    ("Finland", "Helsinki", ()), ("France", "Paris", ()), ("Georgia", "Tbilisi", ()),
-    ("Germany", "Berlin", ()), ("Ghana", "Accra", ()), ("Greece", "Athens", ()),
-    ("Hungary", "Budapest", ()), ("Iceland", "Reykjavik", ()), ("India", "New Delhi", ("Delhi",)),
-    ("Indonesia", "Jakarta", ()), ("Iran", "Tehran", ("Teheran",)), ("Iraq", "Baghdad", ()),
-    ("Ireland", "Dublin", ()), ("Israel", "Jerusalem", ()), ("Italy", "Rome", ("Roma",)),
-    ("Jamaica", "Kingston", ()), ("Japan", "Tokyo", ()), ("Jordan", "Amman", ()),
-    ("Kazakhstan", "Astana", ()), ("Kenya", "Nairobi", ()), ("Latvia", "Riga", ()),
-    ("Lebanon", "Beirut", ()), ("Libya", "Tripoli", ()), ("Lithuania", "Vilnius", ()),
-    ("Madagascar", "Antananarivo", ()), ("Malaysia", "Kuala Lumpur", ()), ("Mexico", "Mexico City", ()),
-    ("Mongolia", "Ulaanbaatar", ("Ulan Bator",)), ("Morocco", "Rabat", ()), ("Nepal", "Kathmandu", ()),
-    ("Netherlands", "Amsterdam", ()), ("New Zealand", "Wellington", ()), ("Nigeria", "Abuja", ()),
-    ("North Korea", "Pyongyang", ()), ("Norway", "Oslo", ()), ("Pakistan", "Islamabad", ()),
-    ("Peru", "Lima", ()), ("Philippines", "Manila", ()), ("Poland", "Warsaw", ("Warszawa",)),
-    ("Portugal", "Lisbon", ("Lisboa",)), ("Qatar", "Doha", ()), ("Romania", "Bucharest", ()),
-    ("Russia", "Moscow", ()), ("Saudi Arabia", "Riyadh", ()), ("Senegal", "Dakar", ()),
-    ("Serbia", "Belgrade", ()), ("Singapore", "Singapore", ()), ("Slovakia", "Bratislava", ()),
-    ("Slovenia", "Ljubljana", ()), ("South Africa", "Pretoria", ("Cape Town",)), ("South Korea", "Seoul", ()),
-    ("Spain", "Madrid", ()), ("Sri Lanka", "Sri Jayawardenepura Kotte", ("Colombo", "Kotte")),
-    ("Sudan", "Khartoum", ()), ("Sweden", "Stockholm", ()), ("Switzerland", "Bern", ("Berne",)),
-    ("Syria", "Damascus", ()), ("Taiwan", "Taipei", ()), ("Tanzania", "Dodoma", ()),
-    ("Thailand", "Bangkok", ()), ("Tunisia", "Tunis", ()), ("Turkey", "Ankara", ()),
-    ("Uganda", "Kampala", ()), ("Ukraine", "Kyiv", ("Kiev",)), ("United Kingdom", "London", ()),
-    ("United States", "Washington, D.C.", ("Washington", "Washington DC", "Washington D.C.")),
-    ("Uruguay", "Montevideo", ()), ("Uzbekistan", "Tashkent", ()), ("Venezuela", "Caracas", ()),
-    ("Vietnam", "Hanoi", ()), ("Zambia", "Lusaka", ()), ("Zimbabwe", "Harare", ()),
+_CITIES = (
+    "Accra", "Adelaide", "Amman", "Amsterdam", "Ankara", "Antwerp", "Athens", "Atlanta", "Auckland", "Austin",
+    "Baku", "Bangkok", "Barcelona", "Basel", "Beirut", "Belfast", "Belgrade", "Bergen", "Berlin", "Bilbao",
+    "Bologna", "Bordeaux", "Boston", "Bremen", "Brisbane", "Bristol", "Brussels", "Budapest", "Cairo", "Calgary",
+    "Cardiff", "Chicago", "Cologne", "Copenhagen", "Cork", "Dakar", "Dallas", "Delhi", "Denver", "Doha", "Dresden",
+    "Dublin", "Durban", "Edinburgh", "Florence", "Geneva", "Genoa", "Glasgow", "Granada", "Hamburg", "Hanoi",
+    "Havana", "Helsinki", "Houston", "Istanbul", "Jakarta", "Kyoto", "Lagos", "Leeds", "Leipzig", "Lima",
+    "Lisbon", "Liverpool", "London", "Lyon", "Madrid", "Malaga", "Manila", "Marseille", "Melbourne", "Miami",
+    "Milan", "Montreal", "Mumbai", "Munich", "Nairobi", "Nantes", "Naples", "Nice", "Osaka", "Oslo", "Ottawa",
+    "Oxford", "Palermo", "Paris", "Perth", "Porto", "Prague", "Quito", "Riga", "Rome", "Rotterdam", "Santiago",
+    "Seattle", "Seoul", "Seville", "Sofia", "Stockholm", "Sydney", "Tallinn", "Tokyo", "Toronto", "Toulouse",
+    "Turin", "Valencia", "Vancouver", "Venice", "Vienna", "Vilnius", "Warsaw", "York", "Zagreb", "Zurich",
 )  # fmt: skip
+_NAMES = (
+    "Ana", "Tom", "Priya", "Jonas", "Mei", "Omar", "Lena", "Carlos", "Sara", "Ivan", "Aisha", "Ben", "Yuki",
+    "Marta", "Kofi", "Elena", "Raj", "Nora", "Diego", "Hana", "Luca", "Zoe", "Amir", "Ines",
+)  # fmt: skip
+_DAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday", "3 May", "the 14th",
+         "next week", "June 2", "the weekend")  # fmt: skip
+# {n} travels from {a} to {b} on {d}; the destination is not always the second city named.
+_REQUESTS = (
+    "Hi, this is {n}. I'm flying from {a} to {b} on {d} and need a hotel there.",
+    "{n} here. On {d} I take the train to {b}; I leave {a} in the morning. Can you find me a room?",
+    "Please book a hotel for {n} in {b}. {n} arrives on {d} from {a}.",
+    "{n} lives in {a} and has a conference in {b} on {d}.",
+    "Travel request: {n}, {d}. Departure: {a}. Destination: {b}. Hotel needed at the destination.",
+    "{n} is driving to {b} on {d} and stays two nights; the trip starts in {a}.",
+)
+QUESTION = 'Which city does {n} need a hotel in? Reply with only JSON: {{"city": "<city>"}}'
 
-HELD_OUT_COUNT = 24
-SPLIT_SEED = 20261122
-
-QUESTION = "What is the capital of {country}?"
-FORMAT = 'Now give only your answer as JSON: {"answer": "<city>"}'
-RETRY = 'That was not valid JSON. Reply with only the JSON object {"answer": "<city>"}.'
-MAX_TURNS = 3  # the question, the JSON, one retry
+HELD_OUT_CITIES = 30
+TRAIN_SCENARIOS = 400
+HELD_OUT_SCENARIOS = 100
+SPLIT_SEED = 20261124
 
 
 @dataclass(frozen=True, slots=True)
 class Scenario:
-    country: str
-    capital: str
-    accepted: tuple[str, ...]  # the capital and its other spellings
-
-    @property
-    def question(self) -> str:
-        return QUESTION.format(country=self.country)
+    traveller: str
+    origin: str
+    destination: str
+    prompt: str  # the first user message: the request and the question
 
 
 @dataclass(frozen=True, slots=True)
 class Score:
     reward: float
-    success: bool  # valid JSON with the right capital
+    success: bool  # valid JSON naming the destination
     valid_json: bool
-    mentions_capital: bool
-    turns: int  # the model's replies, the free answer included
+    mentions_destination: bool
 
     def metrics(self) -> dict[str, float]:
         return {"success": float(self.success), "valid_json": float(self.valid_json),
-                "mentions_capital": float(self.mentions_capital), "turns": float(self.turns)}  # fmt: skip
+                "mentions_destination": float(self.mentions_destination)}  # fmt: skip
 
 
+@functools.cache
 def scenarios() -> tuple[list[Scenario], list[Scenario]]:
-    """(train, held_out): a fixed split of the countries."""
-    everything = [Scenario(country, capital, (capital, *other)) for country, capital, other in _CAPITALS]
-    random.Random(SPLIT_SEED).shuffle(everything)
-    return everything[HELD_OUT_COUNT:], everything[:HELD_OUT_COUNT]
+    """(train, held_out): fixed sets of requests; held-out ones name only cities no training request names."""
+    rng = random.Random(SPLIT_SEED)
+    cities = list(_CITIES)
+    rng.shuffle(cities)
+    held_out_cities, train_cities = cities[:HELD_OUT_CITIES], cities[HELD_OUT_CITIES:]
+    return _requests(rng, train_cities, TRAIN_SCENARIOS), _requests(rng, held_out_cities, HELD_OUT_SCENARIOS)
+
+
+def _requests(rng: random.Random, cities: list[str], count: int) -> list[Scenario]:
+    made: dict[str, Scenario] = {}
+    while len(made) < count:
+        origin, destination = rng.sample(cities, 2)
+        name = rng.choice(_NAMES)
+        request = rng.choice(_REQUESTS).format(n=name, a=origin, b=destination, d=rng.choice(_DAYS))
+        prompt = f"{request}\n\n{QUESTION.format(n=name)}"
+        made.setdefault(prompt, Scenario(name, origin, destination, prompt))
+    return list(made.values())
 
 
 @functools.cache  # read-only; scored once per attempt by the reward service and the demo
-def by_country() -> dict[str, Scenario]:
+def by_prompt() -> dict[str, Scenario]:
     train, held_out = scenarios()
-    return {s.country: s for s in train + held_out}
+    return {s.prompt: s for s in train + held_out}
 
 
-def country_of(question: str) -> str | None:
-    """The country a question asks about (the reward service reads it from the first user turn)."""
-    prefix, _, rest = question.partition("What is the capital of ")
-    country, sep, _ = rest.partition("?")
-    return country if sep and not prefix else None
-
-
-def json_answer(reply: str) -> str | None:
-    """The "answer" of a reply that is exactly one JSON object (code fences allowed); else None."""
+def json_city(reply: str) -> str | None:
+    """The "city" of a reply that is exactly one JSON object (code fences allowed); else None."""
     text = reply.strip()
     if text.startswith("```"):
         text = text.strip("`").removeprefix("json").strip()
@@ -131,26 +125,22 @@ def json_answer(reply: str) -> str | None:
         value = json.loads(text)
     except ValueError:
         return None
-    if not isinstance(value, dict) or not isinstance(value.get("answer"), str):
+    if not isinstance(value, dict) or not isinstance(value.get("city"), str):
         return None
-    return str(value["answer"])
+    return str(value["city"])
 
 
-def score(scenario: Scenario, final_reply: str, turns: int) -> Score:
-    accepted = {_normal(name) for name in scenario.accepted}
-    answer = json_answer(final_reply)
-    valid = answer is not None
-    correct = valid and _normal(answer or "") in accepted
-    words = f" {_normal(final_reply)} "
-    mentions = any(f" {name} " in words for name in accepted)
+def score(scenario: Scenario, reply: str) -> Score:
+    city = json_city(reply)
+    valid = city is not None
+    correct = valid and _normal(city or "") == _normal(scenario.destination)
+    mentions = f" {_normal(scenario.destination)} " in f" {_normal(reply)} "
     reward = 1.0 if correct else 0.4 if valid else 0.2 if mentions else 0.0
-    if turns > 2:
-        reward *= 0.8
-    return Score(reward, correct, valid, mentions, turns)
+    return Score(reward, correct, valid, mentions)
 
 
 def _normal(text: str) -> str:
-    """Lower case, no accents, no punctuation, single spaces: "Bogotá" == "bogota"."""
+    """Lower case, no accents, no punctuation, single spaces: "Málaga" == "malaga"."""
     plain = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode()
     words = "".join(c if c.isalnum() else " " for c in plain.lower()).split()
     return " ".join(words)
