@@ -2,7 +2,9 @@
 
     python bench/keying.py [DATABASE_URL]   # default: a fresh SQLite file; a Postgres URL is wiped first
 
-1,000 ``Keyer.resolve`` calls of new trajectories over 50 tasks, one after another.
+1,000 ``Keyer.resolve`` calls of new trajectories over 50 tasks, one after another, as the only
+call in flight (``alone``: the seat is written on the event loop's thread on SQLite) and as one
+of many (through the group-commit writer's thread), in alternating turns of 100.
 """
 
 from __future__ import annotations
@@ -27,12 +29,19 @@ async def main(url: str, n: int = 1000) -> None:
         await conn.close()
     store = await Store.open(url)
     keyer = Keyer(store, group_size=8, thread_ttl_s=60)
-    started = time.perf_counter()
-    for i in range(n):
-        messages = [{"role": "user", "content": f"task {i % 50}"}]
-        await keyer.resolve("agent", KeyHints(), Conversation("agent", messages))
-    seconds = time.perf_counter() - started
-    print(f"{url.split(':')[0]}: {seconds / n * 1e3:.3f} ms per new unkeyed trajectory (n={n})")
+    took: dict[bool, float] = {}
+    # Side by side, in turns of 100: a lone call's seat on the event loop's thread, and through the writer's.
+    for turn in range(2 * n // 100):
+        alone = turn % 2 == 0
+        started = time.perf_counter()
+        for i in range(100):
+            messages = [{"role": "user", "content": f"task {i % 50}"}]
+            await keyer.resolve("agent", KeyHints(), Conversation("agent", messages), alone=alone)
+        took[alone] = took.get(alone, 0.0) + time.perf_counter() - started
+    name = url.split(":")[0]
+    for alone, label in ((False, "through the writer"), (True, "alone (on this thread)")):
+        print(f"{name}: {took[alone] / n * 1e3:.3f} ms per new unkeyed trajectory, {label} (n={n})")
+    print(f"{name}: alone / through the writer = {took[True] / took[False]:.2f}")
     await store.close()
 
 

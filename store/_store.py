@@ -11,7 +11,8 @@ microseconds, a hop to aiosqlite's thread and back ten times that, and SQLAlchem
 connection checkout and parameter processing around it were 18% of the proxy's time under
 load (docs/BENCHMARKS.md). Each statement is stepped to its end, so no read pins a snapshot.
 The one write on that path, a new trajectory's seat in its derived group, goes through the
-group-commit writer's thread on SQLite (``store._derived``).
+group-commit writer's thread on SQLite (``store._derived``), or, for the only call in flight,
+is committed on the event loop's thread (``store._writer``).
 Nothing of the store is cached in the process: every replica keys from what the store holds.
 """
 
@@ -96,10 +97,14 @@ class Store:
 
     # -- captured calls ---------------------------------------------------------------
 
-    async def record_call(self, write: CallWrite) -> None:
-        """Queue a call and return once the transaction holding it committed."""
+    async def record_call(self, write: CallWrite, *, alone: bool = False) -> None:
+        """Return once the transaction holding the call committed.
+
+        ``alone``: the only call in flight in this process; on SQLite it is then committed on the
+        event loop's thread when the writer is idle, sparing it the trip to the writer's thread.
+        """
         assert self._writer is not None, "Store.open(capture=True) records calls"
-        await self._writer.record(write)
+        await self._writer.record(write, alone=alone)
 
     def record_call_nowait(self, write: CallWrite) -> None:
         """Queue a call without waiting (its client is gone; nobody waits for the answer)."""
@@ -147,16 +152,17 @@ class Store:
         return next((by_hash[h] for h in tail_hashes if h in by_hash), None)
 
     async def join_task_group(
-        self, policy: str, task_key: str, trajectory_id: str, *, keyed_by: str, group_size: int
+        self, policy: str, task_key: str, trajectory_id: str, *, keyed_by: str, group_size: int, alone: bool = False
     ) -> str:
         """The derived group of a new trajectory: a seat in the task's open group, shared by every replica.
 
         Stores the trajectory's row; if another replica stored it first, returns the group it gave it
-        (see ``store._derived``). On SQLite with capture the writer's thread seats it.
+        (see ``store._derived``). On SQLite with capture the writer's thread seats it (``alone``: as
+        ``record_call``).
         """
         if self._writer is not None and self._sync is not None:
             seat = Seat(policy, task_key, trajectory_id, keyed_by, group_size, time.time())
-            return await self._writer.seat(seat)
+            return await self._writer.seat(seat, alone=alone)
         return await join_task_group(
             self.engine, policy=policy, task_key=task_key, trajectory_id=trajectory_id, keyed_by=keyed_by,
             group_size=group_size, now=time.time(),

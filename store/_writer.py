@@ -4,6 +4,13 @@ One background thread commits in groups: every call that finished while the prev
 commit ran is written in the next single transaction. ``record`` returns once its
 transaction committed, so the proxy sends a response's last byte only after its record
 is durable, while a burst of 64 concurrent calls costs a handful of commits, not 64.
+
+A lone call gains nothing from grouping, and a trip to the thread and back costs it more
+than its commit (waking the thread, and the thread and the event loop taking turns at the
+GIL: 0.3-1.1 ms against ~0.1 ms for the statements, docs/BENCHMARKS.md). So on SQLite a
+caller that says its call is the only one in flight (``alone``) has it committed on its own
+thread, through a connection that never waits for SQLite's lock, when the writer is idle;
+if the lock is taken (the writer, or another process) it goes the thread's way after all.
 On SQLite the thread commits through its own connection; on Postgres it hands each
 commit to the async engine on the event loop. On SQLite it also seats new trajectories in
 their derived groups (``seat``, ``store._derived.seat_all_sqlite``): the seats asked while a
@@ -41,6 +48,7 @@ log = logging.getLogger("tracetrain.store")
 
 _MAX_BATCH = 512
 _WRITE_ATTEMPTS = 3
+_QUEUE = object()  # what _here returns when the item must go the thread's way
 
 
 @dataclass(slots=True)
@@ -210,21 +218,42 @@ class GroupCommitWriter:
             reraise=True,
         )
         self._raw: Any = None  # SQLite: the thread's own connection, held while it runs
+        self._busy = False  # the thread is writing a batch
+        # SQLite: the caller's connection for lone writes; it gives up at once when the lock is taken.
+        self._here_conn: Any = None
+        if sync_engine is not None:
+            self._here_conn = sync_engine.raw_connection()
+            self._here_conn.cursor().execute("PRAGMA busy_timeout = 0")
         self._thread = threading.Thread(target=self._run, name="tracetrain-store-writer", daemon=True)
         self._thread.start()
 
-    async def record(self, write: CallWrite) -> None:
-        """Queue a call and return once the transaction holding it committed."""
+    async def record(self, write: CallWrite, *, alone: bool = False) -> None:
+        """Return once the transaction holding the call committed (``alone``: see the module docstring)."""
+        if alone and self._here(write_batch_sqlite, write) is not _QUEUE:
+            return
         done: asyncio.Future[None] = self._loop.create_future()
         self._pending.put((write, done))
         await done
 
-    async def seat(self, seat: Seat) -> str:
-        """The derived group of a new trajectory, seated on this thread (SQLite only)."""
+    async def seat(self, seat: Seat, *, alone: bool = False) -> str:
+        """The derived group of a new trajectory (SQLite only), seated like ``record`` commits."""
         assert self._sync is not None, "seats go through the writer on SQLite only"
+        if alone:
+            seated = self._here(seat_all_sqlite, seat)
+            if seated is not _QUEUE:
+                return str(seated[0])
         done: asyncio.Future[str] = self._loop.create_future()
         self._pending.put((seat, done))
         return await done
+
+    def _here(self, commit: Callable[[sqlite3.Connection, list[Any]], Any], item: CallWrite | Seat) -> Any:
+        """``commit`` one item on the caller's thread if the writer is idle and SQLite's lock free, else _QUEUE."""
+        if self._here_conn is None or self._busy or not self._pending.empty():
+            return _QUEUE
+        try:
+            return commit(self._here_conn.driver_connection, [item])
+        except sqlite3.Error:  # locked, or worse: the thread's way retries and reports it
+            return _QUEUE
 
     def record_nowait(self, write: CallWrite) -> None:
         """Queue a call without waiting (its client is gone; nobody waits for the answer)."""
@@ -233,6 +262,9 @@ class GroupCommitWriter:
     async def close(self) -> None:
         self._pending.put(None)
         await asyncio.to_thread(self._thread.join)
+        if self._here_conn is not None:
+            self._here_conn.close()
+            self._here_conn = None
 
     def _next_batch(self, first: _Pending) -> tuple[list[_Pending], bool]:
         """``first`` and whatever else is queued, up to a limit; True once close() was asked."""
@@ -260,13 +292,17 @@ class GroupCommitWriter:
             first = self._pending.get()
             if first is None:
                 return
-            batch, closing = self._next_batch(first)
-            seats = [item for item in batch if isinstance(item[0], Seat)]
-            if seats:  # first: their callers wait to send upstream, the calls' callers only to answer
-                self._write(self._seat_sqlite, seats)
-            calls = [item for item in batch if isinstance(item[0], CallWrite)]
-            if calls:
-                self._write(self._commit_sqlite if self._sync is not None else self._commit_on_loop, calls)
+            self._busy = True
+            try:
+                batch, closing = self._next_batch(first)
+                seats = [item for item in batch if isinstance(item[0], Seat)]
+                if seats:  # first: their callers wait to send upstream, the calls' callers only to answer
+                    self._write(self._seat_sqlite, seats)
+                calls = [item for item in batch if isinstance(item[0], CallWrite)]
+                if calls:
+                    self._write(self._commit_sqlite if self._sync is not None else self._commit_on_loop, calls)
+            finally:
+                self._busy = False
 
     def _write(self, commit: Callable[[list[Any]], list[Any] | None], batch: list[_Pending]) -> None:
         """``commit`` the batch's items, retried if the database is briefly down or locked; then answer."""

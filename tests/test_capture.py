@@ -272,15 +272,20 @@ async def test_a_stream_cancelled_before_its_first_event_is_recorded_and_closed(
             closed.append(True)
 
     class Forwarder:
+        _in_flight = 0
+
         def record_nowait(self, write) -> None:
             written.append(write)
 
     body = {"model": "agent", "messages": QUESTION, "stream": True}
+    keyed: asyncio.Future[Key] = asyncio.get_running_loop().create_future()
+    keyed.set_result(Key("t", "g", "header", None))
     call = _Call(
         "chat.completions",
         body,
         Route("agent", 0, "base"),
-        Key("t", "g", "header", None),
+        "t",
+        keyed,
         Conversation("agent", body["messages"]),
         Asked(False, False, False),
         time.time(),

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -88,3 +90,54 @@ async def test_seats_asked_together_fill_a_group_in_order_then_open_the_next(tmp
     assert groups[3] == groups[0]
     assert groups[4] == groups[2] and groups[5] not in (groups[0], groups[2])
     assert stored == [(1, 2), (2, 2), (3, 1)]
+
+
+async def _writes_by_thread(monkeypatch: Any) -> list[str]:
+    """Names of the threads that committed call batches, in order."""
+    import store._writer as writer
+
+    threads: list[str] = []
+
+    def spying(conn: sqlite3.Connection, writes: Any) -> None:
+        write_batch_sqlite(conn, writes)
+        threads.append(threading.current_thread().name)
+
+    monkeypatch.setattr(writer, "write_batch_sqlite", spying)
+    return threads
+
+
+async def test_a_lone_call_is_committed_on_the_callers_thread_when_the_writer_is_idle(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    threads = await _writes_by_thread(monkeypatch)
+    store = await Store.open(f"sqlite+aiosqlite:///{tmp_path / 'lone.db'}")
+    first = _batches()[0]
+    await store.record_call(first[0], alone=True)
+    await store.record_call(first[1])  # one of many: through the writer's thread
+    group = await store.join_task_group("agent", "task-9", "t-9", keyed_by="new", group_size=8, alone=True)
+    await store.close()
+    assert threads == [threading.current_thread().name, "tracetrain-store-writer"]
+    conn = sqlite3.connect(tmp_path / "lone.db")
+    assert conn.execute("SELECT id FROM calls ORDER BY pk").fetchall() == [("call-1",), ("call-2",)]
+    assert conn.execute("SELECT group_id FROM trajectories WHERE id = 't-9'").fetchall() == [(group,)]
+    conn.close()
+
+
+async def test_a_lone_call_goes_through_the_writer_when_sqlites_lock_is_taken(tmp_path: Path, monkeypatch: Any) -> None:
+    """Another process (here: another connection) holds the write lock: the call waits its turn, and is kept."""
+    threads = await _writes_by_thread(monkeypatch)
+    path = tmp_path / "locked.db"
+    store = await Store.open(f"sqlite+aiosqlite:///{path}")
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    recording = asyncio.ensure_future(store.record_call(_batches()[0][0], alone=True))
+    await asyncio.sleep(0.2)
+    assert not recording.done()  # the writer's thread waits for the lock (its busy timeout)
+    other.execute("ROLLBACK")
+    await asyncio.wait_for(recording, 10)
+    other.close()
+    await store.close()
+    assert threads == ["tracetrain-store-writer"]
+    conn = sqlite3.connect(path)
+    assert conn.execute("SELECT id FROM calls").fetchall() == [("call-1",)]
+    conn.close()

@@ -97,7 +97,8 @@ class Keyer:
         self._thread_ttl_s = thread_ttl_s
         self._groups_of: OrderedDict[str, str] = OrderedDict()  # trajectory id -> group id
 
-    async def resolve(self, policy: str, hints: KeyHints, conversation: Conversation) -> Key:
+    async def resolve(self, policy: str, hints: KeyHints, conversation: Conversation, *, alone: bool = False) -> Key:
+        """``alone``: the only call in flight: a seat is written on this thread (``Store.join_task_group``)."""
         trajectory_id = hints.header_trajectory or hints.path_trajectory
         group_hint = hints.header_group or hints.path_group
         if trajectory_id:
@@ -105,22 +106,23 @@ class Keyer:
             known = await self._known_group(trajectory_id)
             if known is not None:
                 return Key(trajectory_id, known, keyed_by, None)
-            return await self._new(policy, trajectory_id, keyed_by, group_hint, conversation)
+            return await self._new(policy, trajectory_id, keyed_by, group_hint, conversation, alone)
         if group_hint is None:
             found = await self._find_thread(conversation.thread_candidates)
             if found is not None:
                 return Key(found[0], found[1], "thread", None)
-        return await self._new(policy, new_trajectory_id(), "new", group_hint, conversation)
+        return await self._new(policy, new_trajectory_id(), "new", group_hint, conversation, alone)
 
     async def _new(
-        self, policy: str, trajectory_id: str, keyed_by: str, group_hint: str | None, conversation: Conversation
-    ) -> Key:
+        self, policy: str, trajectory_id: str, keyed_by: str, group_hint: str | None, conversation: Conversation,
+        alone: bool,
+    ) -> Key:  # fmt: skip
         """A trajectory the store does not hold yet: in the group it names, or a seat in its task's group."""
         if group_hint is not None:
             return self._remember(Key(trajectory_id, group_hint, keyed_by, None))
         task_key = conversation.task_key
         group_id = await self._store.join_task_group(
-            policy, task_key, trajectory_id, keyed_by=keyed_by, group_size=self._group_size
+            policy, task_key, trajectory_id, keyed_by=keyed_by, group_size=self._group_size, alone=alone
         )
         return self._remember(Key(trajectory_id, group_id, keyed_by, task_key))
 
