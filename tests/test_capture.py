@@ -278,22 +278,20 @@ async def test_a_stream_cancelled_before_its_first_event_is_recorded_and_closed(
             written.append(write)
 
     body = {"model": "agent", "messages": QUESTION, "stream": True}
-    keyed: asyncio.Future[Key] = asyncio.get_running_loop().create_future()
-    keyed.set_result(Key("t", "g", "header", None))
     call = _Call(
         "chat.completions",
         body,
         Route("agent", 0, "base"),
-        "t",
-        keyed,
+        Key("t", "g", "header", None),
         Conversation("agent", body["messages"]),
         Asked(False, False, False),
         time.time(),
         time.perf_counter(),
     )
     registry = PolicyRegistry("agent", "base")
-    response = _RelayResponse(_Relay(Forwarder(), registry, call, Upstream()), headers={})  # type: ignore[arg-type]
-    assert registry.in_flight[0] == 1
+    forwarder = Forwarder()
+    response = _RelayResponse(_Relay(forwarder, registry, call, Upstream()), headers={})  # type: ignore[arg-type]
+    assert registry.in_flight[0] == 1 and forwarder._in_flight == 1
 
     async def receive() -> dict:
         return {"type": "http.disconnect"}
@@ -305,4 +303,4 @@ async def test_a_stream_cancelled_before_its_first_event_is_recorded_and_closed(
         await response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
     assert closed == [True]
     assert [(w.call["status_code"], w.call["error"]) for w in written] == [(499, "the client disconnected mid-stream")]
-    assert registry.in_flight[0] == 0
+    assert registry.in_flight[0] == 0 and forwarder._in_flight == 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import sqlite3
 from pathlib import Path
 
@@ -172,54 +171,8 @@ def test_invalid_trajectory_id_is_rejected_in_openai_shape(proxy: RunningProxy) 
     assert response.json()["error"]["param"] == "X-Trajectory-Id"
 
 
-@pytest.mark.parametrize("stream", [False, True])
-async def test_a_lone_call_naming_its_trajectory_goes_upstream_while_it_is_keyed(
-    fake: FakeVLLM, tmp_path: Path, stream: bool
-) -> None:
-    """The server is picked by the trajectory id: a new trajectory's seat is written beside the upstream call."""
-    from proxy.gateway._forward import Forwarder
-    from proxy.gateway._keying import Conversation, Key
-    from proxy.gateway._policies import PolicyRegistry
-    from proxy.gateway._upstream import Upstream, generation_session
-    from proxy.observability._metrics import Metrics
-    from store import Store
-
-    class SeatAfterTheCallIsUpstream:
-        async def resolve(self, policy: str, hints: KeyHints, conversation: Conversation, *, alone: bool) -> Key:
-            assert alone
-            while not fake.requests:  # keyed one after the other, this would wait forever
-                await asyncio.sleep(0.005)
-            return Key("run-9", "grp-derived", "header", conversation.task_key)
-
-    store = await Store.open(f"sqlite+aiosqlite:///{tmp_path / 'tt.db'}")
-    async with httpx.AsyncClient() as control, generation_session(30.0) as session:
-        upstream = Upstream(f"{fake.url}/v1", [control], session)  # type: ignore[attr-defined]
-        forwarder = Forwarder(upstream, store, SeatAfterTheCallIsUpstream(), PolicyRegistry("agent"), Metrics())  # type: ignore[arg-type]
-        body = orjson.dumps({"model": "agent", "messages": TASK, "stream": stream})
-        response = await asyncio.wait_for(
-            forwarder.handle("chat.completions", body, KeyHints(header_trajectory="run-9")), 10
-        )
-        sent: list[dict] = []
-
-        async def send(message: dict) -> None:
-            sent.append(message)
-
-        async def receive() -> dict:
-            raise AssertionError("not asked under ASGI 2.4")
-
-        # The whole response, as the ASGI server would send it; its last byte waits for the record's commit.
-        await response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)  # type: ignore[arg-type]
-    await store.close()
-    assert sent[0]["status"] == 200 and (b"x-group-id", b"grp-derived") in sent[0]["headers"]
-    conn = sqlite3.connect(tmp_path / "tt.db")
-    assert conn.execute("SELECT trajectory_id, group_id, status_code FROM calls").fetchall() == [
-        ("run-9", "grp-derived", 200)
-    ]
-    conn.close()
-
-
 async def test_a_call_the_store_cannot_key_is_not_answered_and_says_why(fake: FakeVLLM, tmp_path: Path) -> None:
-    """Keyed beside its upstream call or before it, a call whose seat fails gets the store's 503, not a 500."""
+    """A call whose seat cannot be written is not answered: the store's 503 in OpenAI's shape, not a 500."""
     from proxy.errors import StoreUnavailable as ProxyStoreUnavailable
     from proxy.gateway._forward import Forwarder
     from proxy.gateway._keying import Conversation, Key

@@ -6,18 +6,13 @@ what the client gets, and record the call. The record is durable before the
 response's last byte leaves: non-streamed responses are sent after the commit;
 streams hold back only the final ``data: [DONE]`` until the commit.
 
-A lone call (the only one in flight: what latency is measured on) is spared what only
-pays off under load. Its store writes are committed on the event loop's thread instead
-of the writer's (``store._writer``). And since the server is picked by the trajectory id
-alone (``proxy.gateway._router``), when a header or the path names its trajectory it is
-sent upstream while being keyed (a new trajectory's seat in its derived group is a
-write): the group is needed only for the response's headers and the record. A call
-keyed by threading is keyed first: the store says which trajectory it continues.
+A lone call (the only one in flight: what latency is measured on) has its store writes
+committed on the event loop's thread instead of the writer's (``store._writer``): the
+trip to the writer's thread pays off only under load.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -71,20 +66,11 @@ class _Call:
     endpoint: Endpoint
     body: dict[str, Any]
     route: Route
-    trajectory_id: str  # what picks the server; the whole key may still be on its way
-    keying: asyncio.Future[Key]
+    key: Key
     conversation: Conversation
     asked: Asked
     started_at: float
     t0: float
-
-    @property
-    def key(self) -> Key:
-        """The call's key, once ``keyed()`` returned."""
-        return self.keying.result()
-
-    async def keyed(self) -> Key:
-        return await self.keying
 
     def headers(self) -> dict[str, str]:
         return {
@@ -173,38 +159,20 @@ class Forwarder:
             route = await self._route(str(body["model"]))
             messages = body.get("messages") if endpoint == "chat.completions" else None
             conversation = Conversation(route.policy, messages, body.get("prompt"))
-            trajectory_id, keying = await self._start_keying(route.policy, hints, conversation)
-            try:
-                upstream_body, asked = prepare_upstream_body(body, endpoint, route.served_model)
-                call = _Call(endpoint, body, route, trajectory_id, keying, conversation, asked, started_at, t0)
-                payload = orjson.dumps(upstream_body)
-                if body.get("stream"):
-                    return await self._stream(call, payload)
-                return await self._complete(call, payload)
-            finally:
-                _settle_keying(keying)
+            key = await self._resolve(route.policy, hints, conversation)
+            upstream_body, asked = prepare_upstream_body(body, endpoint, route.served_model)
+            call = _Call(endpoint, body, route, key, conversation, asked, started_at, t0)
+            payload = orjson.dumps(upstream_body)
+            if body.get("stream"):
+                return await self._stream(call, payload)
+            return await self._complete(call, payload)
         finally:
             self._in_flight -= 1
             self._gate.leave()  # the upstream answered (a stream: its headers): a hand-over may pause it now
 
-    async def _start_keying(
-        self, policy: str, hints: KeyHints, conversation: Conversation
-    ) -> tuple[str, asyncio.Future[Key]]:
-        """The call's trajectory id, and its key: still resolving when a header or the path names the trajectory
-        and the call is alone (under load a task per call would cost throughput and gain nothing)."""
-        alone = self._in_flight == 1
-        resolving = self._resolve(policy, hints, conversation, alone)
-        named = hints.header_trajectory or hints.path_trajectory
-        if named and alone:
-            return named, asyncio.ensure_future(resolving)
-        key = await resolving
-        keyed = asyncio.get_running_loop().create_future()
-        keyed.set_result(key)
-        return key.trajectory_id, keyed
-
-    async def _resolve(self, policy: str, hints: KeyHints, conversation: Conversation, alone: bool) -> Key:
+    async def _resolve(self, policy: str, hints: KeyHints, conversation: Conversation) -> Key:
         try:
-            return await self._keyer.resolve(policy, hints, conversation, alone=alone)
+            return await self._keyer.resolve(policy, hints, conversation, alone=self._in_flight == 1)
         except StoreError as exc:  # the call cannot be keyed, so it is not answered: a 503 in OpenAI's shape
             raise from_store_error(exc) from exc
 
@@ -216,13 +184,11 @@ class Forwarder:
     async def _complete(self, call: _Call, payload: bytes) -> Response:
         try:
             with self._registry.serving(call.route.version):
-                upstream = await self._router.post(call.trajectory_id, _PATHS[call.endpoint], payload)
-            await call.keyed()
+                upstream = await self._router.post(call.key.trajectory_id, _PATHS[call.endpoint], payload)
             if upstream.status_code != 200:
                 raise UpstreamHTTPError(upstream.status_code, upstream.content)
             data = orjson.loads(upstream.content)
         except ProxyError as exc:
-            await call.keyed()  # a store that cannot key the call fails it with its own error
             await self.record(_call_write(call, None, None, exc.status_code, exc.message, None))
             return error_response(exc, call.headers())
         capture = capture_response(data, call.endpoint)
@@ -236,28 +202,12 @@ class Forwarder:
 
     async def _stream(self, call: _Call, payload: bytes) -> Response:
         try:
-            upstream, done = await self._router.open_stream(call.trajectory_id, _PATHS[call.endpoint], payload)
+            upstream, done = await self._router.open_stream(call.key.trajectory_id, _PATHS[call.endpoint], payload)
         except ProxyError as exc:
-            await call.keyed()
             await self.record(_call_write(call, None, None, exc.status_code, exc.message, None))
             return error_response(exc, call.headers())
-        try:
-            await call.keyed()
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await upstream.aclose()
-            done()
-            raise
         relay = _Relay(self, self._registry, call, upstream, on_close=done)
         return _RelayResponse(relay, headers={**call.headers(), "Cache-Control": "no-cache"})
-
-
-def _settle_keying(keying: asyncio.Future[Key]) -> None:
-    """A key nobody waits for any more (the call failed first): stop it, and keep its error out of the log."""
-    if not keying.done():
-        keying.cancel()
-    elif not keying.cancelled():
-        keying.exception()
 
 
 def _call_write(
@@ -353,6 +303,7 @@ class _Relay:
         self._recorded = False
         registry.in_flight[call.route.version] += 1
         forwarder._in_flight += 1
+        self._counted = True  # in the forwarder's calls in flight, until its record is written
 
     async def events(self) -> AsyncIterator[bytes]:
         """Forward each SSE event as it arrives; commit the record before ``[DONE]``."""
@@ -373,19 +324,30 @@ class _Relay:
         except (UpstreamError, orjson.JSONDecodeError) as exc:
             message = exc.message if isinstance(exc, ProxyError) else f"the upstream stream broke: {exc!r}"
             self._recorded = True
-            await self._forwarder.record(self._record(502, message))
+            try:
+                await self._forwarder.record(self._record(502, message))
+            finally:
+                self._uncount()
             yield b"data: " + orjson.dumps(error_body(message, "upstream_error", None, 502)) + b"\n\n"
             return
         self._recorded = True
-        await self._forwarder.record(self._record(200, None, self._assembler.capture.as_response()))
+        try:
+            await self._forwarder.record(self._record(200, None, self._assembler.capture.as_response()))
+        finally:
+            self._uncount()  # before [DONE]: the client's next call may arrive before close() runs
         yield _DONE
+
+    def _uncount(self) -> None:
+        if self._counted:
+            self._counted = False
+            self._forwarder._in_flight -= 1
 
     async def close(self) -> None:
         if not self._recorded:  # the client went away: keep what was sampled; nobody awaits the commit
             self._recorded = True
             self._forwarder.record_nowait(self._record(499, "the client disconnected mid-stream"))
         self._registry.in_flight[self._call.route.version] -= 1
-        self._forwarder._in_flight -= 1
+        self._uncount()
         with anyio.CancelScope(shield=True):
             await self._upstream.aclose()
         self._on_close()
