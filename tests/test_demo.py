@@ -132,7 +132,7 @@ def test_the_demo_uses_the_admin_token_serve_uses(tmp_path: Path, monkeypatch: p
 
 
 def test_busy_fractions_count_overlapping_spans_once() -> None:
-    from tracetrain_demo.run import Report
+    from tracetrain_demo.report import Report
 
     report = Report(training_window=(0.0, 100.0))
     report.sampling = [(0.0, 30.0), (20.0, 50.0), (90.0, 130.0)]  # overlapping rounds; one runs past the end
@@ -144,12 +144,12 @@ def test_busy_fractions_count_overlapping_spans_once() -> None:
 def test_the_summary_without_held_out_evaluations_still_writes_the_numbers_and_the_plot(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from tracetrain_demo.run import Report, Step, _summary
+    from tracetrain_demo.report import Report, Step, summary
 
     report = Report(seconds=90.0, training_window=(0.0, 90.0))
     report.steps = [Step(1, 0.2, 0.1, 5.0, 10.0, samples=32, off_policy=0), Step(2, 0.5, 0.1, 5.0, 10.0, samples=32,
                     off_policy=32)]  # fmt: skip
-    _summary(report, tmp_path)
+    summary(report, tmp_path)
     assert "held-out success: not measured" in capsys.readouterr().out
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["before"] is None and [s["version"] for s in results["steps"]] == [1, 2]

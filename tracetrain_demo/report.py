@@ -1,0 +1,142 @@
+"""What ``tracetrain demo`` measured: its steps, held-out evaluations and busy time, printed and plotted."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil  # type: ignore[import-untyped]  # no stubs in the demo extra
+
+
+@dataclass
+class Step:
+    version: int
+    reward_mean: float
+    loss: float
+    train_s: float
+    wall_s: float
+    success: float | None = None  # success of the training attempts this step's adapter served
+    samples: int = 0
+    off_policy: int = 0  # samples a version older than the one trained sampled (importance-corrected)
+    stale: int = 0  # samples dropped: more than max_staleness versions behind
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    version: int
+    success: float  # of every attempt at every held-out request
+    attempts: int
+    started: float  # time.time()
+    finished: float
+
+
+@dataclass
+class Report:
+    held_out: list[HeldOut] = field(default_factory=list)  # the base model's first, the newest version's last
+    steps: list[Step] = field(default_factory=list)
+    served_success: dict[int, float] = field(default_factory=dict)  # version -> success of what it served
+    seconds: float = 0.0
+    # Busy time, as (start, end) of time.time(): agent rounds and evaluations (vLLM samples), training jobs.
+    rounds: list[tuple[float, float]] = field(default_factory=list)
+    sampling: list[tuple[float, float]] = field(default_factory=list)
+    training: list[tuple[float, float]] = field(default_factory=list)
+    training_window: tuple[float, float] = (0.0, 0.0)
+    machine_busy_cores: float = 0.0  # of psutil.cpu_count() cores, averaged over the training phase
+
+    def busy(self) -> dict[str, float]:
+        """The fraction of the training phase's wall time vLLM was sampling, the trainer training, and both."""
+        start, end = self.training_window
+        sampling, training = _union(self.sampling, start, end), _union(self.training, start, end)
+        both = _union([(max(a, c), min(b, d)) for a, b in sampling for c, d in training if max(a, c) < min(b, d)],
+                      start, end)  # fmt: skip
+        wall = max(end - start, 1e-9)
+        return {name: sum(b - a for a, b in spans) / wall
+                for name, spans in (("sampling", sampling), ("training", training), ("both", both))}  # fmt: skip
+
+
+def busy_cpu_seconds() -> float:
+    """CPU seconds every core of the machine spent busy so far (anything not idle or waiting on I/O)."""
+    times = psutil.cpu_times()
+    return float(sum(times) - times.idle - getattr(times, "iowait", 0.0))
+
+
+def _union(spans: list[tuple[float, float]], start: float, end: float) -> list[tuple[float, float]]:
+    """Disjoint spans covering the same time as ``spans``, cut to [start, end]."""
+    merged: list[tuple[float, float]] = []
+    for a, b in sorted((max(a, start), min(b, end)) for a, b in spans):
+        if b <= a:
+            continue
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+HEADER = f"{'version':>7} {'reward':>7} {'success':>8} {'loss':>8} {'train s':>8} {'step s':>7}"
+
+
+def row(step: Step) -> str:
+    success = "" if step.success is None else f"{step.success:.0%}"
+    return (f"{step.version:>7} {step.reward_mean:>7.3f} {success:>8} {step.loss:>8.4f} {step.train_s:>8.1f} "
+            f"{step.wall_s:>7.1f}")  # fmt: skip
+
+
+def summary(report: Report, run_dir: Path) -> None:
+    print()
+    print(HEADER)
+    for step in report.steps:
+        print(row(step))
+    if report.held_out:
+        first, last = report.held_out[0], report.held_out[-1]
+        print("\nheld-out success: " + ", ".join(f"agent@{h.version} {h.success:.0%}" for h in report.held_out))
+        print(f"agent@0 {first.success:.0%} -> agent@{last.version} {last.success:.0%} "
+              f"({(last.success - first.success) * 100:+.0f} points) in {report.seconds / 60:.1f} min")  # fmt: skip
+    else:
+        print(f"\nheld-out success: not measured (--eval-attempts 0); {report.seconds / 60:.1f} min")
+    busy = report.busy()
+    print(f"while training: vLLM sampling {busy['sampling']:.0%} of the time, the trainer training "
+          f"{busy['training']:.0%}, both at once {busy['both']:.0%}; the machine's {psutil.cpu_count()} cores "
+          f"{report.machine_busy_cores:.2f} busy on average")  # fmt: skip
+    samples = sum(s.samples for s in report.steps)
+    print(f"trained on {samples} samples: {sum(s.off_policy for s in report.steps)} sampled by the version before "
+          f"the one trained (importance-corrected), {sum(s.stale for s in report.steps)} dropped as stale")  # fmt: skip
+    held = report.held_out
+    results = {"before": held[0].success if held else None, "after": held[-1].success if held else None,
+               "after_version": held[-1].version if held else None, "minutes": report.seconds / 60,
+               "training_began": report.training_window[0], "held_out": [vars(h) for h in held], "busy": busy,
+               "machine_busy_cores": report.machine_busy_cores, "steps": [vars(s) for s in report.steps],
+               "served_success": report.served_success}  # fmt: skip
+    (run_dir / "results.json").write_text(json.dumps(results, indent=2))
+    png = _plot(report, run_dir / "reward-curve.png")
+    print(f"reward curve: {png}\nnumbers: {run_dir / 'results.json'}")
+    print(f"captured trajectories stay in {run_dir}: tracetrain serve --data-dir {run_dir} to browse them")
+
+
+def _plot(report: Report, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    versions = [s.version for s in report.steps]
+    ax.plot(versions, [s.reward_mean for s in report.steps], marker="o", label="mean reward of the step's batch")
+    served = sorted(report.served_success.items())
+    ax.plot([v for v, _ in served], [rate for _, rate in served], marker=".", linestyle="--",
+            label="success of the training attempts each version served")  # fmt: skip
+    held = report.held_out
+    if held:
+        ax.plot([h.version for h in held], [h.success for h in held], color="black", marker="s", zorder=3,
+                label="held-out success (requests never trained on)")  # fmt: skip
+    ax.set_xlabel("adapter version (training step)")
+    ax.set_ylim(0, 1)
+    gain = f"held-out {held[0].success:.0%} -> {held[-1].success:.0%}" if held else "held-out not measured"
+    ax.set_title(f"tracetrain demo: {gain} in {report.seconds / 60:.1f} min")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
