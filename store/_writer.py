@@ -5,16 +5,17 @@ commit ran is written in the next single transaction. ``record`` returns once it
 transaction committed, so the proxy sends a response's last byte only after its record
 is durable, while a burst of 64 concurrent calls costs a handful of commits, not 64.
 
+On SQLite the thread commits through its own connection; on Postgres it hands each
+commit to the async engine on the event loop. On SQLite it also seats new trajectories in
+their derived groups (``seat``, ``store._derived.seat_all_sqlite``): the seats asked while a
+commit ran share the next transaction, committed before that batch's calls.
+
 A lone call gains nothing from grouping, and a trip to the thread and back costs it more
 than its commit (waking the thread, and the thread and the event loop taking turns at the
 GIL: 0.3-1.1 ms against ~0.1 ms for the statements, docs/BENCHMARKS.md). So on SQLite a
 caller that says its call is the only one in flight (``alone``) has it committed on its own
 thread, through a connection that never waits for SQLite's lock, when the writer is idle;
 if the lock is taken (the writer, or another process) it goes the thread's way after all.
-On SQLite the thread commits through its own connection; on Postgres it hands each
-commit to the async engine on the event loop. On SQLite it also seats new trajectories in
-their derived groups (``seat``, ``store._derived.seat_all_sqlite``): the seats asked while a
-commit ran share the next transaction, committed before that batch's calls.
 """
 
 from __future__ import annotations

@@ -132,10 +132,15 @@ class Forwarder:
         # Calls being handled or streamed: a lone one is written on the event loop's thread (store._writer).
         self._in_flight = 0
 
+    @property
+    def _alone(self) -> bool:
+        """The call asking is the only one in flight."""
+        return self._in_flight == 1
+
     async def record(self, write: CallWrite) -> None:
         """Commit a call's record (see ``Store.record_call``) and count it."""
         try:
-            await self._store.record_call(write, alone=self._in_flight == 1)
+            await self._store.record_call(write, alone=self._alone)
         except StoreError as exc:
             self._metrics.call_not_recorded(write.call)
             raise from_store_error(exc) from exc
@@ -172,7 +177,7 @@ class Forwarder:
 
     async def _resolve(self, policy: str, hints: KeyHints, conversation: Conversation) -> Key:
         try:
-            return await self._keyer.resolve(policy, hints, conversation, alone=self._in_flight == 1)
+            return await self._keyer.resolve(policy, hints, conversation, alone=self._alone)
         except StoreError as exc:  # the call cannot be keyed, so it is not answered: a 503 in OpenAI's shape
             raise from_store_error(exc) from exc
 
