@@ -304,3 +304,41 @@ async def test_a_stream_cancelled_before_its_first_event_is_recorded_and_closed(
     assert closed == [True]
     assert [(w.call["status_code"], w.call["error"]) for w in written] == [(499, "the client disconnected mid-stream")]
     assert registry.in_flight[0] == 0 and forwarder._in_flight == 0
+
+
+async def test_a_lone_stream_is_recorded_on_the_event_loops_thread_and_stops_counting_before_done(
+    fake: FakeVLLM, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client's next call may arrive before the stream's close() runs: it must find itself alone."""
+    import store._writer as writer
+    from proxy.gateway import KeyHints
+    from proxy.gateway._forward import Forwarder
+    from proxy.gateway._keying import Keyer
+    from proxy.gateway._policies import PolicyRegistry
+    from proxy.gateway._upstream import Upstream, generation_session
+    from proxy.observability._metrics import Metrics
+    from store import Store
+
+    committed_on: list[str] = []
+    write_batch = writer.write_batch_sqlite
+
+    def spying(conn, writes) -> None:  # type: ignore[no-untyped-def]
+        write_batch(conn, writes)
+        committed_on.append(threading.current_thread().name)
+
+    monkeypatch.setattr(writer, "write_batch_sqlite", spying)
+    store = await Store.open(f"sqlite+aiosqlite:///{tmp_path / 'tt.db'}")
+    async with httpx.AsyncClient() as control, generation_session(30.0) as session:
+        upstream = Upstream(f"{fake.url}/v1", [control], session)  # type: ignore[attr-defined]
+        keyer = Keyer(store, group_size=8, thread_ttl_s=60)
+        forwarder = Forwarder(upstream, store, keyer, PolicyRegistry("agent"), Metrics())
+        body = orjson.dumps({"model": "agent", "messages": QUESTION, "stream": True})
+        response = await forwarder.handle("chat.completions", body, KeyHints(header_trajectory="run-1"))
+        in_flight_at_done = None
+        async for chunk in response.body_iterator:  # type: ignore[attr-defined]
+            if chunk == b"data: [DONE]\n\n":
+                in_flight_at_done = forwarder._in_flight
+        await response._relay.close()  # type: ignore[attr-defined]
+    await store.close()
+    assert in_flight_at_done == 0 and forwarder._in_flight == 0
+    assert committed_on == [threading.current_thread().name]
