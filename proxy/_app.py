@@ -34,7 +34,7 @@ from proxy.gateway._gate import NOT_AWAKE, RETRY_AFTER_FAILED_S, Gate
 from proxy.gateway._keying import Keyer
 from proxy.gateway._policies import PolicyRegistry
 from proxy.gateway._router import Router
-from proxy.gateway._upstream import Upstream, generation_session
+from proxy.gateway._upstream import Upstream
 from proxy.judge import _routes as _judge_routes
 from proxy.judge._service import JudgeService
 from proxy.observability._langfuse import start_langfuse
@@ -50,7 +50,7 @@ from store import Store
 
 log = logging.getLogger("tracetrain.proxy")
 
-# Generation calls go through one aiohttp session; these httpx clients carry only the control calls.
+# Generation calls go through each Upstream's own kept connections; these httpx clients carry only the control calls.
 _UPSTREAM_POOLS = 1
 
 
@@ -79,9 +79,9 @@ def create_app(
             )
             for _ in range(_UPSTREAM_POOLS)
         ]
-        session = generation_session(settings.upstream_timeout_s)
         router = Router(
-            [Upstream(url, clients, session) for url in settings.upstreams], health_check_s=settings.health_check_s
+            [Upstream(url, clients, timeout_s=settings.upstream_timeout_s) for url in settings.upstreams],
+            health_check_s=settings.health_check_s,
         )
         registry = PolicyRegistry(settings.policy, settings.served_model)
         if registry.base_model is None:
@@ -166,7 +166,8 @@ def create_app(
                 await langfuse.aclose()  # sends what is still queued, within its time limit
             for client in clients:
                 await client.aclose()
-            await session.close()
+            for upstream in router.upstreams:
+                upstream.close()
             await store.close()  # writes every queued record first
 
     app = _App(

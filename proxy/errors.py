@@ -30,7 +30,6 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
-import aiohttp
 import httpx
 import orjson
 
@@ -177,12 +176,12 @@ def _upstream_message(content: bytes) -> str:
 
 @asynccontextmanager
 async def upstream_errors(upstream: str) -> AsyncIterator[None]:
-    """Translate httpx's and aiohttp's transport errors talking to ``upstream`` into ``UpstreamError``s."""
+    """Translate httpx's and the generation pool's transport errors talking to ``upstream`` into ``UpstreamError``s."""
     try:
         yield
-    except (httpx.TimeoutException, TimeoutError) as exc:  # aiohttp's timeouts are TimeoutErrors
+    except (httpx.TimeoutException, TimeoutError) as exc:
         raise UpstreamTimeout(f"the upstream at {upstream} did not answer in time ({type(exc).__name__})") from exc
-    except (httpx.TransportError, aiohttp.ClientError) as exc:
+    except (httpx.TransportError, ConnectionError) as exc:  # ConnectionError: proxy.gateway._http1's
         raise UpstreamUnreachable(
             f"cannot reach the upstream at {upstream} ({type(exc).__name__}: {exc}); is vLLM running?"
         ) from exc

@@ -139,7 +139,7 @@ def seat_all_sqlite(conn: sqlite3.Connection, seats: Sequence[Seat]) -> list[str
     """The group of each trajectory in ``seats``, seated in order in one IMMEDIATE transaction (SQLite)."""
     conn.execute("BEGIN IMMEDIATE")
     try:
-        groups = [_seat_sqlite(conn, seat) for seat in seats]
+        groups = [seat_one_sqlite(conn, seat) for seat in seats]
     except BaseException:
         conn.rollback()
         raise
@@ -147,7 +147,8 @@ def seat_all_sqlite(conn: sqlite3.Connection, seats: Sequence[Seat]) -> list[str
     return groups
 
 
-def _seat_sqlite(conn: sqlite3.Connection, seat: Seat) -> str:
+def seat_one_sqlite(conn: sqlite3.Connection, seat: Seat) -> str:
+    """``seat``'s group, inside the caller's transaction."""
     stored = conn.execute(_STORED_GROUP, (seat.trajectory_id,)).fetchone()
     if stored is not None:  # keyed first by another call of it, here or on another replica
         return str(stored[0])

@@ -97,11 +97,18 @@ class Store:
 
     # -- captured calls ---------------------------------------------------------------
 
+    @property
+    def seats_with_records(self) -> bool:
+        """A new trajectory's seat may be taken in its first call's record (``CallWrite.seat_in``): SQLite."""
+        return self._writer is not None and self._sync is not None
+
     async def record_call(self, write: CallWrite, *, alone: bool = False) -> None:
         """Return once the transaction holding the call committed.
 
         ``alone``: the only call in flight in this process; on SQLite it is then committed on the
         event loop's thread when the writer is idle, sparing it the trip to the writer's thread.
+        A write with ``seat_in`` seats its trajectory in the same transaction and carries its
+        ``group_id`` afterwards.
         """
         assert self._writer is not None, "Store.open(capture=True) records calls"
         await self._writer.record(write, alone=alone)

@@ -36,7 +36,7 @@ from sqlalchemy import JSON, Connection, Engine, Executable, bindparam, insert, 
 from sqlalchemy.ext.asyncio import AsyncEngine
 from tenacity import Retrying, before_sleep_log, stop_after_attempt, wait_exponential
 
-from store._derived import Seat, seat_all_sqlite
+from store._derived import Seat, seat_all_sqlite, seat_one_sqlite
 from store._engine import dumps, insert_ignore
 from store._errors import StoreUnavailable
 from store._lifecycle import GroupState
@@ -65,6 +65,9 @@ class CallWrite:
     tail_hash: str | None
     created_at: float
     version: int
+    # > 0: a new trajectory whose seat in its task's derived group (of this size) is taken in the
+    # record's own transaction (SQLite), one commit instead of two; ``group_id`` is filled in then.
+    seat_in: int = 0
 
 
 _Pending = tuple[CallWrite | Seat, "asyncio.Future[Any] | None"]
@@ -125,6 +128,8 @@ def _rows(writes: Sequence[CallWrite]) -> tuple[list[dict[str, Any]], list[dict[
 
 def write_batch(conn: Connection, dialect: str, writes: Sequence[CallWrite]) -> None:
     """One transaction's worth of captured calls, with their groups and trajectories (through SQLAlchemy)."""
+    if any(w.seat_in for w in writes):
+        raise ValueError("a seat is taken with its record on SQLite only (Store.seats_with_records)")
     groups, trajectories, updates = _rows(writes)
     insert_groups, insert_trajectories, insert_calls, update_trajectories = _statements(dialect)
     conn.execute(insert_groups, groups)
@@ -175,10 +180,14 @@ def _insert_sqlite(conn: sqlite3.Connection, table: str, rows: Sequence[Mapping[
 
 
 def write_batch_sqlite(conn: sqlite3.Connection, writes: Sequence[CallWrite]) -> None:
-    """``write_batch`` on SQLite's own driver, in one IMMEDIATE transaction."""
-    groups, trajectories, updates = _rows(writes)
+    """``write_batch`` on SQLite's own driver, in one IMMEDIATE transaction, seats first (``seat_in``)."""
     conn.execute("BEGIN IMMEDIATE")
     try:
+        for w in writes:
+            if w.seat_in:
+                seat = Seat(w.policy, str(w.task_key), w.trajectory_id, w.keyed_by, w.seat_in, w.created_at)
+                w.group_id = w.call["group_id"] = seat_one_sqlite(conn, seat)
+        groups, trajectories, updates = _rows(writes)
         _insert_sqlite(conn, G.name, groups, ignore=True)
         _insert_sqlite(conn, T.name, trajectories, ignore=True)
         _insert_sqlite(conn, C.name, [w.call for w in writes], ignore=False)

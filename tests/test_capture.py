@@ -227,6 +227,9 @@ def test_client_hanging_up_mid_stream_keeps_what_was_sampled(proxy: RunningProxy
     assert rows and rows[0]["status_code"] == 499
     assert "disconnected" in rows[0]["error"]
     assert len(orjson.loads(rows[0]["completion_token_ids"])) >= 3
+    while time.monotonic() < deadline and not fake.disconnected_streams:
+        time.sleep(0.05)
+    assert fake.disconnected_streams == 1  # the proxy hung up on vLLM too: it stops generating
 
 
 def test_upstream_dying_mid_stream_is_reported_and_recorded(proxy: RunningProxy, fake: FakeVLLM) -> None:
@@ -268,7 +271,7 @@ async def test_a_stream_cancelled_before_its_first_event_is_recorded_and_closed(
     written: list = []
 
     class Upstream:
-        async def aclose(self) -> None:
+        def close(self) -> None:
             closed.append(True)
 
     class Forwarder:
@@ -315,7 +318,7 @@ async def test_a_lone_stream_is_recorded_on_the_event_loops_thread_and_stops_cou
     from proxy.gateway._forward import Forwarder
     from proxy.gateway._keying import Keyer
     from proxy.gateway._policies import PolicyRegistry
-    from proxy.gateway._upstream import Upstream, generation_session
+    from proxy.gateway._upstream import Upstream
     from proxy.observability._metrics import Metrics
     from store import Store
 
@@ -328,8 +331,8 @@ async def test_a_lone_stream_is_recorded_on_the_event_loops_thread_and_stops_cou
 
     monkeypatch.setattr(writer, "write_batch_sqlite", spying)
     store = await Store.open(f"sqlite+aiosqlite:///{tmp_path / 'tt.db'}")
-    async with httpx.AsyncClient() as control, generation_session(30.0) as session:
-        upstream = Upstream(f"{fake.url}/v1", [control], session)  # type: ignore[attr-defined]
+    async with httpx.AsyncClient() as control:
+        upstream = Upstream(f"{fake.url}/v1", [control], timeout_s=30.0)  # type: ignore[attr-defined]
         keyer = Keyer(store, group_size=8, thread_ttl_s=60)
         forwarder = Forwarder(upstream, store, keyer, PolicyRegistry("agent"), Metrics())
         body = orjson.dumps({"model": "agent", "messages": QUESTION, "stream": True})
@@ -338,7 +341,8 @@ async def test_a_lone_stream_is_recorded_on_the_event_loops_thread_and_stops_cou
         async for chunk in response.body_iterator:  # type: ignore[attr-defined]
             if chunk == b"data: [DONE]\n\n":
                 in_flight_at_done = forwarder._in_flight
-        await response._relay.close()  # type: ignore[attr-defined]
+        response._relay.close()  # type: ignore[attr-defined]
+        upstream.close()
     await store.close()
     assert in_flight_at_done == 0 and forwarder._in_flight == 0
     assert committed_on == [threading.current_thread().name]

@@ -177,23 +177,52 @@ async def test_a_call_the_store_cannot_key_is_not_answered_and_says_why(fake: Fa
     from proxy.gateway._forward import Forwarder
     from proxy.gateway._keying import Conversation, Key
     from proxy.gateway._policies import PolicyRegistry
-    from proxy.gateway._upstream import Upstream, generation_session
+    from proxy.gateway._upstream import Upstream
     from proxy.observability._metrics import Metrics
     from store import Store, StoreUnavailable
 
     class BrokenStore:
-        async def resolve(self, policy: str, hints: KeyHints, conversation: Conversation, *, alone: bool) -> Key:
+        async def resolve(self, policy: str, hints: KeyHints, conversation: Conversation, **_: bool) -> Key:
             raise StoreUnavailable("could not write to the store: disk I/O error")
 
     store = await Store.open(f"sqlite+aiosqlite:///{tmp_path / 'tt.db'}")
-    async with httpx.AsyncClient() as control, generation_session(30.0) as session:
-        upstream = Upstream(f"{fake.url}/v1", [control], session)  # type: ignore[attr-defined]
+    async with httpx.AsyncClient() as control:
+        upstream = Upstream(f"{fake.url}/v1", [control], timeout_s=30.0)  # type: ignore[attr-defined]
         forwarder = Forwarder(upstream, store, BrokenStore(), PolicyRegistry("agent"), Metrics())  # type: ignore[arg-type]
         for hints in (KeyHints(header_trajectory="run-8"), KeyHints()):
             with pytest.raises(ProxyStoreUnavailable) as raised:
                 await forwarder.handle("chat.completions", orjson.dumps({"model": "agent", "messages": TASK}), hints)
             assert raised.value.status_code == 503 and "disk I/O error" in raised.value.message
+        upstream.close()
     await store.close()
     conn = sqlite3.connect(tmp_path / "tt.db")
     assert conn.execute("SELECT count(*) FROM calls").fetchall() == [(0,)]
     conn.close()
+
+
+def test_a_lone_calls_new_trajectory_is_seated_in_its_record_and_a_streams_before_it(
+    proxy: RunningProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One commit for a non-streamed call's seat and record; a stream tells its group first, so it seats first."""
+    import store._writer as writer
+
+    seat_commits: list[str] = []
+    seat_all = writer.seat_all_sqlite
+
+    def seating(conn, seats):  # type: ignore[no-untyped-def]
+        seat_commits.extend(seat.trajectory_id for seat in seats)
+        return seat_all(conn, seats)
+
+    monkeypatch.setattr(writer, "seat_all_sqlite", seating)
+    client = proxy.client()
+    plain = client.chat.completions.with_raw_response.create(model="agent", messages=TASK)
+    with client.chat.completions.with_streaming_response.create(model="agent", messages=TASK, stream=True) as stream:
+        streamed = {"trajectory": stream.headers["x-trajectory-id"], "group": stream.headers["x-group-id"]}
+        list(stream.iter_lines())
+    assert seat_commits == [streamed["trajectory"]]
+    group = plain.headers["x-group-id"]
+    assert group.startswith("grp-") and streamed["group"] == group  # the same task: one derived group
+    rows = proxy.rows("SELECT id, group_id FROM trajectories")
+    expected = {plain.headers["x-trajectory-id"]: group, streamed["trajectory"]: group}
+    assert {r["id"]: r["group_id"] for r in rows} == expected
+    assert [r["group_id"] for r in proxy.rows("SELECT group_id FROM calls")] == [group, group]

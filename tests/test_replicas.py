@@ -29,7 +29,6 @@ from proxy import Settings
 from proxy.gateway import Keyer, KeyHints, PolicyRegistry, Upstream
 from proxy.gateway._keying import Conversation
 from proxy.gateway._router import Router
-from proxy.gateway._upstream import generation_session
 from proxy.judge._service import JudgeService
 from proxy.training._publisher import Publisher
 from proxy.training._scheduler import JobScheduler
@@ -173,13 +172,14 @@ async def test_an_adapter_a_dead_replica_left_loaded_is_published_by_another(
     await dead.adapters.record("agent", 1, str(path), None, {})
     # The dead replica claimed it, loaded it into the shared vLLM, and died before marking it published.
     assert await dead.adapters.claim_trained("agent", "dead-host:1", lease_s=0.0) == [(1, str(path))]
-    async with httpx.AsyncClient() as client, generation_session(10.0) as session:
-        vllm = Upstream(f"{fake.url}/v1", [client], session)  # type: ignore[attr-defined]
+    async with httpx.AsyncClient() as client:
+        vllm = Upstream(f"{fake.url}/v1", [client], timeout_s=10.0)  # type: ignore[attr-defined]
         await vllm.load_lora("agent@1", str(path))
         router = Router([vllm])
         await router.check_once()  # in rotation: the publisher loads only into servers that serve
         publisher = Publisher(alive, PolicyRegistry("agent", None), router, keep_versions=3)
         await publisher.sync_once()
+        vllm.close()
     adapter = await alive.adapters.get("agent", 1)
     assert adapter is not None and (adapter["state"], adapter["reclaimed"]) == ("published", 1)
     assert await alive.policies.active_version("agent") == 1 and "agent@1" in fake.loras

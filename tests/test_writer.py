@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
 from sqlalchemy import create_engine
 
 from store import CallWrite, Store
@@ -141,3 +142,58 @@ async def test_a_lone_call_goes_through_the_writer_when_sqlites_lock_is_taken(tm
     conn = sqlite3.connect(path)
     assert conn.execute("SELECT id FROM calls").fetchall() == [("call-1",)]
     conn.close()
+
+
+def _new_trajectory_call(trajectory_id: str, call_id: str, group_size: int) -> CallWrite:
+    """The first call of a new trajectory whose seat is left to its record (``seat_in``)."""
+    row = {"id": call_id, "trajectory_id": trajectory_id, "group_id": "", "policy": "agent",
+           "endpoint": "chat.completions", "model": "agent", "served_model": "base", "version": 0, "stream": False,
+           "request": {"messages": [{"role": "user", "content": "2+2?"}]}, "response": None, "status_code": 200,
+           "error": None, "latency_ms": 1.0, "started_at": 100.0}  # fmt: skip
+    return CallWrite(row, trajectory_id, "", "agent", "new", "task-1", None, 100.0, 0, seat_in=group_size)
+
+
+async def test_a_seat_left_to_the_record_is_taken_in_its_transaction(tmp_path: Path, monkeypatch: Any) -> None:
+    """Seated in order, alone or through the writer; a trajectory seated meanwhile keeps the group it got."""
+    import store._writer as writer
+
+    seat_commits: list[int] = []  # transactions that took seats alone
+
+    def seating(conn: sqlite3.Connection, seats: list[Seat]) -> list[str]:
+        seat_commits.append(len(seats))
+        return seat_all_sqlite(conn, seats)
+
+    monkeypatch.setattr(writer, "seat_all_sqlite", seating)
+    threads = await _writes_by_thread(monkeypatch)
+    path = tmp_path / "seated.db"
+    store = await Store.open(f"sqlite+aiosqlite:///{path}")
+    assert store.seats_with_records
+    writes = [_new_trajectory_call(f"t-{i}", f"call-{i}", group_size=2) for i in range(3)]
+    await store.record_call(writes[0], alone=True)
+    await store.record_call(writes[1])  # through the writer's thread
+    await store.record_call(writes[2], alone=True)
+    seated = await store.join_task_group("agent", "task-2", "t-late", keyed_by="header", group_size=2)
+    late = _new_trajectory_call("t-late", "call-late", group_size=2)  # keyed by another call while in flight
+    await store.record_call(late, alone=True)
+    await store.close()
+    here = threading.current_thread().name
+    assert seat_commits == [1]  # only t-late's own seat: the others were taken in their records' transactions
+    assert threads == [here, "tracetrain-store-writer", here, here]
+    groups = [w.group_id for w in writes]
+    assert groups[0] == groups[1] != groups[2] and all(groups) and late.group_id == seated
+    conn = sqlite3.connect(path)
+    stored = dict(conn.execute("SELECT id, group_id FROM trajectories").fetchall())
+    assert stored == {"t-0": groups[0], "t-1": groups[1], "t-2": groups[2], "t-late": seated}
+    assert dict(conn.execute("SELECT id, group_id FROM calls").fetchall()) == {
+        "call-0": groups[0], "call-1": groups[1], "call-2": groups[2], "call-late": seated
+    }  # fmt: skip
+    seats = conn.execute("SELECT task_seq, seats FROM groups WHERE task_key = 'task-1' ORDER BY task_seq").fetchall()
+    assert seats == [(1, 2), (2, 1)]
+    assert conn.execute("SELECT n_calls FROM trajectories WHERE id = 't-late'").fetchall() == [(1,)]
+    conn.close()
+
+
+def test_sqlalchemys_path_refuses_a_seat_left_to_the_record() -> None:
+    engine = create_engine("sqlite://")
+    with engine.connect() as conn, pytest.raises(ValueError, match="SQLite only"):
+        write_batch(conn, "postgresql", [_new_trajectory_call("t-0", "call-0", group_size=2)])

@@ -13,15 +13,16 @@ trip to the writer's thread pays off only under load.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
 import orjson
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -164,20 +165,22 @@ class Forwarder:
             route = await self._route(str(body["model"]))
             messages = body.get("messages") if endpoint == "chat.completions" else None
             conversation = Conversation(route.policy, messages, body.get("prompt"))
-            key = await self._resolve(route.policy, hints, conversation)
+            stream = bool(body.get("stream"))
+            # A stream tells its group in its first bytes, so its new trajectory is seated first.
+            key = await self._resolve(route.policy, hints, conversation, defer_seat=not stream)
             upstream_body, asked = prepare_upstream_body(body, endpoint, route.served_model)
             call = _Call(endpoint, body, route, key, conversation, asked, started_at, t0)
             payload = orjson.dumps(upstream_body)
-            if body.get("stream"):
+            if stream:
                 return await self._stream(call, payload)
             return await self._complete(call, payload)
         finally:
             self._in_flight -= 1
             self._gate.leave()  # the upstream answered (a stream: its headers): a hand-over may pause it now
 
-    async def _resolve(self, policy: str, hints: KeyHints, conversation: Conversation) -> Key:
+    async def _resolve(self, policy: str, hints: KeyHints, conversation: Conversation, *, defer_seat: bool) -> Key:
         try:
-            return await self._keyer.resolve(policy, hints, conversation, alone=self._alone)
+            return await self._keyer.resolve(policy, hints, conversation, alone=self._alone, defer_seat=defer_seat)
         except StoreError as exc:  # the call cannot be keyed, so it is not answered: a 503 in OpenAI's shape
             raise from_store_error(exc) from exc
 
@@ -194,16 +197,22 @@ class Forwarder:
                 raise UpstreamHTTPError(upstream.status_code, upstream.content)
             data = orjson.loads(upstream.content)
         except ProxyError as exc:
-            await self.record(_call_write(call, None, None, exc.status_code, exc.message, None))
+            await self._record_answer(call, _call_write(call, None, None, exc.status_code, exc.message, None))
             return error_response(exc, call.headers())
         capture = capture_response(data, call.endpoint)
         stored = without_token_fields(data)
-        await self.record(_call_write(call, capture, stored, 200, None, None))
+        await self._record_answer(call, _call_write(call, capture, stored, 200, None, None))
         return Response(
             orjson.dumps(strip_response(data, call.asked, call.route.public_name)),
             headers=call.headers(),
             media_type="application/json",
         )
+
+    async def _record_answer(self, call: _Call, write: CallWrite) -> None:
+        """Record a non-streamed call; a seat left to its record gives the call its group (``Keyer.resolve``)."""
+        await self.record(write)
+        if call.key.seat_in:
+            call.key = self._keyer.seated(call.key, write.group_id)
 
     async def _stream(self, call: _Call, payload: bytes) -> Response:
         try:
@@ -271,6 +280,7 @@ def _call_write(
         tail,
         call.started_at,
         call.route.version,
+        call.key.seat_in,
     )
 
 
@@ -347,14 +357,14 @@ class _Relay:
             self._counted = False
             self._forwarder._in_flight -= 1
 
-    async def close(self) -> None:
+    def close(self) -> None:
+        """However the stream ended: the record (if not yet written), the counts, the upstream connection."""
         if not self._recorded:  # the client went away: keep what was sampled; nobody awaits the commit
             self._recorded = True
             self._forwarder.record_nowait(self._record(499, "the client disconnected mid-stream"))
         self._registry.in_flight[self._call.route.version] -= 1
         self._uncount()
-        with anyio.CancelScope(shield=True):
-            await self._upstream.aclose()
+        self._upstream.close()
         self._on_close()
 
     def _record(self, status: int, error: str | None, response: dict[str, Any] | None = None) -> CallWrite:
@@ -362,7 +372,14 @@ class _Relay:
 
 
 class _RelayResponse(StreamingResponse):
-    """A streaming response that closes its relay however the response ends."""
+    """A streaming response that closes its relay however the response ends.
+
+    Served without Starlette's task group. uvicorn speaks ASGI 2.3, where a client that hangs
+    up is told only through ``receive()``; Starlette listens for it with an anyio task group
+    per stream, whose set-up came before the first byte and whose tear-down after the last
+    (docs/BENCHMARKS.md, issue 14). Here one plain task listens and cancels the stream's task
+    when the client is gone; under ASGI 2.4 a send to a gone client raises ``OSError`` instead.
+    """
 
     def __init__(self, relay: _Relay, headers: dict[str, str]) -> None:
         super().__init__(relay.events(), media_type="text/event-stream", headers=headers)
@@ -370,6 +387,38 @@ class _RelayResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            if _asgi_version(scope) >= (2, 4):
+                try:
+                    await self.stream_response(send)
+                except OSError as exc:
+                    raise ClientDisconnect() from exc
+            else:
+                await self._stream_until_hang_up(receive, send)
         finally:
-            await self._relay.close()
+            self._relay.close()
+
+    async def _stream_until_hang_up(self, receive: Receive, send: Send) -> None:
+        streaming = asyncio.current_task()
+        assert streaming is not None
+        state = {"hung_up": False, "ended": False}
+
+        async def listen() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if not state["ended"]:  # uvicorn also says "disconnect" once the response is complete
+                state["hung_up"] = True
+                streaming.cancel()
+
+        listener = asyncio.get_running_loop().create_task(listen())
+        try:
+            await self.stream_response(send)
+        except asyncio.CancelledError:
+            if not state["hung_up"] or streaming.uncancel() > 0:
+                raise  # cancelled from outside: the server is shutting down
+        finally:
+            state["ended"] = True
+            listener.cancel()
+
+
+def _asgi_version(scope: Scope) -> tuple[int, ...]:
+    return tuple(int(part) for part in scope.get("asgi", {}).get("spec_version", "2.0").split("."))

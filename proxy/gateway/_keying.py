@@ -39,6 +39,9 @@ class Key:
     group_id: str
     keyed_by: str  # "header" | "path" | "thread" | "new"
     task_key: str | None  # set when the group was derived from the task prompt
+    # > 0: a new trajectory not seated yet; its record seats it in a derived group of this size
+    # (``CallWrite.seat_in``) and ``group_id`` is "" until then (``Keyer.seated``).
+    seat_in: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,8 +100,16 @@ class Keyer:
         self._thread_ttl_s = thread_ttl_s
         self._groups_of: OrderedDict[str, str] = OrderedDict()  # trajectory id -> group id
 
-    async def resolve(self, policy: str, hints: KeyHints, conversation: Conversation, *, alone: bool = False) -> Key:
-        """``alone``: the only call in flight: a seat is written on this thread (``Store.join_task_group``)."""
+    async def resolve(
+        self, policy: str, hints: KeyHints, conversation: Conversation, *, alone: bool = False, defer_seat: bool = False
+    ) -> Key:
+        """``alone``: the only call in flight: a seat is written on this thread (``Store.join_task_group``).
+
+        ``defer_seat`` (with ``alone``): a new trajectory's seat is left to the call's record, one
+        commit instead of two, for a call whose group is told to the client only once it is recorded
+        (non-streamed). Another call of the same trajectory keyed meanwhile seats it; the record
+        then finds that seat. The group is known after the record: ``seated``.
+        """
         trajectory_id = hints.header_trajectory or hints.path_trajectory
         group_hint = hints.header_group or hints.path_group
         if trajectory_id:
@@ -106,25 +117,31 @@ class Keyer:
             known = await self._known_group(trajectory_id)
             if known is not None:
                 return Key(trajectory_id, known, keyed_by, None)
-            return await self._new(policy, trajectory_id, keyed_by, group_hint, conversation, alone)
+            return await self._new(policy, trajectory_id, keyed_by, group_hint, conversation, alone, defer_seat)
         if group_hint is None:
             found = await self._find_thread(conversation.thread_candidates)
             if found is not None:
                 return Key(found[0], found[1], "thread", None)
-        return await self._new(policy, new_trajectory_id(), "new", group_hint, conversation, alone)
+        return await self._new(policy, new_trajectory_id(), "new", group_hint, conversation, alone, defer_seat)
 
     async def _new(
         self, policy: str, trajectory_id: str, keyed_by: str, group_hint: str | None, conversation: Conversation,
-        alone: bool,
+        alone: bool, defer_seat: bool,
     ) -> Key:  # fmt: skip
         """A trajectory the store does not hold yet: in the group it names, or a seat in its task's group."""
         if group_hint is not None:
             return self._remember(Key(trajectory_id, group_hint, keyed_by, None))
         task_key = conversation.task_key
+        if alone and defer_seat and self._store.seats_with_records:
+            return Key(trajectory_id, "", keyed_by, task_key, seat_in=self._group_size)
         group_id = await self._store.join_task_group(
             policy, task_key, trajectory_id, keyed_by=keyed_by, group_size=self._group_size, alone=alone
         )
         return self._remember(Key(trajectory_id, group_id, keyed_by, task_key))
+
+    def seated(self, key: Key, group_id: str) -> Key:
+        """``key`` once its record seated it (``resolve``'s ``defer_seat``) in ``group_id``."""
+        return self._remember(Key(key.trajectory_id, group_id, key.keyed_by, key.task_key))
 
     def _remember(self, key: Key) -> Key:
         self._groups_of.setdefault(key.trajectory_id, key.group_id)

@@ -35,10 +35,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import aiohttp
 import httpx
 
 from proxy.errors import ProxyError, UpstreamNotReady, UpstreamUnreachable
+from proxy.gateway._http1 import ConnectFailed
 from proxy.gateway._upstream import Reply, Upstream, UpstreamStream
 
 log = logging.getLogger("tracetrain.router")
@@ -79,9 +79,7 @@ class Server:
 
 def _refused(exc: ProxyError) -> bool:
     """The connection was never made, so nothing was sent: the call can go to another server."""
-    return isinstance(exc, UpstreamUnreachable) and isinstance(
-        exc.__cause__, (httpx.ConnectError, aiohttp.ClientConnectorError)
-    )
+    return isinstance(exc, UpstreamUnreachable) and isinstance(exc.__cause__, (httpx.ConnectError, ConnectFailed))
 
 
 class Router:

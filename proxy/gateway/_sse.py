@@ -10,7 +10,7 @@ ended by a blank line when the stream ends is dropped. One space after the colon
 removed.
 
 Hand-written rather than taken from httpx-sse (0.4.3): its public API reads an
-``httpx.Response``, and the proxy's upstream stream is aiohttp's; its decoders are private
+``httpx.Response``, and the proxy's upstream stream is its own (``_http1``); its decoders are private
 and work on decoded text, which costs a UTF-8 decode of every chunk on the hot path; and it
 neither skips the byte-order mark nor drops an event that carries no data. Data stays bytes
 here (the relay hands it to ``orjson``; UTF-8 never has CR or LF inside a character, so

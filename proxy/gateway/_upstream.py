@@ -1,11 +1,11 @@
-"""The upstream OpenAI-compatible server (vLLM): generation over aiohttp, the rest over httpx.
+"""The upstream OpenAI-compatible server (vLLM): generation over a lean HTTP/1.1 pool, the rest over httpx.
 
-The two calls on every agent's path (``post`` and ``open_stream``) go through one pooled
-``aiohttp.ClientSession``: measured under load (docs/BENCHMARKS.md), httpx + httpcore +
-anyio cost the proxy 55-65% of its time (anyio's socket bookkeeping, sniffio's task
-lookups, httpcore's scan of every pooled connection per request), aiohttp on uvloop a
-fraction of that. The control endpoints (adapters, models, health, pause and sleep) are
-rare and stay on httpx, whose ``MockTransport`` tests may pass to ``create_app``.
+The two calls on every agent's path (``post`` and ``open_stream``) go through
+``proxy.gateway._http1``'s kept connections: measured (docs/BENCHMARKS.md, issue 14), httpx +
+httpcore + anyio cost the proxy 55-65% of its time under load, and aiohttp after them ~29%
+and 470-670 µs per exchange where a kept connection takes 290-440. The control endpoints
+(adapters, models, health, pause and sleep) are rare and stay on httpx, whose
+``MockTransport`` tests may pass to ``create_app``.
 """
 
 from __future__ import annotations
@@ -16,29 +16,15 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import aiohttp
 import httpx
 import orjson
 
 from proxy.errors import UpstreamError, UpstreamHTTPError, UpstreamNotReady, upstream_errors
+from proxy.gateway._http1 import Exchange, Http1Pool, TransportError
 
 _JSON = {"content-type": "application/json"}
 # vLLM's PauseMode: "wait" lets what runs finish; "abort" (its default) ends it; "keep" freezes it.
 PauseMode = Literal["abort", "wait", "keep"]
-
-
-def generation_session(timeout_s: float, connect_s: float = 5.0) -> aiohttp.ClientSession:
-    """The pooled session for generation calls (build it inside the running event loop).
-
-    ``timeout_s`` bounds each wait for bytes (as httpx's read timeout did), not a whole
-    stream: a long generation that keeps sending is never cut off.
-    """
-    return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=False),
-        timeout=aiohttp.ClientTimeout(total=None, connect=connect_s, sock_read=timeout_s),
-        skip_auto_headers=("User-Agent",),
-        auto_decompress=False,
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,31 +36,40 @@ class Reply:
 
 
 class UpstreamStream:
-    """An upstream response whose body is still arriving; ``aclose`` it however it ends."""
+    """An upstream response whose body is still arriving; ``close`` it however it ends."""
 
-    def __init__(self, response: aiohttp.ClientResponse, base_url: str) -> None:
+    def __init__(self, response: Exchange) -> None:
         self._response = response
-        self._base_url = base_url
 
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
         """The body's bytes as they arrive; a broken connection raises ``UpstreamError``."""
         try:
-            async for chunk in self._response.content.iter_any():
+            async for chunk in self._response.iter_body():
                 yield chunk
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (TransportError, TimeoutError) as exc:
             raise UpstreamError(f"the upstream stream broke: {exc!r}") from exc
 
-    async def aclose(self) -> None:
-        # Unread bytes left (the client hung up): the connection closes, so vLLM stops generating.
+    def close(self) -> None:
+        """Give the connection back; with unread bytes left (the client hung up) it closes, so vLLM stops generating."""
         self._response.release()
 
 
 class Upstream:
-    def __init__(self, base_url: str, clients: Sequence[httpx.AsyncClient], session: aiohttp.ClientSession) -> None:
+    """One server: ``generation`` carries the calls on the agents' path, ``clients`` the rest.
+
+    ``timeout_s`` bounds each wait for the server's bytes (not a whole stream: a long generation
+    that keeps sending is never cut off).
+    """
+
+    def __init__(self, base_url: str, clients: Sequence[httpx.AsyncClient], *, timeout_s: float) -> None:
         self.base_url = base_url
         self._clients = list(clients)
         self._next = itertools.cycle(self._clients)
-        self._session = session
+        self._generation = Http1Pool(base_url, timeout_s=timeout_s)
+
+    def close(self) -> None:
+        """Close the generation calls' connections."""
+        self._generation.close()
 
     @property
     def _client(self) -> httpx.AsyncClient:
@@ -82,11 +77,12 @@ class Upstream:
 
     async def post(self, path: str, body: bytes) -> Reply:
         """POST and read the whole answer (any status)."""
-        async with (
-            upstream_errors(self.base_url),
-            self._session.post(self.base_url + path, data=body, headers=_JSON) as response,
-        ):
-            return Reply(response.status, await response.read())
+        async with upstream_errors(self.base_url):
+            response = await self._generation.post(path, body)
+            try:
+                return Reply(response.status, await response.read())
+            finally:
+                response.release()
 
     async def open_stream(self, path: str, body: bytes) -> UpstreamStream:
         """POST and return once the status line and headers arrived; the caller closes it.
@@ -94,14 +90,14 @@ class Upstream:
         An error status is read whole and raised as ``UpstreamHTTPError``.
         """
         async with upstream_errors(self.base_url):
-            response = await self._session.post(self.base_url + path, data=body, headers=_JSON)
+            response = await self._generation.post(path, body)
             if response.status != 200:
                 try:
                     content = await response.read()
                 finally:
                     response.release()
                 raise UpstreamHTTPError(response.status, content)
-        return UpstreamStream(response, self.base_url)
+        return UpstreamStream(response)
 
     async def load_lora(self, name: str, path: str) -> None:
         """vLLM's runtime LoRA loading (needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)."""
