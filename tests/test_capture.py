@@ -346,3 +346,46 @@ async def test_a_lone_stream_is_recorded_on_the_event_loops_thread_and_stops_cou
     await store.close()
     assert in_flight_at_done == 0 and forwarder._in_flight == 0
     assert committed_on == [threading.current_thread().name]
+
+
+@pytest.mark.parametrize("spec_version", ["2.3", "2.4"])
+async def test_streams_one_after_another_keep_one_upstream_connection(
+    fake: FakeVLLM, tmp_path, spec_version: str
+) -> None:
+    """The relay stops reading at [DONE]; the chunked body's end is read after, so the connection is kept."""
+    from proxy.gateway import KeyHints
+    from proxy.gateway._forward import Forwarder
+    from proxy.gateway._keying import Keyer
+    from proxy.gateway._policies import PolicyRegistry
+    from proxy.gateway._upstream import Upstream
+    from proxy.observability._metrics import Metrics
+    from store import Store
+
+    store = await Store.open(f"sqlite+aiosqlite:///{tmp_path / 'tt.db'}")
+    never = asyncio.Event()
+
+    async def receive() -> dict:  # the client stays
+        await never.wait()
+        return {"type": "http.disconnect"}
+
+    async with httpx.AsyncClient() as control:
+        upstream = Upstream(f"{fake.url}/v1", [control], timeout_s=30.0)  # type: ignore[attr-defined]
+        keyer = Keyer(store, group_size=8, thread_ttl_s=60)
+        forwarder = Forwarder(upstream, store, keyer, PolicyRegistry("agent"), Metrics())
+        bodies: list[bytes] = []
+        sent: list[dict] = []
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        for i in range(12):
+            body = orjson.dumps({"model": "agent", "messages": QUESTION, "stream": True})
+            response = await forwarder.handle("chat.completions", body, KeyHints(header_trajectory=f"run-{i}"))
+            await response({"type": "http", "asgi": {"spec_version": spec_version}}, receive, send)
+            bodies.append(b"".join(m.get("body", b"") for m in sent))
+            sent.clear()
+        connections = len(upstream._generation._open)
+        upstream.close()
+    await store.close()
+    assert all(body.endswith(b"data: [DONE]\n\n") for body in bodies)
+    assert connections == 1

@@ -284,14 +284,6 @@ def _call_write(
     )
 
 
-async def _sse_data(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """The data of each server-sent event (``proxy.gateway._sse``), as soon as the event is complete."""
-    decoder = SSEDecoder()
-    async for chunk in chunks:
-        for event in decoder.feed(chunk):
-            yield event.data
-
-
 class _Relay:
     """One stream in flight: forwards events as they arrive and records the call exactly once.
 
@@ -316,6 +308,7 @@ class _Relay:
         self._assembler = StreamCapture(call.endpoint, call.asked, call.route.public_name)
         self._ttft: float | None = None
         self._recorded = False
+        self._done = False  # [DONE] came: the upstream's body ends next
         registry.in_flight[call.route.version] += 1
         forwarder._in_flight += 1
         self._counted = True  # in the forwarder's calls in flight, until its record is written
@@ -324,16 +317,18 @@ class _Relay:
         """Forward each SSE event as it arrives; commit the record before ``[DONE]``."""
         call = self._call
         finished = False
+        decoder = SSEDecoder()
         try:
-            async for data in _sse_data(self._upstream.aiter_bytes()):
-                if self._ttft is None:
-                    self._ttft = (time.perf_counter() - call.t0) * 1000
-                if data == b"[DONE]":
-                    finished = True
-                    break
-                chunk = self._assembler.add(orjson.loads(data))
-                if chunk is not None:
-                    yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+            while not finished and (received := await self._upstream.next_chunk()):
+                for event in decoder.feed(received):
+                    if self._ttft is None:
+                        self._ttft = (time.perf_counter() - call.t0) * 1000
+                    if event.data == b"[DONE]":
+                        finished = True
+                        break
+                    chunk = self._assembler.add(orjson.loads(event.data))
+                    if chunk is not None:
+                        yield b"data: " + orjson.dumps(chunk) + b"\n\n"
             if not finished:
                 raise UpstreamError("the upstream closed the stream before it finished")
         except (UpstreamError, orjson.JSONDecodeError) as exc:
@@ -350,12 +345,18 @@ class _Relay:
             await self._forwarder.record(self._record(200, None, self._assembler.capture.as_response()))
         finally:
             self._uncount()  # before [DONE]: the client's next call may arrive before close() runs
+        self._done = True
         yield _DONE
 
     def _uncount(self) -> None:
         if self._counted:
             self._counted = False
             self._forwarder._in_flight -= 1
+
+    async def finish(self) -> None:
+        """Once the response is sent: read the end of the upstream's body, so its connection is kept."""
+        if self._done:
+            await self._upstream.finish()
 
     def close(self) -> None:
         """However the stream ended: the record (if not yet written), the counts, the upstream connection."""
@@ -394,6 +395,7 @@ class _RelayResponse(StreamingResponse):
                     raise ClientDisconnect() from exc
             else:
                 await self._stream_until_hang_up(receive, send)
+            await self._relay.finish()
         finally:
             self._relay.close()
 

@@ -58,19 +58,32 @@ class Exchange:
 
     async def read(self) -> bytes:
         """The whole body."""
-        return b"".join([chunk async for chunk in self.iter_body()])
+        chunks = []
+        while chunk := await self.next_chunk():
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     async def iter_body(self) -> AsyncIterator[bytes]:
         """The body's bytes as they arrive."""
+        while chunk := await self.next_chunk():
+            yield chunk
+
+    async def next_chunk(self) -> bytes:
+        """The body's bytes that arrived since the last call, waiting for some; b"" once the body ended."""
         connection = self._connection
-        while True:
-            chunk = connection.take()
-            if chunk:
-                yield chunk
-            elif connection.complete:
-                return
-            else:
-                await connection.wait()
+        while not (chunk := connection.take()) and not connection.complete:
+            await connection.wait()
+        return chunk
+
+    async def finish(self, within_s: float) -> None:
+        """Read what is left of a body whose end is due (a stream after its last event), so the connection
+        is kept; if it does not end within ``within_s``, ``release`` closes it."""
+        try:
+            async with asyncio.timeout(within_s):
+                while await self.next_chunk():
+                    pass
+        except (TimeoutError, TransportError):
+            pass
 
     def release(self) -> None:
         """Give the connection back (read to its end) or close it (anything left unread)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -23,6 +23,8 @@ from proxy.errors import UpstreamError, UpstreamHTTPError, UpstreamNotReady, ups
 from proxy.gateway._http1 import Exchange, Http1Pool, TransportError
 
 _JSON = {"content-type": "application/json"}
+# How long a stream's end (the chunked body's last chunk) may take after its last event.
+_FINISH_S = 1.0
 # vLLM's PauseMode: "wait" lets what runs finish; "abort" (its default) ends it; "keep" freezes it.
 PauseMode = Literal["abort", "wait", "keep"]
 
@@ -41,13 +43,16 @@ class UpstreamStream:
     def __init__(self, response: Exchange) -> None:
         self._response = response
 
-    async def aiter_bytes(self) -> AsyncIterator[bytes]:
-        """The body's bytes as they arrive; a broken connection raises ``UpstreamError``."""
+    async def next_chunk(self) -> bytes:
+        """The body's next bytes as they arrive (b"" at its end); a broken connection raises ``UpstreamError``."""
         try:
-            async for chunk in self._response.iter_body():
-                yield chunk
+            return await self._response.next_chunk()
         except (TransportError, TimeoutError) as exc:
             raise UpstreamError(f"the upstream stream broke: {exc!r}") from exc
+
+    async def finish(self) -> None:
+        """After the last event: read the body's end, so its connection is kept for the next call."""
+        await self._response.finish(_FINISH_S)
 
     def close(self) -> None:
         """Give the connection back; with unread bytes left (the client hung up) it closes, so vLLM stops generating."""
