@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection, Engine, bindparam, select
+from sqlalchemy import Connection, Engine, bindparam, func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from store._adapter_files import AdapterFiles
@@ -37,6 +37,8 @@ from store._jobs import Jobs
 from store._judgements import Judgements
 from store._reads import Reads
 from store._rewards import RewardIn, add_rewards
+from store._tables import adapters as A
+from store._tables import policies as P
 from store._tables import trajectories as T
 from store._timeouts import RewardTimeouts
 from store._writer import CallWrite, GroupCommitWriter
@@ -50,6 +52,18 @@ _OPEN_THREADS = select(T.c.id, T.c.group_id, T.c.tail_hash).where(
 )
 # The same two on SQLite's own driver (the hot path).
 _SQLITE_TRAJECTORY_GROUP = "SELECT group_id, policy FROM trajectories WHERE id = ?"
+# What the publisher acts on, in brief (``publishing_state``).
+_ADAPTER_STATES = (
+    select(A.c.state, func.count(), func.max(A.c.version))
+    .where(A.c.policy == bindparam("policy"))
+    .group_by(A.c.state)
+    .order_by(A.c.state)
+)
+_POLICY_STATE = select(P.c.active_version, P.c.training, P.c.rolled_back_at).where(P.c.name == bindparam("policy"))
+_SQLITE_ADAPTER_STATES = (
+    "SELECT state, count(*), max(version) FROM adapters WHERE policy = ? GROUP BY state ORDER BY state"
+)
+_SQLITE_POLICY_STATE = "SELECT active_version, training, rolled_back_at FROM policies WHERE name = ?"
 _SQLITE_OPEN_THREADS = (
     "SELECT id, group_id, tail_hash FROM trajectories WHERE tail_hash IN ({}) AND updated_at >= ? AND reward IS NULL"
 )
@@ -139,6 +153,19 @@ class Store:
             async with self.engine.connect() as conn:
                 rows = list((await conn.execute(_TRAJECTORY_GROUP, {"id": trajectory_id})).all())
         return (rows[0][0], rows[0][1]) if rows else None
+
+    async def publishing_state(self, policy: str) -> tuple[Any, ...]:
+        """What the proxy's publisher acts on, in brief: it changes whenever an adapter of ``policy``
+        changes state (a count moves) or the policy's alias or training state moves. Two reads; on
+        SQLite through the event loop's own connection, so a poll every 100 ms costs microseconds."""
+        if self._reader is not None:
+            adapters = self._reader.execute(_SQLITE_ADAPTER_STATES, (policy,)).fetchall()
+            state = self._reader.execute(_SQLITE_POLICY_STATE, (policy,)).fetchall()
+        else:
+            async with self.engine.connect() as conn:
+                adapters = list((await conn.execute(_ADAPTER_STATES, {"policy": policy})).all())
+                state = list((await conn.execute(_POLICY_STATE, {"policy": policy})).all())
+        return tuple(tuple(row) for row in adapters), tuple(tuple(row) for row in state)
 
     async def find_open_thread(self, tail_hashes: Sequence[str], since: float) -> tuple[str, str, str] | None:
         """The unrewarded trajectory whose last request plus reply hashes to one of ``tail_hashes``.

@@ -126,3 +126,55 @@ def test_the_policy_alias_is_stored_even_when_vllm_is_down_at_start(start_proxy,
     assert [(r["name"], r["active_version"]) for r in proxy.rows("SELECT name, active_version FROM policies")] == [
         ("agent", 0)
     ]
+
+
+async def test_the_publisher_syncs_wholly_only_when_the_store_changed(
+    fake: FakeVLLM, tmp_path: Path, monkeypatch: Any
+) -> None:
+    """Polls read the publishing state only; a trained adapter changes it and is published at once."""
+    import asyncio
+    import sqlite3
+
+    import proxy.training._publisher as publishing
+    from proxy.gateway import PolicyRegistry, Upstream
+    from proxy.gateway._router import Router
+    from store import Store
+
+    monkeypatch.setattr(publishing, "_FULL_SYNC_S", 3600.0)  # no whole sync on the clock: only on a change
+    store = await Store.open(f"sqlite+aiosqlite:///{tmp_path / 'tt.db'}")
+    await store.policies.ensure("agent", fake.base_model)
+    syncs: list[int] = []
+    async with httpx.AsyncClient() as client:
+        upstream = Upstream(f"{fake.url}/v1", [client], timeout_s=10.0)  # type: ignore[attr-defined]
+        router = Router([upstream])
+        await router.check_once()
+        registry = PolicyRegistry("agent", None)
+        publisher = publishing.Publisher(store, registry, router, keep_versions=3, poll_s=0.02)
+        whole_sync = publisher.sync_once
+
+        async def counted() -> None:
+            syncs.append(registry.active_version)
+            await whole_sync()
+
+        publisher.sync_once = counted  # type: ignore[method-assign]
+        polling = asyncio.create_task(publisher.run())
+        await asyncio.sleep(0.4)  # ~20 polls, nothing changed
+        idle = len(syncs)
+        path = tmp_path / "adapters" / "agent" / "1"
+        path.mkdir(parents=True)
+        conn = sqlite3.connect(tmp_path / "tt.db")
+        conn.execute(
+            "INSERT INTO adapters (policy, version, path, state, metrics, created_at) "
+            "VALUES ('agent', 1, ?, 'trained', '{}', ?)", (str(path), time.time()),
+        )  # fmt: skip
+        conn.commit()
+        conn.close()
+        for _ in range(200):
+            if registry.active_version == 1:
+                break
+            await asyncio.sleep(0.02)
+        polling.cancel()
+        upstream.close()
+    await store.close()
+    assert idle == 1  # the first poll's
+    assert registry.active_version == 1 and fake.loras == {"agent@1": str(path)}

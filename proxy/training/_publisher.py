@@ -47,7 +47,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from proxy.errors import NotFound, ProxyError, UpstreamUnreachable
 from proxy.gateway._policies import PolicyRegistry
@@ -63,6 +63,8 @@ _RELOAD_CHECK_S = 5.0
 # A publish takes milliseconds to seconds per vLLM; a replica that held a claim this long is gone.
 PUBLISH_LEASE_S = 120.0
 _RECLAIM_CHECK_S = 5.0
+# Between these, a poll syncs only when the store's publishing state changed (Store.publishing_state).
+_FULL_SYNC_S = 1.0
 # How adapters reach vLLM: the trainer's directory by path, or fetched by vLLM's tracetrain resolver.
 AdapterDelivery = Literal["auto", "path", "resolver"]
 
@@ -118,10 +120,22 @@ class Publisher:
         self._withdrawn: dict[int, float] = {}  # rolled-back versions still loaded -> when they were withdrawn
 
     async def run(self) -> None:
-        """Poll the store until cancelled; an error is logged and the next poll tries again."""
+        """Poll the store until cancelled; an error is logged and the next poll tries again.
+
+        Every ``poll_s`` a brief read (``Store.publishing_state``) says whether an adapter or
+        the policy changed; the whole sync (several reads and writes) runs when one did, so a
+        trained adapter is published within a poll, and at least every second for the rest
+        (grace periods, reclaims, reloads). The whole sync every 100 ms cost an idle proxy
+        ~6% of a core and a busy one ~5% of its time (docs/BENCHMARKS.md, issue 14).
+        """
+        seen: tuple[Any, ...] | None = None
+        synced_at = 0.0
         while True:
             try:
-                await self.sync_once()
+                state = await self._store.publishing_state(self._registry.policy)
+                if state != seen or time.monotonic() - synced_at >= _FULL_SYNC_S:
+                    await self.sync_once()
+                    seen, synced_at = state, time.monotonic()
             except Exception:
                 log.exception("publishing adapters failed; retrying")
             await asyncio.sleep(self._poll_s)
