@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 from pathlib import Path
 
@@ -200,10 +201,11 @@ async def test_a_call_the_store_cannot_key_is_not_answered_and_says_why(fake: Fa
     conn.close()
 
 
-def test_a_lone_calls_new_trajectory_is_seated_in_its_record_and_a_streams_before_it(
+def test_a_lone_calls_new_trajectory_is_seated_in_its_record_and_a_streams_before_its_first_byte(
     proxy: RunningProxy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One commit for a non-streamed call's seat and record; a stream tells its group first, so it seats first."""
+    """One commit for a non-streamed call's seat and record; a stream tells its group in its first bytes,
+    so it is seated on its own, while vLLM starts on the call."""
     import store._writer as writer
 
     seat_commits: list[str] = []
@@ -226,3 +228,57 @@ def test_a_lone_calls_new_trajectory_is_seated_in_its_record_and_a_streams_befor
     expected = {plain.headers["x-trajectory-id"]: group, streamed["trajectory"]: group}
     assert {r["id"]: r["group_id"] for r in rows} == expected
     assert [r["group_id"] for r in proxy.rows("SELECT group_id FROM calls")] == [group, group]
+
+
+async def test_a_lone_stream_is_sent_upstream_before_its_seat_and_closed_if_the_seat_fails(
+    fake: FakeVLLM, tmp_path: Path
+) -> None:
+    """The seat's commit overlaps vLLM's start; a seat that fails answers 503 and hangs up on vLLM."""
+    from proxy.errors import StoreUnavailable as ProxyStoreUnavailable
+    from proxy.gateway._forward import Forwarder
+    from proxy.gateway._keying import Key, Keyer
+    from proxy.gateway._policies import PolicyRegistry
+    from proxy.gateway._upstream import Upstream
+    from proxy.observability._metrics import Metrics
+    from store import Store, StoreUnavailable
+
+    store = await Store.open(f"sqlite+aiosqlite:///{tmp_path / 'tt.db'}")
+    requests_sent_at_seat: list[int] = []
+
+    class WatchedKeyer(Keyer):
+        fail = False
+
+        async def seat(self, policy: str, key: Key, *, alone: bool) -> Key:
+            requests_sent_at_seat.append(sum(c._busy for c in upstream._generation._open))
+            if self.fail:
+                raise StoreUnavailable("could not write to the store: disk I/O error")
+            return await super().seat(policy, key, alone=alone)
+
+    fake.token_delay_s = 0.05
+    fake.script(Reply(content="warm"), Reply(content="seated"), Reply(content=" ".join(f"w{i}" for i in range(40))))
+    async with httpx.AsyncClient() as control:
+        upstream = Upstream(f"{fake.url}/v1", [control], timeout_s=30.0)  # type: ignore[attr-defined]
+        keyer = WatchedKeyer(store, group_size=8, thread_ttl_s=60)
+        forwarder = Forwarder(upstream, store, keyer, PolicyRegistry("agent"), Metrics())
+        body = orjson.dumps({"model": "agent", "messages": TASK, "stream": True})
+        for name in ("warm", "seated"):  # the first opens the kept connection the second's request leaves on
+            response = await forwarder.handle("chat.completions", body, KeyHints(header_trajectory=name))
+            assert response.headers["x-group-id"].startswith("grp-")
+            async for _ in response.body_iterator:  # type: ignore[attr-defined]
+                pass
+            response._relay.close()  # type: ignore[attr-defined]
+        keyer.fail = True
+        with pytest.raises(ProxyStoreUnavailable):
+            await forwarder.handle("chat.completions", body, KeyHints(header_trajectory="unseated"))
+        for _ in range(100):
+            if fake.disconnected_streams:
+                break
+            await asyncio.sleep(0.05)
+        in_flight = [server.in_flight for server in forwarder._router.servers]
+        upstream.close()
+    await store.close()
+    assert requests_sent_at_seat[1:] == [1, 1]  # the request was upstream when the seat began
+    assert fake.disconnected_streams == 1 and in_flight == [0]
+    conn = sqlite3.connect(tmp_path / "tt.db")
+    assert conn.execute("SELECT trajectory_id FROM calls ORDER BY pk").fetchall() == [("warm",), ("seated",)]
+    conn.close()

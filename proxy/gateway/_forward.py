@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,23 +165,28 @@ class Forwarder:
             route = await self._route(str(body["model"]))
             messages = body.get("messages") if endpoint == "chat.completions" else None
             conversation = Conversation(route.policy, messages, body.get("prompt"))
-            stream = bool(body.get("stream"))
-            # A stream tells its group in its first bytes, so its new trajectory is seated first.
-            key = await self._resolve(route.policy, hints, conversation, defer_seat=not stream)
+            key = await self._resolve(route.policy, hints, conversation)
             upstream_body, asked = prepare_upstream_body(body, endpoint, route.served_model)
             call = _Call(endpoint, body, route, key, conversation, asked, started_at, t0)
             payload = orjson.dumps(upstream_body)
-            if stream:
+            if body.get("stream"):
                 return await self._stream(call, payload)
             return await self._complete(call, payload)
         finally:
             self._in_flight -= 1
             self._gate.leave()  # the upstream answered (a stream: its headers): a hand-over may pause it now
 
-    async def _resolve(self, policy: str, hints: KeyHints, conversation: Conversation, *, defer_seat: bool) -> Key:
+    async def _resolve(self, policy: str, hints: KeyHints, conversation: Conversation) -> Key:
+        """The call's key; a lone call's new trajectory is seated later (``Keyer.resolve``'s ``defer_seat``)."""
         try:
-            return await self._keyer.resolve(policy, hints, conversation, alone=self._alone, defer_seat=defer_seat)
+            return await self._keyer.resolve(policy, hints, conversation, alone=self._alone, defer_seat=True)
         except StoreError as exc:  # the call cannot be keyed, so it is not answered: a 503 in OpenAI's shape
+            raise from_store_error(exc) from exc
+
+    async def _seat(self, call: _Call) -> None:
+        try:
+            call.key = await self._keyer.seat(call.route.policy, call.key, alone=self._alone)
+        except StoreError as exc:
             raise from_store_error(exc) from exc
 
     async def _route(self, model: str) -> Route:
@@ -215,8 +220,21 @@ class Forwarder:
             call.key = self._keyer.seated(call.key, write.group_id)
 
     async def _stream(self, call: _Call, payload: bytes) -> Response:
+        opening: Awaitable[tuple[UpstreamStream, Callable[[], None]]]
+        opening = self._router.open_stream(call.key.trajectory_id, _PATHS[call.endpoint], payload)
+        if call.key.seat_in:
+            # A new trajectory's group goes out in the stream's first bytes: it is seated while vLLM
+            # starts on the call. One turn of the loop lets the request leave first.
+            sending = asyncio.ensure_future(opening)
+            await asyncio.sleep(0)
+            try:
+                await self._seat(call)
+            except BaseException:
+                sending.add_done_callback(_close_unused)
+                raise
+            opening = sending
         try:
-            upstream, done = await self._router.open_stream(call.key.trajectory_id, _PATHS[call.endpoint], payload)
+            upstream, done = await opening
         except ProxyError as exc:
             await self.record(_call_write(call, None, None, exc.status_code, exc.message, None))
             return error_response(exc, call.headers())
@@ -282,6 +300,14 @@ def _call_write(
         call.route.version,
         call.key.seat_in,
     )
+
+
+def _close_unused(opening: asyncio.Future[tuple[UpstreamStream, Callable[[], None]]]) -> None:
+    """A stream opened for a call that failed meanwhile: closed, so vLLM stops generating."""
+    if not opening.cancelled() and opening.exception() is None:
+        upstream, done = opening.result()
+        upstream.close()
+        done()
 
 
 class _Relay:

@@ -119,12 +119,12 @@ class Http1Pool:
         while self._idle:
             connection = self._idle.pop()
             try:
-                return await connection.send(request)
+                return await _sent(connection, request)
             except _Stale:
                 continue  # closed by the server while idle: the request never reached it
         connection = await self._connect()
         try:
-            return await connection.send(request)
+            return await _sent(connection, request)
         except _Stale as exc:
             raise TransportError(str(exc)) from exc
 
@@ -155,6 +155,15 @@ class Http1Pool:
         for connection in list(self._open):
             connection.abort()
         self._idle.clear()
+
+
+async def _sent(connection: _Connection, request: bytes) -> Exchange:
+    """``request`` sent on ``connection``; closed if the answer's head never comes (an error, a cancel)."""
+    try:
+        return await connection.send(request)
+    except BaseException:
+        connection.abort()
+        raise
 
 
 class _Connection(asyncio.Protocol):

@@ -105,10 +105,11 @@ class Keyer:
     ) -> Key:
         """``alone``: the only call in flight: a seat is written on this thread (``Store.join_task_group``).
 
-        ``defer_seat`` (with ``alone``): a new trajectory's seat is left to the call's record, one
-        commit instead of two, for a call whose group is told to the client only once it is recorded
-        (non-streamed). Another call of the same trajectory keyed meanwhile seats it; the record
-        then finds that seat. The group is known after the record: ``seated``.
+        ``defer_seat`` (with ``alone``): a new trajectory's seat is left to the caller. A non-streamed
+        call's record takes it (one commit instead of two: its group is told to the client only once
+        it is recorded; the group is then known, ``seated``); a stream takes it (``seat``) while vLLM
+        starts on the call. Another call of the same trajectory keyed meanwhile seats it, and the
+        later seat finds that one.
         """
         trajectory_id = hints.header_trajectory or hints.path_trajectory
         group_hint = hints.header_group or hints.path_group
@@ -138,6 +139,13 @@ class Keyer:
             policy, task_key, trajectory_id, keyed_by=keyed_by, group_size=self._group_size, alone=alone
         )
         return self._remember(Key(trajectory_id, group_id, keyed_by, task_key))
+
+    async def seat(self, policy: str, key: Key, *, alone: bool) -> Key:
+        """Seat now a trajectory whose seat ``resolve`` deferred."""
+        group_id = await self._store.join_task_group(
+            policy, str(key.task_key), key.trajectory_id, keyed_by=key.keyed_by, group_size=key.seat_in, alone=alone
+        )
+        return self.seated(key, group_id)
 
     def seated(self, key: Key, group_id: str) -> Key:
         """``key`` once its record seated it (``resolve``'s ``defer_seat``) in ``group_id``."""

@@ -180,6 +180,9 @@ class Router:
                 server.in_flight -= 1
                 self._failed(server, exc, tried)
                 continue
+            except BaseException:  # cancelled
+                server.in_flight -= 1
+                raise
             return response, _Done(server)
 
     def _failed(self, server: Server, exc: ProxyError, tried: list[Server]) -> None:
