@@ -262,10 +262,11 @@ async def test_a_stream_cancelled_before_its_first_event_is_recorded_and_closed(
     """The ASGI server may cancel a response before its body generator ever starts."""
     from starlette.requests import ClientDisconnect
 
+    from proxy.gateway._call import Call
     from proxy.gateway._capture import Asked
-    from proxy.gateway._forward import _Call, _Relay, _RelayResponse
     from proxy.gateway._keying import Conversation, Key
     from proxy.gateway._policies import PolicyRegistry, Route
+    from proxy.gateway._relay import Relay, RelayResponse
 
     closed: list[bool] = []
     written: list = []
@@ -281,7 +282,7 @@ async def test_a_stream_cancelled_before_its_first_event_is_recorded_and_closed(
             written.append(write)
 
     body = {"model": "agent", "messages": QUESTION, "stream": True}
-    call = _Call(
+    call = Call(
         "chat.completions",
         body,
         Route("agent", 0, "base"),
@@ -293,7 +294,7 @@ async def test_a_stream_cancelled_before_its_first_event_is_recorded_and_closed(
     )
     registry = PolicyRegistry("agent", "base")
     forwarder = Forwarder()
-    response = _RelayResponse(_Relay(forwarder, registry, call, Upstream()), headers={})  # type: ignore[arg-type]
+    response = RelayResponse(Relay(forwarder, registry, call, Upstream()), headers={})  # type: ignore[arg-type]
     assert registry.in_flight[0] == 1 and forwarder._in_flight == 1
 
     async def receive() -> dict:

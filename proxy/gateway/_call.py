@@ -1,0 +1,95 @@
+"""One call in flight, and the record it becomes (``call_write``): what the forwarder and a stream's relay share."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.gateway._capture import Asked, Capture, Endpoint
+from proxy.gateway._keying import Conversation, Key
+from proxy.gateway._policies import Route
+from store import CallWrite
+
+
+@dataclass(slots=True)
+class Call:
+    """One call in flight: what it asked, where it goes, whose it is."""
+
+    endpoint: Endpoint
+    body: dict[str, Any]
+    route: Route
+    key: Key
+    conversation: Conversation
+    asked: Asked
+    started_at: float
+    t0: float
+
+    def headers(self) -> dict[str, str]:
+        return {
+            "X-Trajectory-Id": self.key.trajectory_id,
+            "X-Group-Id": self.key.group_id,
+            "X-Policy-Version": str(self.route.version),
+        }
+
+
+def call_write(
+    call: Call,
+    capture: Capture | None,
+    response: dict[str, Any] | None,
+    status: int,
+    error: str | None,
+    ttft_ms: float | None,
+) -> CallWrite:
+    """The store's record of ``call``: what vLLM answered (``capture``), how it ended, its trajectory's row."""
+    first = capture.first if capture else None
+    usage = (capture.usage if capture else None) or {}
+    tail = None
+    if call.key.keyed_by in ("thread", "new") and first is not None and status == 200:
+        tail = call.conversation.tail_after(first.message())
+    others = (
+        [
+            {"token_ids": c.token_ids, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
+            for i, c in sorted(capture.choices.items())[1:]
+        ]
+        if capture
+        else []
+    )
+    row = {
+        "id": f"call-{uuid.uuid4().hex}",
+        "trajectory_id": call.key.trajectory_id,
+        "group_id": call.key.group_id,
+        "policy": call.route.policy,
+        "endpoint": call.endpoint,
+        "model": str(call.body.get("model")),
+        "served_model": call.route.served_model,
+        "version": call.route.version,
+        "stream": bool(call.body.get("stream")),
+        "request": call.body,
+        "response": response,
+        "prompt_token_ids": capture.prompt_ids() if capture else [],
+        "completion_token_ids": first.token_ids if first else [],
+        "logprobs": first.logprobs if first else [],
+        "other_choices": others,
+        "finish_reason": first.finish_reason if first else None,
+        "prompt_tokens": int(usage.get("prompt_tokens") or 0),
+        "completion_tokens": int(usage.get("completion_tokens") or 0),
+        "status_code": status,
+        "error": error,
+        "latency_ms": (time.perf_counter() - call.t0) * 1000,
+        "ttft_ms": ttft_ms,
+        "started_at": call.started_at,
+    }
+    return CallWrite(
+        row,
+        call.key.trajectory_id,
+        call.key.group_id,
+        call.route.policy,
+        call.key.keyed_by,
+        call.key.task_key,
+        tail,
+        call.started_at,
+        call.route.version,
+        call.key.seat_in,
+    )
