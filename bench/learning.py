@@ -32,6 +32,8 @@ from pathlib import Path
 # bench/ is not a package: this script's folder is first on sys.path, so its helpers import as top-level names.
 from _learn.evaluate import REPO, Judge
 
+from tracetrain_demo.report import save_success_plot, success_axes
+
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -118,26 +120,15 @@ def _table(rows: list[dict[str, float | int | None]]) -> None:
 
 
 def _plot(rows: list[dict[str, float | int | None]], path: Path, attempts: int) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    fig, ax = success_axes()
     minutes = [r["minute"] for r in rows]
     for side, label in (("tracetrain", "tracetrain (vLLM samples while the trainer trains)"),
                         ("trl", "TRL GRPOTrainer (generate, then train)")):  # fmt: skip
         ax.plot(minutes, [r[side] for r in rows], marker="o", label=label)
     ax.set_xlabel("minutes of training (same machine, 2 CPU cores)")
     ax.set_ylabel(f"held-out success (100 requests x {attempts})")
-    ax.set_ylim(0, 1)
     ax.set_title("The demo's task on SmolLM2-135M + LoRA: held-out success")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_success_plot(fig, ax, path)
 
 
 def _pull(data_dir: Path) -> Path:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil  # type: ignore[import-untyped]  # no stubs in the demo extra
 
@@ -114,13 +115,31 @@ def summary(report: Report, run_dir: Path) -> None:
     print(f"captured trajectories stay in {run_dir}: tracetrain serve --data-dir {run_dir} to browse them")
 
 
-def _plot(report: Report, path: Path) -> Path:
+def success_axes() -> tuple[Any, Any]:
+    """A figure for success rates (0 to 1), drawn without a display: the demo's plot and bench/learning.py's."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    return plt.subplots(figsize=(7, 4), dpi=120)
+
+
+def save_success_plot(fig: Any, ax: Any, path: Path) -> Path:
+    """Finish a ``success_axes`` figure (the 0-1 scale, a light grid, the legend) and write it to ``path``."""
+    import matplotlib.pyplot as plt
+
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _plot(report: Report, path: Path) -> Path:
+    fig, ax = success_axes()
     versions = [s.version for s in report.steps]
     ax.plot(versions, [s.reward_mean for s in report.steps], marker="o", label="mean reward of the step's batch")
     served = sorted(report.served_success.items())
@@ -131,12 +150,6 @@ def _plot(report: Report, path: Path) -> Path:
         ax.plot([h.version for h in held], [h.success for h in held], color="black", marker="s", zorder=3,
                 label="held-out success (requests never trained on)")  # fmt: skip
     ax.set_xlabel("adapter version (training step)")
-    ax.set_ylim(0, 1)
     gain = f"held-out {held[0].success:.0%} -> {held[-1].success:.0%}" if held else "held-out not measured"
     ax.set_title(f"tracetrain demo: {gain} in {report.seconds / 60:.1f} min")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_success_plot(fig, ax, path)
