@@ -113,7 +113,8 @@ class Store:
 
     @property
     def seats_with_records(self) -> bool:
-        """A new trajectory's seat may be taken in its first call's record (``CallWrite.seat_in``): SQLite."""
+        """The capture writer seats new trajectories (SQLite): on its own, or in their first call's record
+        (``CallWrite.seat_in``)."""
         return self._writer is not None and self._sync is not None
 
     async def record_call(self, write: CallWrite, *, alone: bool = False) -> None:
@@ -194,7 +195,7 @@ class Store:
         (see ``store._derived``). On SQLite with capture the writer's thread seats it (``alone``: as
         ``record_call``).
         """
-        if self._writer is not None and self._sync is not None:
+        if self._writer is not None and self.seats_with_records:
             seat = Seat(policy, task_key, trajectory_id, keyed_by, group_size, time.time())
             return await self._writer.seat(seat, alone=alone)
         return await join_task_group(

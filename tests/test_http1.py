@@ -48,7 +48,9 @@ def test_answers_from_vllm_are_read_whole_and_the_connection_kept(run: Run, fake
             assert status == 200 and orjson.loads(content)["choices"][0]["message"]["content"] == "one two three"
             stream = orjson.loads(BODY) | {"stream": True}
             response = await pool.post("/chat/completions", orjson.dumps(stream))  # chunked
-            chunks = [chunk async for chunk in response.iter_body()]
+            chunks = []
+            while chunk := await response.next_chunk():
+                chunks.append(chunk)
             response.release()
             events = b"".join(chunks).split(b"\n\n")
             assert response.status == 200 and events[-2] == b"data: [DONE]" and b"four" in b"".join(chunks)
@@ -70,9 +72,11 @@ def test_a_stream_released_early_closes_its_connection_so_vllm_stops(run: Run, f
     async def main() -> None:
         pool = Http1Pool(f"{fake.url}/v1", timeout_s=10)  # type: ignore[attr-defined]
         response = await pool.post("/chat/completions", orjson.dumps(orjson.loads(BODY) | {"stream": True}))
-        async for chunk in response.iter_body():
-            if b"w2" in chunk:
-                break
+        received = b""
+        while b"w2" not in received:
+            chunk = await response.next_chunk()
+            assert chunk, "the stream ended before w2"
+            received += chunk
         response.release()
         assert not pool._open and not pool._idle
         for _ in range(100):

@@ -25,7 +25,6 @@ import asyncio
 import base64
 import ssl
 from collections import deque
-from collections.abc import AsyncIterator
 from typing import cast
 from urllib.parse import unquote, urlsplit
 
@@ -48,7 +47,7 @@ class _Stale(TransportError):
 
 
 class Exchange:
-    """One response: ``status`` is known; read its body with ``read`` or ``iter_body``, then ``release``."""
+    """One response: ``status`` is known; read its body with ``read`` or ``next_chunk``, then ``release``."""
 
     __slots__ = ("_connection", "status")
 
@@ -62,11 +61,6 @@ class Exchange:
         while chunk := await self.next_chunk():
             chunks.append(chunk)
         return b"".join(chunks)
-
-    async def iter_body(self) -> AsyncIterator[bytes]:
-        """The body's bytes as they arrive."""
-        while chunk := await self.next_chunk():
-            yield chunk
 
     async def next_chunk(self) -> bytes:
         """The body's bytes that arrived since the last call, waiting for some; b"" once the body ended."""

@@ -63,8 +63,7 @@ _RELOAD_CHECK_S = 5.0
 # A publish takes milliseconds to seconds per vLLM; a replica that held a claim this long is gone.
 PUBLISH_LEASE_S = 120.0
 _RECLAIM_CHECK_S = 5.0
-# Between these, a poll syncs only when the store's publishing state changed (Store.publishing_state).
-_FULL_SYNC_S = 1.0
+_FULL_SYNC_S = 1.0  # between these, a poll syncs only when the store's publishing state changed
 # How adapters reach vLLM: the trainer's directory by path, or fetched by vLLM's tracetrain resolver.
 AdapterDelivery = Literal["auto", "path", "resolver"]
 
@@ -120,14 +119,9 @@ class Publisher:
         self._withdrawn: dict[int, float] = {}  # rolled-back versions still loaded -> when they were withdrawn
 
     async def run(self) -> None:
-        """Poll the store until cancelled; an error is logged and the next poll tries again.
-
-        Every ``poll_s`` a brief read (``Store.publishing_state``) says whether an adapter or
-        the policy changed; the whole sync (several reads and writes) runs when one did, so a
-        trained adapter is published within a poll, and at least every second for the rest
-        (grace periods, reclaims, reloads). The whole sync every 100 ms cost an idle proxy
-        ~6% of a core and a busy one ~5% of its time (docs/BENCHMARKS.md, issue 14).
-        """
+        """Poll the store until cancelled (an error is logged; the next poll tries again): a brief read
+        (``Store.publishing_state``) each ``poll_s``, the whole sync when it changed and each second
+        (an idle proxy syncing wholly every 100 ms spent ~6% of a core: docs/BENCHMARKS.md)."""
         seen: tuple[Any, ...] | None = None
         synced_at = 0.0
         while True:
