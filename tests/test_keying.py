@@ -266,6 +266,7 @@ async def test_a_lone_stream_is_sent_upstream_before_its_seat_and_closed_if_the_
             assert response.headers["x-group-id"].startswith("grp-")
             async for _ in response.body_iterator:  # type: ignore[attr-defined]
                 pass
+            await response._relay.finish()  # type: ignore[attr-defined]  # as RelayResponse does: the connection is kept
             response._relay.close()  # type: ignore[attr-defined]
         keyer.fail = True
         with pytest.raises(ProxyStoreUnavailable):
