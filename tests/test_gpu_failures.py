@@ -191,3 +191,44 @@ def test_a_learner_rebuilt_at_another_version_frees_the_one_it_held_first(
     rebuilt = held.at(1)  # a rollback, or a publish that failed: the weights to train on changed
     assert held_at_build == [0, 0]  # the old learner was gone before the new one loaded its base
     assert held.version == 1 and held.at(1) is rebuilt and held_at_build == [0, 0]
+
+
+async def test_a_vllm_that_keeps_refusing_to_sleep_stops_training_says_why_and_serves_on(
+    start_proxy: Callable[..., RunningProxy],
+    fake: FakeVLLM,
+    store: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import httpx
+
+    monkeypatch.setattr("proxy.training._handover._RETRY_MIN_S", 0.05)
+    proxy = start_proxy(share_gpu=True)
+    trainer = await store(proxy)
+    job_id = await claimed_job(trainer)
+    fake.handover.failing = {"sleep"}  # a vLLM started without --enable-sleep-mode, say
+    await trainer.jobs.request_gpu(job_id, WORKER)
+
+    await until_gpu(trainer, job_id, GpuHandover.REVOKED)
+    await asyncio.sleep(0.5)  # long enough for several more tries, were it still trying
+    async with httpx.AsyncClient(base_url=proxy.url) as http:
+        ready = (await http.get("/readyz")).json()
+        overview = (await http.get("/admin/training")).json()
+        answered = await http.post("/v1/chat/completions", json={"model": "agent", "messages": [
+            {"role": "user", "content": "still there?"}]})  # fmt: skip
+
+    assert fake.handover.calls.count("pause mode=wait") == 5  # capped: no gate closed for nothing after that
+    assert "sleep failed (injected)" in ready["training"] and ready["status"] == "ready"
+    assert overview["training"] == "paused" and "5 times in a row" in overview["training_reason"]
+    assert answered.status_code == 200
+    assert any("vLLM serves on without training" in r.getMessage() for r in caplog.records)
+
+    fake.handover.failing = set()
+    async with httpx.AsyncClient(base_url=proxy.url) as http:
+        assert (await http.post("/admin/training/resume")).status_code == 200
+        await eventually(lambda: _not_stopped(http))
+    assert fake.handover.calls.count("pause mode=wait") == 5  # resumed, it tries again when a step asks
+
+
+async def _not_stopped(http: Any) -> bool:
+    return "training" not in (await http.get("/readyz")).json()

@@ -18,9 +18,21 @@ import traceback
 
 
 def release_step_memory(error: BaseException | None = None) -> None:
-    """Free what the step (and ``error``, if it failed) still holds, then return CUDA's cached blocks."""
+    """Free what the step (and ``error``, if it failed) still holds, then return CUDA's cached blocks.
+
+    Off CUDA the frames are cleared and nothing more: the collector's full pass (a fraction of a
+    second in a process that loaded torch and transformers, holding the interpreter) buys nothing
+    where no other process waits for the memory.
+    """
     if error is not None:
         drop_frames(error)
+    if _cuda_in_use():
+        gc.collect()
+        empty_cuda_cache()
+
+
+def release_learner_memory() -> None:
+    """Free a learner just dropped (its model and AdamW state form reference cycles) before another is built."""
     gc.collect()
     empty_cuda_cache()
 
@@ -47,6 +59,12 @@ def empty_cuda_cache() -> None:
     """Wait for the GPU's queued work, then give every unused cached block back to the driver (no-op off CUDA)."""
     import torch  # here, not at the top: the store-only parts of the trainer's tests import this module
 
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+    if _cuda_in_use():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+
+
+def _cuda_in_use() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and bool(torch.cuda.is_initialized())  # type: ignore[no-untyped-call]

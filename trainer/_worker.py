@@ -42,7 +42,7 @@ from trainer._config import TrainConfig
 from trainer._distributed import Idle, Load, Ranks, Step, StepFailed, Stop, Word
 from trainer._handover import Grant, gpu_handed_over, stop_when_revoked
 from trainer._learner import Learner, TrainItem
-from trainer._memory import release_step_memory
+from trainer._memory import release_learner_memory, release_step_memory
 from trainer._sampling import SamplingDefaults
 
 log = logging.getLogger("tracetrain.trainer")
@@ -246,7 +246,7 @@ class HeldLearner:
             raise FileNotFoundError(f"the adapter to train from is missing: {adapter}")
         if self.learner is not None:
             self.learner, self.version = None, -1
-            release_step_memory()
+            release_learner_memory()
         self.learner = Learner(settings.base_model, settings.config, adapter=adapter, device=settings.device,
                                attn_implementation=settings.attn_implementation, shard=settings.shard)  # fmt: skip
         self.version = version
