@@ -82,6 +82,50 @@ async def test_a_step_that_runs_out_of_memory_frees_it_before_vllm_wakes_and_vll
     assert proxy.client().chat.completions.create(model="agent", messages=[{"role": "user", "content": "hi"}])
 
 
+async def test_a_real_step_out_of_memory_inside_hooked_layers_is_freed_before_vllm_wakes(
+    start_proxy: Callable[..., RunningProxy],
+    fake: FakeVLLM,
+    store: Any,  # noqa: F811
+    tiny_model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    step_memory: list[weakref.ref[torch.Tensor]],
+) -> None:
+    """As the worker runs it: in a thread, under stop_when_revoked's layer hooks (FSDP's hooks do the same).
+
+    A hooked module runs its forward in a closure whose cells hold the layer's input, and through its
+    autograd graph every activation before it: seen on an H200, where 130 GiB stayed allocated.
+    """
+    import distributed_learner
+
+    from trainer._handover import stop_when_revoked
+
+    learner = Learner(tiny_model_dir, TINY)
+    layers = learner.model.get_base_model().get_decoder().layers
+    layers[0].register_forward_hook(
+        lambda _m, _a, out: step_memory.append(weakref.ref(out[0] if isinstance(out, tuple) else out))
+    )
+
+    def out_of_memory(*_: Any) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.96 GiB")
+
+    layers[1].register_forward_pre_hook(out_of_memory)
+    proxy = start_proxy(share_gpu=True)
+    trainer = await store(proxy)
+    job_id = await claimed_job(trainer)
+    alive = lambda: any(ref() is not None for ref in step_memory)  # noqa: E731
+    cache = CudaCache(monkeypatch, alive)
+    fake.handover.memory_free = lambda: not alive()
+
+    with pytest.raises(torch.OutOfMemoryError):
+        async with gpu_handed_over(trainer, job_id, WORKER, poll_s=0.02) as grant:
+            with stop_when_revoked(learner, grant):
+                await asyncio.to_thread(learner.step, distributed_learner.batch())
+    await eventually(lambda: serving_again(fake))
+
+    assert step_memory and not alive() and cache.emptied_while_alive == [False]
+    assert since_pause(fake) == ["pause mode=wait", "sleep level=1 mode=wait", "wake_up", "is_sleeping", "resume"]
+
+
 async def test_a_step_still_computing_when_the_grant_is_revoked_stops_at_its_next_layer(
     start_proxy: Callable[..., RunningProxy],
     fake: FakeVLLM,

@@ -110,7 +110,9 @@ def oom(ctx: dict[str, Any], figures: dict[str, Any]) -> str:
     assert abs(back) <= 0.05, f"{back} GiB still allocated after the failed step"
     assert figures["released_reserved_gib"] <= figures["before_reserved_gib"] + 0.5, "the cache was not emptied"
     assert smi <= 512, f"nvidia-smi shows {smi} MiB more than before the step"
-    return f"out of memory at {tokens} tokens; memory back within {smi} MiB (nvidia-smi); the next step ran"
+    return (f"out of memory at {tokens} tokens; allocated back to {figures['released_allocated_gib']} GiB, nvidia-smi "
+            f"{figures['released_nvidia_smi_used_mib']} MiB (before the step: {figures['before_nvidia_smi_used_mib']}, "
+            f"the cache full); the next step ran")  # fmt: skip
 
 
 def _activation_bytes_per_token(ctx: dict[str, Any]) -> int:
