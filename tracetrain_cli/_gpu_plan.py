@@ -12,6 +12,12 @@ The trainer's processes (``--trainer-procs N``) each hold the whole base (DDP) w
 their GPUs with a step; otherwise the base and the LoRA are sharded over them (FSDP,
 ``--trainer-shard``), and a base that fits neither way names the N that would do.
 
+vLLM also gets a ``--max-model-len`` when the model's context would not fit the KV cache its share
+leaves (it refuses to start otherwise), and the LoRA limits the trainer needs (``VllmLora``). With
+``--share-gpu --upstream`` the trainer is planned beside the user's vLLM and the plan says how to
+start that vLLM. The host RAM the plan needs (vLLM's pinned sleep backup, the trainer reading the
+base) is checked against the machine's.
+
 A default plan that the estimate says cannot work is refused with what to change; a plan forced
 with overrides is printed with warnings instead (the estimate may be wrong; the user has the last
 word). Overrides that contradict each other are always refused.
