@@ -216,7 +216,10 @@ def _add_health_routes(app: FastAPI) -> None:
         if not services.router.serving():
             return error_response(UpstreamNotReady(services.router.why_none()))
         services.registry.base_model = services.registry.base_model or model
-        return Response(orjson.dumps({"status": "ready", "base_model": model}), media_type="application/json")
+        ready: dict[str, Any] = {"status": "ready", "base_model": model}
+        if services.handover is not None and services.handover.gave_up is not None:
+            ready["training"] = f"stopped: {services.handover.gave_up}"  # serving is fine; training is not
+        return Response(orjson.dumps(ready), media_type="application/json")
 
 
 class _App(FastAPI):

@@ -11,6 +11,8 @@ reads and writes, each write one transaction:
   policy's training is ``paused`` with the reason, and queued jobs are cancelled (their
   groups open again, to train once training resumes). A job already running finishes; its
   adapter is discarded by ``discard_stale`` instead of published.
+- ``pause``: training stops for a reason other than a rollback (the shared GPU's hand-over gave
+  up: vLLM would not sleep); queued jobs are cancelled as in ``roll_back``.
 - ``resume``: an admin's ``paused`` → ``active``.
 """
 
@@ -21,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import exists, func, select, update
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from store._lifecycle import AdapterState, GroupState, JobState, TrainingState, move
 from store._tables import adapters as A
@@ -115,17 +117,18 @@ class Guards:
             await move(conn, P, P.c.name == policy, TrainingState.ACTIVE, TrainingState.PAUSED, column="training",
                        training_reason=reason, paused_at=now)  # fmt: skip
             await conn.execute(update(P).where(P.c.name == policy).values(rolled_back_at=now))
-            queued = (
-                await conn.execute(select(J.c.id, J.c.group_ids).where(J.c.policy == policy,
-                                                                        J.c.state == JobState.QUEUED.value))
-            ).all()  # fmt: skip
-            for job_id, group_ids in queued:
-                cancelled = await move(conn, J, J.c.id == job_id, JobState.QUEUED, JobState.FAILED, finished_at=now,
-                                       error="cancelled: the regression guard paused training")  # fmt: skip
-                if cancelled:
-                    await move(conn, G, G.c.id.in_(list(group_ids)), GroupState.TRAINING, GroupState.OPEN,
-                               job_id=None)  # fmt: skip
+            await _cancel_queued(conn, policy, now, "cancelled: the regression guard paused training")
         return True
+
+    async def pause(self, policy: str, reason: str) -> bool:
+        """Pause the policy's training with ``reason`` and cancel its queued jobs; False when it was not active."""
+        now = time.time()
+        async with self._engine.begin() as conn:
+            paused = await move(conn, P, P.c.name == policy, TrainingState.ACTIVE, TrainingState.PAUSED,
+                                column="training", training_reason=reason, paused_at=now)  # fmt: skip
+            if paused:
+                await _cancel_queued(conn, policy, now, f"cancelled: training paused ({reason})")
+        return bool(paused)
 
     async def resume(self, policy: str) -> bool:
         """An admin resumes training; False when it was not paused."""
@@ -172,3 +175,15 @@ class Guards:
                         await move(conn, J, J.c.id == job_id, JobState.SUCCEEDED, JobState.FAILED, error=why,
                                    finished_at=now)  # fmt: skip
         return discarded
+
+
+async def _cancel_queued(conn: AsyncConnection, policy: str, now: float, why: str) -> None:
+    """Fail the policy's queued jobs with ``why``; their groups open again, to train once training resumes."""
+    queued = (
+        await conn.execute(
+            select(J.c.id, J.c.group_ids).where(J.c.policy == policy, J.c.state == JobState.QUEUED.value)
+        )
+    ).all()
+    for job_id, group_ids in queued:
+        if await move(conn, J, J.c.id == job_id, JobState.QUEUED, JobState.FAILED, finished_at=now, error=why):
+            await move(conn, G, G.c.id.in_(list(group_ids)), GroupState.TRAINING, GroupState.OPEN, job_id=None)

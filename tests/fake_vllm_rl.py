@@ -72,6 +72,9 @@ class HandoverEndpoints:
         self.aborted = 0
         self.stay_asleep = False
         self.failing: set[str] = set()
+        # Whether the GPU has the memory waking needs (None: always). A trainer that still holds it makes
+        # /wake_up fail as vLLM's does when re-mapping its weights runs out of memory.
+        self.memory_free: Callable[[], bool] | None = None
         self.running = 0  # generations in progress (a stream counts until its last byte)
         self.routes = [
             Route("/pause", self._pause, methods=["POST"]),
@@ -179,6 +182,9 @@ class HandoverEndpoints:
         self.note("wake_up" + (f" tags={','.join(tags)}" if tags else ""))
         if failed := self._failing("wake_up"):
             return failed
+        if self.memory_free is not None and self.sleeping_tags and not self.memory_free():
+            return _error("fake vLLM: CUDA out of memory while waking up (another process holds the GPU)",
+                          "InternalServerError", 500)  # fmt: skip
         if not self.stay_asleep:
             self.sleeping_tags -= set(tags) if tags else self.sleeping_tags
         awake = not self.sleeping_tags

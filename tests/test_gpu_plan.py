@@ -321,7 +321,7 @@ def test_the_trainers_settings_come_from_its_flags_over_its_config_file(tmp_path
 
 
 def test_the_plans_defaults_are_the_trainers_and_vllms() -> None:
-    from tracetrain_cli._gpu_estimate import VLLM_ADAPTER_SLOTS
+    from tracetrain_cli._gpu_estimate import VllmLora
     from tracetrain_cli._vllm_process import VLLMLaunch
     from trainer._config import TrainConfig
 
@@ -329,7 +329,9 @@ def test_the_plans_defaults_are_the_trainers_and_vllms() -> None:
     assert (needs.lora_r, needs.target_modules, needs.micro_batch_tokens, needs.logprob_chunk_tokens) == (
         cfg.lora_r, cfg.target_modules, cfg.micro_batch_tokens, cfg.logprob_chunk_tokens,
     )  # fmt: skip
-    assert VLLMLaunch(model="m", port=1, data_dir=Path(".")).max_loras == VLLM_ADAPTER_SLOTS
+    launch = VLLMLaunch(model="m", port=1, data_dir=Path("."))
+    assert (launch.max_lora_rank, launch.max_loras) == (VllmLora().max_rank, VllmLora().max_loras)
+    assert VllmLora() == VllmLora.for_training(cfg.lora_r, keep_versions=3)  # the proxy's default --keep-versions
 
 
 def test_the_micro_batch_flag_the_plan_suggests_reaches_the_trainers_config(tmp_path: Path) -> None:

@@ -234,3 +234,43 @@ def test_serve_passes_trainer_procs_to_the_worker(tmp_path: Path) -> None:
     assert "--procs" not in trainer_argv(settings, tmp_path, "cpu", [])
     assert "--shard" in trainer_argv(settings, tmp_path, "cuda", [], procs=2, shard=True)
     assert "--shard" not in two and "--shard" not in trainer_argv(settings, tmp_path, "cuda", [], shard=True)
+
+
+def test_ranks_above_0_outlast_a_wait_for_the_shared_gpu_longer_than_the_collective_timeout(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """The step's word comes after the grant; a drain longer than the collective timeout must not kill rank 1."""
+    from store import GpuHandover, Store
+
+    url = f"sqlite+aiosqlite:///{tmp_path / 'store.db'}"
+    asyncio.run(seed_jobs(url))
+    config = tmp_path / "train.json"
+    config.write_text(CONFIG.model_dump_json())
+    command = [sys.executable, "-m", "trainer", "--procs", "2", "--database-url", url, "--data-dir", str(tmp_path),
+               "--base-model", str(tiny_model_dir), "--config", str(config), "--once", "--share-gpu",
+               "--collective-timeout", "2"]  # fmt: skip
+
+    async def grant_late(trainer: subprocess.Popen[str]) -> list[float]:
+        """What the proxy does, slowly: each request is granted 5 s after it is made (vLLM draining long calls)."""
+        store, waited = await Store.open(url, capture=False), []
+        try:
+            while trainer.poll() is None:
+                for job in await store.jobs.pending_gpu_requests("agent"):
+                    if job["gpu_state"] == GpuHandover.REQUESTED:
+                        asked = time.monotonic()
+                        await asyncio.sleep(5.0)
+                        assert await store.jobs.grant_gpu(job["id"])
+                        waited.append(time.monotonic() - asked)
+                await asyncio.sleep(0.1)
+        finally:
+            await store.close()
+        return waited
+
+    with subprocess.Popen(command, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True) as trainer:  # fmt: skip
+        waited = asyncio.run(asyncio.wait_for(grant_late(trainer), 240))
+        log = trainer.communicate(timeout=60)[0]
+    assert trainer.returncode == 0, log
+    assert len(waited) == 2 and min(waited) > 2  # both steps waited longer than the collective timeout
+    bad, good = asyncio.run(fetch(url, select(J).order_by(J.c.id)))
+    assert bad.state == "failed" and good.state == "succeeded" and good.version == 1, log

@@ -7,9 +7,15 @@ layer), h the hidden size, i the intermediate size, V the vocabulary, T micro_ba
 logprob_chunk_tokens:
 
     trainer resident   2 P  +  16 L           bf16 base; LoRA fp32 4, AdamW's two moments 8, gradients 4
-    trainer step       T x layers x (24 h + 8 i)  +  C x V x 16           activations + one log-prob chunk
-    vLLM, per GPU      (2 P + 4 x 2 L + KV(32768 tokens)) / TP  +  2 GiB runtime
+    trainer step       T x layers x ((24 h + 8 i) + peft's fp32 inputs)  +  C x V x 16
+                                              activations + one log-prob chunk
+    vLLM, per GPU      (2 P + slots + KV(32768 tokens)) / TP  +  2 GiB runtime
+                       slots: --max-loras x 2 bytes x --max-lora-rank x (in + out) of every linear layer
+    vLLM asleep        1.7 GiB per GPU        what level 1 keeps: CUDA context, graphs, NCCL buffers
     margin, per GPU    max(2 GiB, 5% of the GPU)                           never planned for either side
+    host RAM           2 P pinned (vLLM's level-1 backup of its weights, while it sleeps)
+                       + 2 P per trainer process (the base is read on the host before it moves to the GPU,
+                       at start and at each rebuild of the learner: after a rollback or a failed publish)
 
 Sharded over N trainer processes (FSDP, ``--trainer-shard``), each holds (2 P + 16 L) / N, and a step
 adds what FSDP gathers whole: the root (embeddings and lm_head: 2 V h, twice if untied), which stays
@@ -34,18 +40,26 @@ GiB = 1024**3
 # Korthikanti et al. 2022 count 34h for a GPT layer (4h GeLU MLP, dropout masks); SwiGLU keeps more.
 ACTIVATION_BYTES_PER_HIDDEN = 24
 ACTIVATION_BYTES_PER_INTERMEDIATE = 8
+# peft runs each LoRA layer in its adapter's dtype (fp32): it casts the layer's bf16 input to fp32
+# (``_cast_input_dtype``) and lora_A keeps that copy for the backward, 4 bytes per input feature of
+# every targeted linear, per token and layer: q, k, v and gate, up each copy the hidden state (4h
+# each), o_proj its attention output, down_proj the intermediate (4i). For Qwen2.5-1.5B with all
+# seven targets: +67% over the bf16 activations above. A float32 base has no such copies.
+PEFT_INPUT_BYTES = 4
 # One log-prob chunk's (C, V) logits live as bf16 (2), their fp32 copy (4), the fp32 log-softmax (4)
 # and, in the backward, its fp32 gradient (4); 16 rounds up (trainer/_logprobs.py).
 LOGIT_BYTES = 16
 # Per LoRA parameter: the fp32 weight, AdamW's exp_avg and exp_avg_sq, the fp32 gradient.
 LORA_STATE_BYTES = 16
-# vLLM preallocates this many adapter slots in bf16 (VLLMLaunch.max_loras).
-VLLM_ADAPTER_SLOTS = 4
+# The values vLLM 0.32 accepts for --max-lora-rank.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # What vLLM needs beyond weights and KV cache on each GPU: the profiled forward's activations,
 # CUDA graphs, sampler buffers. vLLM takes them out of its fraction before sizing the KV cache.
 VLLM_RUNTIME = 2 * GiB
-# What a sleeping vLLM keeps (level 1 frees only weights and KV cache): its CUDA context and graphs.
-VLLM_ASLEEP = 1 * GiB
+# What a sleeping vLLM keeps (level 1 frees only weights and KV cache): its CUDA context, CUDA
+# graphs, NCCL and sampler buffers. Users measure 1.1 to 1.7 GiB per GPU at TP 1 (vllm-project/vllm
+# issues 32714, NVIDIA-NeMo/RL 223; more at TP > 1); the plan takes the high end.
+VLLM_ASLEEP = 1740 * MiB
 # The smallest KV cache worth serving with: a GRPO group of 8 samples of 4096 tokens decoding together.
 MIN_KV_TOKENS = 32_768
 # vLLM's own default share of a GPU it has to itself.
@@ -55,6 +69,9 @@ MARGIN_MIN = 2 * GiB
 MARGIN_PERCENT = 5
 
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The input each targeted linear casts to fp32 under peft, in units of (hidden, attention output, intermediate).
+_PEFT_INPUT = {"q_proj": "h", "k_proj": "h", "v_proj": "h", "o_proj": "q", "gate_proj": "h", "up_proj": "h",
+               "down_proj": "i"}  # fmt: skip
 
 
 class PlanError(ValueError):
@@ -98,6 +115,7 @@ class ModelShape:
     head_dim: int
     linear_sizes: Mapping[str, int]  # module name (q_proj, ...) -> sum over the model of (in + out)
     source: str  # where params came from: "safetensors headers" or "config.json"
+    max_context: int | None = None  # config.json's max_position_embeddings: vLLM's default --max-model-len
 
     def lora_params(self, rank: int, targets: Sequence[str]) -> int:
         return rank * sum(self.linear_sizes.get(name, 0) for name in set(targets))
@@ -109,6 +127,26 @@ class ModelShape:
     def valid_tp(self, tp: int) -> bool:
         """vLLM splits attention heads evenly; KV heads are split, or replicated when fewer than TP."""
         return tp >= 1 and self.heads % tp == 0 and (self.kv_heads % tp == 0 or tp % self.kv_heads == 0)
+
+
+@dataclass(frozen=True)
+class VllmLora:
+    """vLLM's LoRA limits, which every adapter the trainer writes must fit.
+
+    ``max_rank`` (``--max-lora-rank``): the smallest rank vLLM accepts at or above the trainer's
+    (a larger adapter fails to load). ``max_loras`` (``--max-loras``): every version kept loaded
+    (``--keep-versions``) plus the one being loaded before the oldest is unloaded.
+    """
+
+    max_rank: int = 16
+    max_loras: int = 4
+
+    @classmethod
+    def for_training(cls, lora_r: int, keep_versions: int) -> VllmLora:
+        fitting = [rank for rank in VLLM_LORA_RANKS if rank >= lora_r]
+        if not fitting:
+            raise PlanError(f"LoRA rank {lora_r}: vLLM serves adapters up to rank {VLLM_LORA_RANKS[-1]}")
+        return cls(max_rank=fitting[0], max_loras=keep_versions + 1)
 
 
 @dataclass(frozen=True)
@@ -135,6 +173,9 @@ class Memory:
     logprobs: int
     gathered: int = 0  # sharded: the weights FSDP gathers whole during a step (0 unsharded)
     shard_over: int = 1  # the trainer processes the base and the LoRA are sharded over (1: each holds all)
+    peft_inputs: int = 0  # of ``activations``: peft's fp32 copies of the LoRA layers' inputs
+    host_vllm_backup: int = 0  # pinned host RAM vLLM's level-1 sleep copies its weights into (all its GPUs)
+    host_trainer_load: int = 0  # host RAM the trainer's processes read the base into, together, at a (re)build
 
     @property
     def trainer_resident(self) -> int:
@@ -147,11 +188,21 @@ class Memory:
     def vllm_need(self, tp: int) -> int:
         return -(-(self.vllm_weights + self.kv_min) // tp) + VLLM_RUNTIME
 
+    def host_peak(self, shared: bool) -> int:
+        """Host RAM at its peak: the trainer rebuilding its learner while vLLM sleeps (shared), or just the former."""
+        return self.host_trainer_load + (self.host_vllm_backup if shared else 0)
 
-def estimate_memory(model: ModelShape, trainer: TrainerNeeds | None, shard_over: int = 1) -> Memory:
+
+def estimate_memory(
+    model: ModelShape,
+    trainer: TrainerNeeds | None,
+    shard_over: int = 1,
+    vllm_lora: VllmLora = VllmLora(),
+) -> Memory:
     """Each side's memory; the trainer's per process, its weights and LoRA state split ``shard_over`` ways."""
     t = trainer or TrainerNeeds()
     lora = model.lora_params(t.lora_r, t.target_modules)
+    slots = vllm_lora.max_loras * 2 * model.lora_params(vllm_lora.max_rank, DEFAULT_TARGET_MODULES)
     scale = t.bytes_per_param // 2  # fp32 weights also mean fp32 activations
     gathered = 0
     if trainer and shard_over > 1:
@@ -160,15 +211,27 @@ def estimate_memory(model: ModelShape, trainer: TrainerNeeds | None, shard_over:
         gathered = (root + 2 * layer) * scale
     per_token = model.layers * (ACTIVATION_BYTES_PER_HIDDEN * model.hidden
                                 + ACTIVATION_BYTES_PER_INTERMEDIATE * model.intermediate)  # fmt: skip
+    peft = _peft_input_bytes(model, t.target_modules) * t.micro_batch_tokens if scale == 1 else 0
     return Memory(
-        vllm_weights=model.weight_bytes + VLLM_ADAPTER_SLOTS * 2 * lora,
+        vllm_weights=model.weight_bytes + slots,
         kv_min=MIN_KV_TOKENS * model.kv_bytes_per_token,
         trainer_weights=model.weight_bytes * scale // shard_over if trainer else 0,
         lora_state=LORA_STATE_BYTES * lora // shard_over if trainer else 0,
-        activations=t.micro_batch_tokens * per_token * scale if trainer else 0,
+        activations=t.micro_batch_tokens * per_token * scale + peft if trainer else 0,
         logprobs=min(t.logprob_chunk_tokens, t.micro_batch_tokens) * model.vocab * LOGIT_BYTES if trainer else 0,
         gathered=gathered,
         shard_over=shard_over,
+        peft_inputs=peft if trainer else 0,
+        host_vllm_backup=model.weight_bytes,
+        host_trainer_load=model.weight_bytes * scale * t.procs if trainer else 0,
+    )
+
+
+def _peft_input_bytes(model: ModelShape, targets: Sequence[str]) -> int:
+    """Per token: the fp32 copies peft makes of the targeted linears' inputs, over all layers."""
+    width = {"h": model.hidden, "q": model.heads * model.head_dim, "i": model.intermediate}
+    return model.layers * sum(
+        PEFT_INPUT_BYTES * width[_PEFT_INPUT[name]] for name in set(targets) if name in _PEFT_INPUT
     )
 
 

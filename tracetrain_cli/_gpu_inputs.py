@@ -105,13 +105,16 @@ def read_model_shape(model_dir: Path) -> ModelShape:
         "kv_heads": get("num_key_value_heads", default=heads),
         "head_dim": get("head_dim", default=hidden // heads),
     }
+    context = config.get("max_position_embeddings")
+    max_context = context if isinstance(context, int) and context > 0 else None
     files = sorted(model_dir.glob("*.safetensors"))
     if files:
         params, weight_bytes, sizes = _from_safetensors(files)
         return ModelShape(params=params, weight_bytes=weight_bytes, linear_sizes=sizes,
-                          source="safetensors headers", **shape)  # fmt: skip
+                          source="safetensors headers", max_context=max_context, **shape)  # fmt: skip
     params, sizes = _from_config(**shape, tied=bool(config.get("tie_word_embeddings", False)))
-    return ModelShape(params=params, weight_bytes=2 * params, linear_sizes=sizes, source="config.json", **shape)
+    return ModelShape(params=params, weight_bytes=2 * params, linear_sizes=sizes, source="config.json",
+                      max_context=max_context, **shape)  # fmt: skip
 
 
 def _from_safetensors(files: Sequence[Path]) -> tuple[int, int, dict[str, int]]:
@@ -165,22 +168,28 @@ def _from_config(
 def trainer_needs(trainer_args: Sequence[str], procs: int = 1) -> TrainerNeeds:
     """The settings that size the trainer, from the flags serve passes it (``--trainer-arg``).
 
-    ``--lora-r`` and ``--micro-batch-tokens`` override ``--config``'s JSON, as in ``python -m trainer``.
+    ``--lora-r`` and ``--micro-batch-tokens`` override ``--config``'s JSON, as in ``python -m trainer``;
+    an ``--init-adapter`` (a warm start) brings its own rank and targets, which then win, as in the learner.
     """
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
     parser.add_argument("--config", type=Path)
     parser.add_argument("--lora-r", type=int)
     parser.add_argument("--micro-batch-tokens", type=int)
+    parser.add_argument("--init-adapter", type=Path)
     try:
         args, _ = parser.parse_known_args(list(trainer_args))
         config: dict[str, Any] = json.loads(args.config.read_text()) if args.config else {}
+        adapter: dict[str, Any] = (
+            json.loads((args.init_adapter / "adapter_config.json").read_text()) if args.init_adapter else {}
+        )
     except (argparse.ArgumentError, OSError, ValueError) as exc:
         raise PlanError(f"cannot read the trainer's settings from --trainer-arg: {exc}") from None
     defaults = TrainerNeeds()
     try:
         return TrainerNeeds(
-            lora_r=int(args.lora_r or config.get("lora_r", defaults.lora_r)),
-            target_modules=tuple(config.get("target_modules", defaults.target_modules)),
+            lora_r=int(adapter.get("r") or args.lora_r or config.get("lora_r", defaults.lora_r)),
+            target_modules=tuple(adapter.get("target_modules") or config.get("target_modules",
+                                                                              defaults.target_modules)),
             micro_batch_tokens=int(args.micro_batch_tokens or config.get("micro_batch_tokens",
                                                                          defaults.micro_batch_tokens)),
             logprob_chunk_tokens=int(config.get("logprob_chunk_tokens", defaults.logprob_chunk_tokens)),
@@ -189,3 +198,15 @@ def trainer_needs(trainer_args: Sequence[str], procs: int = 1) -> TrainerNeeds:
         )  # fmt: skip
     except (TypeError, ValueError) as exc:
         raise PlanError(f"cannot read the trainer's settings from {args.config}: {exc}") from None
+
+
+def host_memory(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """This machine's RAM in bytes (MemTotal), or None where /proc/meminfo cannot be read (not Linux)."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name == "MemTotal":
+                return int(value.split()[0]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

@@ -12,6 +12,12 @@ The trainer's processes (``--trainer-procs N``) each hold the whole base (DDP) w
 their GPUs with a step; otherwise the base and the LoRA are sharded over them (FSDP,
 ``--trainer-shard``), and a base that fits neither way names the N that would do.
 
+vLLM also gets a ``--max-model-len`` when the model's context would not fit the KV cache its share
+leaves (it refuses to start otherwise), and the LoRA limits the trainer needs (``VllmLora``). With
+``--share-gpu --upstream`` the trainer is planned beside the user's vLLM and the plan says how to
+start that vLLM. The host RAM the plan needs (vLLM's pinned sleep backup, the trainer reading the
+base) is checked against the machine's.
+
 A default plan that the estimate says cannot work is refused with what to change; a plan forced
 with overrides is printed with warnings instead (the estimate may be wrong; the user has the last
 word). Overrides that contradict each other are always refused.
@@ -20,39 +26,31 @@ word). Overrides that contradict each other are always refused.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tracetrain_cli._gpu_estimate import (
     DEDICATED_PERCENT,
     MIN_KV_TOKENS,
-    VLLM_ASLEEP,
     VLLM_RUNTIME,
     Gpu,
     Memory,
     ModelShape,
     PlanError,
     TrainerNeeds,
+    VllmLora,
     estimate_memory,
     gib,
 )
+from tracetrain_cli._gpu_flags import Overrides, check_overrides
+from tracetrain_cli._gpu_problems import trainer_problems, trainer_room, vllm_problem, vllm_problems
 
+__all__ = ["CpuPlan", "GpuPlan", "Overrides", "PlanError", "plan_gpus"]
 
-@dataclass(frozen=True)
-class Overrides:
-    """serve's GPU flags; None (or 1 for data parallel) leaves the choice to the plan."""
-
-    vllm_gpus: tuple[int, ...] | None = None
-    trainer_gpus: tuple[int, ...] | None = None
-    memory_fraction: float | None = None
-    tensor_parallel: int | None = None
-    data_parallel: int = 1
-    share: bool | None = None
-    trainer_shard: bool | None = None
-
-    @property
-    def forced(self) -> bool:
-        return any(v is not None for v in (self.vllm_gpus, self.trainer_gpus, self.memory_fraction,
-                                            self.tensor_parallel, self.share, self.trainer_shard))  # fmt: skip
+# vLLM's KV cache as the plan sizes it may come out smaller (its runtime is profiled, not estimated):
+# a planned --max-model-len keeps this share of the estimated tokens, so that vLLM's own start-up check
+# (one request of --max-model-len tokens must fit the KV cache) passes.
+_KV_TOKENS_KEPT = 0.9
+_NO_OVERRIDES, _DEFAULT_LORA = Overrides(), VllmLora()
 
 
 @dataclass(frozen=True)
@@ -71,6 +69,9 @@ class GpuPlan:
     why: tuple[str, ...]
     warnings: tuple[str, ...] = ()
     trainer_shard: bool = False  # FSDP: the base and the LoRA sharded over the trainer's processes (--shard)
+    max_model_len: int | None = None  # vLLM's --max-model-len when the model's context would not fit its KV cache
+    vllm_lora: VllmLora = field(default_factory=VllmLora)  # vLLM's --max-lora-rank and --max-loras
+    host_ram: int | None = None  # this machine's RAM (MemTotal), when known
 
     def trainer_env(self) -> dict[str, str]:
         return _visible(self.trainer_gpus)
@@ -86,6 +87,7 @@ class CpuPlan:
     kv_cache_gib: int
     shared: bool = False  # --share-gpu on a CPU: the hand-over runs, and sleeping is a no-op there
     trainer_shard: bool = False  # --trainer-shard: FSDP over gloo (the tests' way; no memory to save here)
+    vllm_lora: VllmLora = field(default_factory=VllmLora)  # vLLM's --max-lora-rank and --max-loras
 
     def trainer_env(self) -> dict[str, str]:
         return {}
@@ -104,10 +106,14 @@ def plan_gpus(
     trainer: TrainerNeeds | None,
     *,
     vllm: bool = True,
-    overrides: Overrides = Overrides(),
+    overrides: Overrides = _NO_OVERRIDES,
+    vllm_lora: VllmLora = _DEFAULT_LORA,
+    host_ram: int | None = None,
 ) -> GpuPlan:
     """Place vLLM (unless ``vllm`` is False: ``--upstream``) and the trainer (unless None) on ``gpus``.
 
+    Shared with ``--upstream`` (``--share-gpu``): the trainer goes on the first GPU(s), and the memory
+    nvidia-smi counts as used there is taken to be the user's vLLM, which sleeps during each step.
     Raises PlanError on contradictory overrides, and on a default plan the estimate says cannot work.
     """
     o = overrides
@@ -116,16 +122,17 @@ def plan_gpus(
     order = [g.index for g in gpus]
     by_index = {g.index: g for g in gpus}
     shared = o.share if o.share is not None else (trainer is not None and vllm and len(gpus) == 1)
-    _check_flags(order, model, trainer, vllm, shared, o)
+    check_overrides(order, model, trainer, vllm, shared, o)
+    theirs = shared and not vllm  # the GPU is shared with a vLLM the user runs (--upstream)
     why = [_mode_reason(len(gpus), shared, vllm, trainer is not None, o)]
 
     trainer_gpus: tuple[int, ...] = ()
     shard = False
     if trainer is not None:
         trainer_gpus = o.trainer_gpus or _default_trainer_gpus(order, trainer.procs, shared, vllm, o)
-        rooms = [_trainer_room(by_index[i], shared) for i in trainer_gpus]
+        rooms = [trainer_room(by_index[i], shared, vllm_uses_free=theirs) for i in trainer_gpus]
         shard = _choose_shard(model, trainer, min(rooms), o, why)
-    memory = estimate_memory(model, trainer, trainer.procs if trainer is not None and shard else 1)
+    memory = estimate_memory(model, trainer, trainer.procs if trainer is not None and shard else 1, vllm_lora)
 
     vllm_gpus: tuple[int, ...] = ()
     tp, percent = 1, 0
@@ -164,13 +171,18 @@ def plan_gpus(
     fraction = None
     if vllm:
         if o.memory_fraction is None and percent < 1:
-            raise PlanError(_vllm_problem(by_index[vllm_gpus[0]], tp, 0.0, memory, shared))
+            raise PlanError(vllm_problem(by_index[vllm_gpus[0]], tp, 0.0, memory, shared))
         fraction = o.memory_fraction if o.memory_fraction is not None else percent / 100
+    elif theirs:
+        why.append(_their_vllm(by_index[trainer_gpus[0]], memory, vllm_lora))
     problems = []
     if fraction is not None:
-        problems += _vllm_problems(by_index, vllm_gpus, tp, fraction, trainer_gpus, memory, shared)
+        problems += vllm_problems(by_index, vllm_gpus, tp, fraction, trainer_gpus, memory, shared)
     if trainer is not None:
-        problems += _trainer_problems(by_index, trainer_gpus, vllm_gpus, memory, model, trainer)
+        beside = set(trainer_gpus) if theirs else set(vllm_gpus)
+        problems += trainer_problems(by_index, trainer_gpus, beside, memory, model, trainer, vllm_uses_free=theirs)
+    if host_ram is not None and memory.host_peak(shared) > host_ram:
+        problems.append(_host_problem(memory, shared, host_ram))
     if problems and not o.forced:
         raise PlanError(
             "this plan would not fit, by the estimate:\n- "
@@ -191,12 +203,52 @@ def plan_gpus(
         why=tuple(why),
         warnings=tuple(problems),
         trainer_shard=shard,
+        max_model_len=_max_model_len(by_index, vllm_gpus, tp, fraction, memory, model),
+        vllm_lora=vllm_lora,
+        host_ram=host_ram,
     )
 
 
-def _trainer_room(gpu: Gpu, with_vllm: bool) -> int:
-    """What the trainer may use of ``gpu``: its free memory less the margin and, shared, a sleeping vLLM."""
-    return gpu.free - gpu.margin - (VLLM_ASLEEP if with_vllm else 0)
+def kv_cache_per_gpu(gpu: Gpu, fraction: float, tp: int, memory: Memory) -> int:
+    """What vLLM's share of ``gpu`` leaves for its KV cache, by the estimate."""
+    return max(0, int(gpu.total * fraction) - VLLM_RUNTIME - memory.vllm_weights // tp)
+
+
+def _max_model_len(
+    by_index: Mapping[int, Gpu], vllm_gpus: tuple[int, ...], tp: int, fraction: float | None, memory: Memory,
+    model: ModelShape,
+) -> int | None:  # fmt: skip
+    """A --max-model-len for vLLM when the model's context would not fit its KV cache; None when it does.
+
+    vLLM refuses to start when one request of ``--max-model-len`` tokens does not fit its KV cache
+    ("To serve at least one request with the model's max seq len ..."), and its default is the
+    model's whole context (128k tokens for Llama 3.1): shared with a trainer, that often does not fit.
+    """
+    if not vllm_gpus or fraction is None or model.max_context is None:
+        return None
+    kv = min(kv_cache_per_gpu(by_index[i], fraction, tp, memory) for i in vllm_gpus)
+    tokens = int(kv * tp * _KV_TOKENS_KEPT) // model.kv_bytes_per_token // 1024 * 1024
+    return None if tokens >= model.max_context else max(tokens, 1024)
+
+
+def _their_vllm(gpu: Gpu, memory: Memory, lora: VllmLora) -> str:
+    """How the user starts the vLLM the trainer shares a GPU with (--upstream --share-gpu)."""
+    percent = (gpu.total - gpu.margin - memory.trainer_resident) * 100 // gpu.total
+    return (
+        f"your vLLM (--upstream) shares GPU {gpu.index} with the trainer: start it with VLLM_SERVER_DEV_MODE=1, "
+        f"--enable-sleep-mode, --gpu-memory-utilization {max(percent, 1) / 100} at most (the trainer keeps "
+        f"{gib(memory.trainer_resident)} GiB resident), --enable-lora --max-lora-rank {lora.max_rank} --max-loras "
+        f"{lora.max_loras}, and without PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+    )
+
+
+def _host_problem(memory: Memory, shared: bool, host_ram: int) -> str:
+    backup = f"vLLM's level-1 backup of its weights {gib(memory.host_vllm_backup)} GiB (pinned) and " if shared else ""
+    return (
+        f"host RAM: {backup}the trainer's processes reading the base {gib(memory.host_trainer_load)} GiB need "
+        f"{gib(memory.host_peak(shared))} GiB at once, more than this machine's {gib(host_ram)} GiB: more RAM, "
+        "fewer --trainer-procs, or a smaller --model"
+    )
 
 
 def _choose_shard(model: ModelShape, trainer: TrainerNeeds, room: int, o: Overrides, why: list[str]) -> bool:
@@ -214,7 +266,7 @@ def _choose_shard(model: ModelShape, trainer: TrainerNeeds, room: int, o: Overri
         return o.trainer_shard
     if procs == 1:
         return False
-    whole = estimate_memory(model, trainer)
+    whole = estimate_memory(model, trainer)  # vLLM's LoRA slots do not matter to the trainer's need
     need = whole.trainer_resident + whole.step
     if need <= room:
         why.append(
@@ -227,15 +279,6 @@ def _choose_shard(model: ModelShape, trainer: TrainerNeeds, room: int, o: Overri
         f"{gib(room)} GiB of a GPU; each process holds 1/{procs} of the base and the LoRA state"
     )
     return True
-
-
-def _procs_to_shard(model: ModelShape, trainer: TrainerNeeds, room: int) -> int | None:
-    """The fewest trainer processes whose shards, and what a step gathers, leave room for activations."""
-    for procs in (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64):
-        m = estimate_memory(model, trainer, procs)
-        if m.trainer_resident + m.gathered + m.logprobs < room:
-            return procs
-    return None
 
 
 def _default_trainer_gpus(order: list[int], procs: int, shared: bool, vllm: bool, o: Overrides) -> tuple[int, ...]:
@@ -257,71 +300,6 @@ def _default_trainer_gpus(order: list[int], procs: int, shared: bool, vllm: bool
     return tuple(rest[-procs:])
 
 
-def _check_flags(
-    order: list[int], model: ModelShape, trainer: TrainerNeeds | None, vllm: bool, shared: bool, o: Overrides
-) -> None:
-    """Refuse overrides that contradict each other or what runs."""
-    if o.data_parallel != 1:
-        raise PlanError(
-            f"--data-parallel-size {o.data_parallel}: vLLM data parallel is not supported yet (POST "
-            "/v1/load_lora_adapter reaches one engine only, so the others would serve stale adapters); use "
-            "--tensor-parallel-size, or start one vLLM server per GPU group yourself and name each with --upstream"
-        )
-    for flag, indices in (("--vllm-gpus", o.vllm_gpus), ("--trainer-gpus", o.trainer_gpus)):
-        if unknown := [i for i in indices or () if i not in order]:
-            raise PlanError(
-                f"{flag}: no GPU {', '.join(map(str, unknown))} among the visible GPUs "
-                f"{', '.join(map(str, order))} (nvidia-smi's indices)"
-            )
-        if indices is not None and len(set(indices)) != len(indices):
-            raise PlanError(f"{flag} names a GPU twice")
-    if not vllm and (o.vllm_gpus or o.tensor_parallel or o.memory_fraction is not None):
-        raise PlanError(
-            "--vllm-gpus, --tensor-parallel-size and --gpu-memory-utilization place the vLLM child, and with "
-            "--upstream serve starts none: drop them or --upstream"
-        )
-    if trainer is None and o.trainer_gpus:
-        raise PlanError("--trainer-gpus with --no-train: drop one of them")
-    if o.share and (trainer is None or not vllm):
-        raise PlanError("--share-gpu needs both a vLLM child and the trainer: drop it, or drop --no-train / --upstream")
-    if o.share is False and trainer is not None and vllm and len(order) == 1:
-        raise PlanError(
-            "--no-share-gpu with one GPU: vLLM and the trainer cannot each have one; add a GPU, pass "
-            "--share-gpu, or run the trainer elsewhere (--no-train)"
-        )
-    if o.memory_fraction is not None and not 0 < o.memory_fraction <= 1:
-        raise PlanError(f"--gpu-memory-utilization {o.memory_fraction}: a fraction of each GPU, in (0, 1]")
-    tp = o.tensor_parallel or (len(o.vllm_gpus) if o.vllm_gpus else None)
-    if tp is not None and not model.valid_tp(tp):
-        sizes = [t for t in range(1, max(8, len(order)) + 1) if model.valid_tp(t)]
-        raise PlanError(
-            f"tensor parallel {tp} (--tensor-parallel-size, or as many as --vllm-gpus names): vLLM splits the "
-            f"model's {model.heads} attention heads ({model.kv_heads} KV heads) evenly; use one of "
-            f"{', '.join(map(str, sizes))}"
-        )
-    if o.vllm_gpus and o.tensor_parallel is not None and o.tensor_parallel < len(o.vllm_gpus):
-        raise PlanError(
-            f"--vllm-gpus names {len(o.vllm_gpus)} GPUs but --tensor-parallel-size is {o.tensor_parallel}: the "
-            "rest would need vLLM data parallel, which is not supported; name as many GPUs as the size"
-        )
-    if trainer is not None and o.trainer_gpus and len(o.trainer_gpus) != trainer.procs:
-        raise PlanError(
-            f"--trainer-gpus names {len(o.trainer_gpus)} GPU(s) but the trainer runs {trainer.procs} "
-            "process(es), one per GPU: name as many GPUs as --trainer-procs"
-        )
-    both = set(o.vllm_gpus or ()) & set(o.trainer_gpus or ())
-    if both and not shared:
-        raise PlanError(
-            f"GPU {', '.join(map(str, sorted(both)))} is in both --vllm-gpus and --trainer-gpus: pass --share-gpu "
-            "(vLLM then sleeps around each training step) or name different GPUs"
-        )
-    if shared and o.vllm_gpus and o.trainer_gpus and not both:
-        raise PlanError(
-            "--share-gpu, but --vllm-gpus and --trainer-gpus have no GPU in common: name one in both, or drop "
-            "--share-gpu"
-        )
-
-
 def _percent(gpu: Gpu, with_trainer: bool, memory: Memory) -> int:
     """vLLM's share of ``gpu`` in hundredths, rounded down: what the margin and a resident trainer leave."""
     reserve = gpu.margin + (memory.trainer_resident if with_trainer else 0)
@@ -339,97 +317,6 @@ def _smallest_tp(
         if min(shares) >= memory.vllm_need(tp):
             return tp
     return sizes[-1]
-
-
-def _vllm_problems(
-    by_index: Mapping[int, Gpu],
-    vllm_gpus: tuple[int, ...],
-    tp: int,
-    fraction: float,
-    trainer_gpus: tuple[int, ...],
-    memory: Memory,
-    shared: bool,
-) -> list[str]:
-    """What the estimate says will not fit of vLLM, naming the flags that change it."""
-    for i in vllm_gpus:
-        gpu, with_trainer = by_index[i], i in trainer_gpus
-        share = int(gpu.total * fraction)
-        problems = [_vllm_problem(gpu, tp, fraction, memory, shared)] if share < memory.vllm_need(tp) else []
-        if share + (memory.trainer_resident if with_trainer else 0) + gpu.margin > gpu.free:
-            beside = f" beside the trainer's resident {gib(memory.trainer_resident)} GiB" if with_trainer else ""
-            problems.append(
-                f"GPU {i}: vLLM's {fraction} ({gib(share)} GiB){beside} and the {gib(gpu.margin)} GiB margin "
-                f"exceed its {gib(gpu.free)} GiB free: a smaller --gpu-memory-utilization"
-            )
-        if problems:
-            return problems
-    return []
-
-
-def _trainer_problems(
-    by_index: Mapping[int, Gpu],
-    trainer_gpus: tuple[int, ...],
-    vllm_gpus: tuple[int, ...],
-    memory: Memory,
-    model: ModelShape,
-    trainer: TrainerNeeds,
-) -> list[str]:
-    """What the estimate says will not fit of the trainer (a sleeping vLLM beside it), and what to change."""
-    for i in trainer_gpus:
-        gpu = by_index[i]
-        room = _trainer_room(gpu, i in vllm_gpus)
-        if memory.trainer_resident + memory.step > room:
-            return [_trainer_problem(gpu, room, memory, model, trainer, i in vllm_gpus)]
-    return []
-
-
-def _vllm_problem(gpu: Gpu, tp: int, fraction: float, memory: Memory, shared: bool) -> str:
-    beside = f", beside the trainer's resident {gib(memory.trainer_resident)} GiB" if shared else ""
-    fix = (
-        "a second GPU (vLLM and the trainer then each get their own), a smaller --model, or the trainer "
-        "elsewhere (--no-train)"
-        if shared
-        else "more GPUs for vLLM (--vllm-gpus, --tensor-parallel-size), fewer --trainer-procs, or a smaller --model"
-    )
-    return (
-        f"vLLM needs {gib(memory.vllm_need(tp))} GiB on each of its {tp} GPU(s) (weights and adapters "
-        f"{gib(memory.vllm_weights // tp)}, a {MIN_KV_TOKENS}-token KV cache {gib(memory.kv_min // tp)}, runtime "
-        f"{gib(VLLM_RUNTIME)}) but gets {fraction} of GPU {gpu.index}: {gib(int(gpu.total * fraction))} of "
-        f"{gib(gpu.total)} GiB{beside}; {fix}"
-    )
-
-
-def _trainer_problem(
-    gpu: Gpu, room: int, memory: Memory, model: ModelShape, trainer: TrainerNeeds, with_vllm: bool
-) -> str:
-    asleep = " while vLLM sleeps" if with_vllm else ""
-    sharded = f", 1/{memory.shard_over} of them" if memory.shard_over > 1 else ""
-    gathered = f", FSDP's gathered weights {gib(memory.gathered)}" if memory.gathered else ""
-    text = (
-        f"the trainer needs {gib(memory.trainer_resident + memory.step)} GiB on GPU {gpu.index}: resident "
-        f"{gib(memory.trainer_resident)} (weights {gib(memory.trainer_weights)}, LoRA with AdamW and gradients "
-        f"{gib(memory.lora_state)}{sharded}) plus a step's {gib(memory.step)} (activations "
-        f"{gib(memory.activations)} for {trainer.micro_batch_tokens}-token micro-batches, log-probs "
-        f"{gib(memory.logprobs)}{gathered}), but it has {gib(room)} GiB{asleep}; "
-    )
-    fixes = []
-    per_token = memory.activations // trainer.micro_batch_tokens
-    tokens = (room - memory.trainer_resident - memory.logprobs - memory.gathered) // per_token // 256 * 256
-    if 256 <= tokens < trainer.micro_batch_tokens:
-        fixes.append(f"smaller micro-batches (--trainer-arg=--micro-batch-tokens={tokens})")
-    if with_vllm:
-        fixes.append("a second GPU, so that the trainer has one of its own")
-    if memory.trainer_resident + memory.logprobs + memory.gathered >= room:
-        procs = _procs_to_shard(model, trainer, room)
-        if procs is not None and procs > memory.shard_over:
-            fixes.append(
-                f"the base sharded over more trainer processes (--trainer-procs {procs} --trainer-shard, one GPU "
-                "each; each process now holds " + ("the whole base)" if memory.shard_over == 1 else
-                                                   f"1/{memory.shard_over} of it)")
-            )  # fmt: skip
-        fixes.append("a smaller --model")
-    fixes.append("the trainer on a larger GPU elsewhere (--no-train here, python -m trainer there)")
-    return text + ", ".join(fixes[:-1]) + (", or " if len(fixes) > 1 else "") + fixes[-1]
 
 
 def _mode_reason(count: int, shared: bool, vllm: bool, with_trainer: bool, o: Overrides) -> str:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tracetrain_cli._gpu_estimate import VLLM_RUNTIME, gib
-from tracetrain_cli._gpu_plan import CpuPlan, GpuPlan
+from tracetrain_cli._gpu_estimate import VLLM_ASLEEP, VLLM_RUNTIME, gib
+from tracetrain_cli._gpu_plan import CpuPlan, GpuPlan, kv_cache_per_gpu
 
 
 def render_plan(plan: GpuPlan | CpuPlan) -> str:
@@ -20,13 +20,18 @@ def render_plan(plan: GpuPlan | CpuPlan) -> str:
         )
     if plan.vllm_gpus and plan.memory_fraction is not None:
         tp = plan.tensor_parallel_size
-        share = min(int(g.total * plan.memory_fraction) for g in plan.gpus if g.index in plan.vllm_gpus)
-        kv = max(0, share - VLLM_RUNTIME - m.vllm_weights // tp)  # per GPU
+        gpus = [g for g in plan.gpus if g.index in plan.vllm_gpus]
+        share = min(int(g.total * plan.memory_fraction) for g in gpus)
+        kv = min(kv_cache_per_gpu(g, plan.memory_fraction, tp, m) for g in gpus)
         tokens = kv * tp // model.kv_bytes_per_token
+        context = (f"--max-model-len {plan.max_model_len} (the model's {model.max_context:,} would not fit)"
+                   if plan.max_model_len is not None else "the model's own context")  # fmt: skip
         lines.append(
             f"  vLLM     GPU {_list(plan.vllm_gpus)}, tensor parallel {tp}, --gpu-memory-utilization "
             f"{plan.memory_fraction} ({gib(share)} GiB per GPU): weights and adapters {gib(m.vllm_weights // tp)} "
-            f"GiB, runtime {gib(VLLM_RUNTIME)}, KV cache ~{gib(kv)} GiB ({tokens:,} tokens)"
+            f"GiB (--max-loras {plan.vllm_lora.max_loras} of rank {plan.vllm_lora.max_rank}), runtime "
+            f"{gib(VLLM_RUNTIME)}, KV cache ~{gib(kv)} GiB ({tokens:,} tokens), {context}"
+            + (f"; asleep it keeps ~{gib(VLLM_ASLEEP)} GiB" if plan.shared else "")
         )
     if plan.trainer_gpus and plan.trainer is not None:
         t = plan.trainer
@@ -39,7 +44,15 @@ def render_plan(plan: GpuPlan | CpuPlan) -> str:
             f"  trainer  GPU {_list(plan.trainer_gpus)}, --device cuda, {procs}: resident {gib(m.trainer_resident)} "
             f"GiB (weights {gib(m.trainer_weights)}, LoRA r={t.lora_r} with AdamW and gradients "
             f"{gib(m.lora_state)}); a step adds {gib(m.step)} GiB (activations {gib(m.activations)} for "
-            f"{t.micro_batch_tokens}-token micro-batches, log-probs {gib(m.logprobs)}){while_asleep}"
+            f"{t.micro_batch_tokens}-token micro-batches, of which peft's fp32 inputs {gib(m.peft_inputs)}, "
+            f"log-probs {gib(m.logprobs)}){while_asleep}"
+        )
+        backup = (f"vLLM's level-1 backup {gib(m.host_vllm_backup)} GiB pinned while it sleeps + "
+                  if plan.shared else "")  # fmt: skip
+        known = f" of {gib(plan.host_ram)} GiB" if plan.host_ram is not None else ""
+        lines.append(
+            f"  host RAM {backup}the trainer reading the base {gib(m.host_trainer_load)} GiB at a (re)build = "
+            f"{gib(m.host_peak(plan.shared))} GiB at its peak{known}"
         )
     lines.append(
         f"  model    {model.params / 1e9:.2f}B parameters ({model.source}), {model.layers} layers, hidden "

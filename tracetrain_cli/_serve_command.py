@@ -283,7 +283,8 @@ def run_serve(args: argparse.Namespace) -> int:
     args.upstream = args.upstream or [url.strip() for url in env_upstreams.split(",") if url.strip()] or None
     settings = settings_from(args)
     if args.plan_only:  # before anything is checked, written or started: a GPU box may not have vLLM yet
-        print(render_plan(device_plan(args, pick_device(args.device), _model_dir(args, settings.data_dir))))
+        model_dir = _model_dir(args, settings.data_dir)
+        print(render_plan(device_plan(args, pick_device(args.device), model_dir, settings.keep_versions)))
         return 0
     if settings.admin_token is None:
         settings = settings.model_copy(update={"admin_token": _admin_token(settings.data_dir)})
@@ -299,7 +300,7 @@ def run_serve(args: argparse.Namespace) -> int:
             "pip install 'tracetrain[train]', or pass --no-train to serve and capture only"
         )
     model_dir = _model_dir(args, settings.data_dir)
-    devices = device_plan(args, device, model_dir)
+    devices = device_plan(args, device, model_dir, settings.keep_versions)
     print(render_plan(devices), flush=True)
     # The plan shares one GPU (or --share-gpu / TRACETRAIN_SHARE_GPU asks): vLLM sleeps around each step.
     settings = settings.model_copy(update={"share_gpu": devices.shared or settings.share_gpu})

@@ -2,7 +2,9 @@
 
 ``device_plan`` reads the inputs (nvidia-smi, the model directory, ``--trainer-arg``), makes the
 plan (``_gpu_plan.py``) and turns a refusal into serve's exit message. ``launch_options`` is what
-the plan adds to vLLM's launch; the trainer's environment comes from ``plan.trainer_env()``.
+the plan adds to vLLM's launch (its GPUs, share and tensor-parallel size, a fitted ``--max-model-len``,
+and on every device the LoRA limits the trainer's rank and ``--keep-versions`` need); the trainer's
+environment comes from ``plan.trainer_env()``.
 """
 
 from __future__ import annotations
@@ -13,14 +15,16 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tracetrain_cli._gpu_estimate import PlanError
-from tracetrain_cli._gpu_inputs import query_gpus, read_model_shape, trainer_needs, visible_gpus
+from tracetrain_cli._gpu_estimate import PlanError, VllmLora
+from tracetrain_cli._gpu_inputs import host_memory, query_gpus, read_model_shape, trainer_needs, visible_gpus
 from tracetrain_cli._gpu_plan import CpuPlan, GpuPlan, Overrides, plan_gpus
 
 DevicePlan = GpuPlan | CpuPlan
 
 # vLLM flags the plan decides: passing them through --vllm-arg would bypass its checks.
-_PLANNED_VLLM_FLAGS = ("--gpu-memory-utilization", "--tensor-parallel-size", "-tp", "--data-parallel-size", "-dp")
+_PLANNED_VLLM_FLAGS = ("--gpu-memory-utilization", "--tensor-parallel-size", "-tp", "--data-parallel-size", "-dp",
+                       "--max-lora-rank", "--max-loras")  # fmt: skip
+_DERIVED_FROM = {"--max-lora-rank": "--trainer-arg=--lora-r", "--max-loras": "--keep-versions (max-loras = it + 1)"}
 
 
 def add_device_flags(p: argparse.ArgumentParser) -> None:
@@ -70,7 +74,8 @@ def add_device_flags(p: argparse.ArgumentParser) -> None:
         "(default: shared with one GPU, dedicated with several). Shared: around each training step new calls "
         "wait in the proxy, vLLM finishes what it runs and sleeps, the trainer steps, vLLM wakes with the new "
         "adapter and the calls go on (vLLM gets VLLM_SERVER_DEV_MODE=1 and, on CUDA, --enable-sleep-mode). With "
-        "--upstream, the same hand-over with your vLLM (start it with VLLM_SERVER_DEV_MODE=1)",
+        "--upstream, the same hand-over with your vLLM: start it with VLLM_SERVER_DEV_MODE=1 and, on CUDA, "
+        "--enable-sleep-mode and the --gpu-memory-utilization the plan prints (--plan-only)",
     )
     g.add_argument(
         "--trainer-shard",
@@ -94,23 +99,28 @@ def overrides_from(args: argparse.Namespace) -> Overrides:
     )
 
 
-def device_plan(args: argparse.Namespace, device: str, model_dir: Path | None) -> DevicePlan:
+def device_plan(args: argparse.Namespace, device: str, model_dir: Path | None, keep_versions: int = 3) -> DevicePlan:
     """The plan for serve's flags on ``device``; SystemExit with what to change when it cannot work."""
     try:
-        return _plan(args, device, model_dir)
+        return _plan(args, device, model_dir, keep_versions)
     except PlanError as exc:
         raise SystemExit(f"tracetrain serve: {exc}") from None
 
 
-def _plan(args: argparse.Namespace, device: str, model_dir: Path | None) -> DevicePlan:
+def _plan(args: argparse.Namespace, device: str, model_dir: Path | None, keep_versions: int) -> DevicePlan:
     overrides = overrides_from(args)
     vllm = args.upstream is None
     trains = model_dir is not None and not args.no_train
     if planned := [a for a in args.vllm_arg if a.split("=", 1)[0] in _PLANNED_VLLM_FLAGS]:
+        flag = planned[0].split("=")[0]
+        instead = (f"set {_DERIVED_FROM[flag]}, which serve derives it from" if flag in _DERIVED_FROM else
+                   f"pass serve's own flag instead ({flag} under tracetrain serve --help)")  # fmt: skip
         raise PlanError(
-            f"--vllm-arg={planned[0]}: serve plans this one; pass serve's own flag instead ({planned[0].split('=')[0]}"
-            " under tracetrain serve --help), so that the plan checks it against the trainer's memory"
+            f"--vllm-arg={planned[0]}: serve plans this one; {instead}, so that the plan checks it against the "
+            "trainer's memory and adapters"
         )
+    # Every adapter the trainer writes must load into vLLM: its rank, and the versions kept loaded.
+    vllm_lora = VllmLora.for_training(trainer_needs(args.trainer_arg).lora_r, keep_versions)
     if device == "cpu" or model_dir is None:
         if dataclasses.replace(overrides, share=None, trainer_shard=None) != Overrides():
             raise PlanError(
@@ -131,20 +141,25 @@ def _plan(args: argparse.Namespace, device: str, model_dir: Path | None) -> Devi
             kv_cache_gib=1,
             shared=bool(overrides.share),
             trainer_shard=bool(overrides.trainer_shard),
+            vllm_lora=vllm_lora,
         )
     trainer = trainer_needs(args.trainer_arg, getattr(args, "trainer_procs", 1)) if trains else None
     gpus = visible_gpus(query_gpus(), os.environ.get("CUDA_VISIBLE_DEVICES"))
-    return plan_gpus(gpus, read_model_shape(model_dir), trainer, vllm=vllm, overrides=overrides)
+    return plan_gpus(gpus, read_model_shape(model_dir), trainer, vllm=vllm, overrides=overrides, vllm_lora=vllm_lora,
+                     host_ram=host_memory())  # fmt: skip
 
 
 def launch_options(plan: DevicePlan) -> dict[str, Any]:
-    """What the plan adds to ``VLLMLaunch``: its share of each GPU, tensor-parallel size and GPUs."""
+    """What the plan adds to ``VLLMLaunch``: the LoRA limits; on GPUs its share of each, TP size, GPUs, context."""
+    lora = {"max_lora_rank": plan.vllm_lora.max_rank, "max_loras": plan.vllm_lora.max_loras}
     if not isinstance(plan, GpuPlan) or not plan.vllm_gpus:
-        return {}
+        return lora
     return {
+        **lora,
         "gpu_memory_utilization": plan.memory_fraction,
         "tensor_parallel_size": plan.tensor_parallel_size,
         "cuda_visible_devices": ",".join(map(str, plan.vllm_gpus)),
+        "max_model_len": plan.max_model_len,
     }
 
 

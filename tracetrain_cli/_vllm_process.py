@@ -54,14 +54,15 @@ from typing import Literal, get_args
 import httpx
 
 from tracetrain_cli._child import ChildProcess
+from tracetrain_cli._gpu_estimate import VLLM_LORA_RANKS
 
 __all__ = ["Device", "VLLMLaunch", "VLLMProcess", "VLLMStartError", "url_host"]
 
 Device = Literal["cpu", "cuda"]
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
 
-# The values vLLM 0.32 accepts for --max-lora-rank.
-_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# torch's allocator settings, under the name torch 2.10 reads first and the older one it still reads.
+_ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 # Sampling logprobs after temperature: what the sampler's distribution gave each sampled token.
 LOGPROBS_MODE = "processed_logprobs"
 
@@ -117,8 +118,8 @@ class VLLMLaunch:
             raise ValueError(f"device must be one of {get_args(Device)}, got {self.device!r}")
         if self.dtype not in get_args(Dtype):
             raise ValueError(f"dtype must be one of {get_args(Dtype)}, got {self.dtype!r}")
-        if self.max_lora_rank not in _LORA_RANKS:
-            raise ValueError(f"max_lora_rank must be one of {_LORA_RANKS}, got {self.max_lora_rank}")
+        if self.max_lora_rank not in VLLM_LORA_RANKS:
+            raise ValueError(f"max_lora_rank must be one of {VLLM_LORA_RANKS}, got {self.max_lora_rank}")
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
         if not 0 < self.port < 65536:
@@ -201,6 +202,7 @@ class VLLMLaunch:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_space_gib)
         if self.sleep_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
+            _without_expandable_segments(env)
         if self.adapters_url is not None:
             env["TRACETRAIN_ADAPTERS_URL"] = self.adapters_url
             if self.adapters_key is not None:
@@ -281,6 +283,25 @@ class VLLMProcess(ChildProcess):
                 f"vLLM did not become ready within {timeout_s:.0f} s at {self.health_url}; "
                 f"last lines of {self.log_path}:\n{self.log_tail()}"
             )
+
+
+def _without_expandable_segments(env: dict[str, str]) -> None:
+    """Take ``expandable_segments:True`` out of torch's allocator settings for a vLLM in sleep mode, in place.
+
+    Sleep mode allocates weights and KV cache from a memory pool that expandable segments break
+    (pytorch/pytorch#147851): vLLM before PR #40812 asserts at start-up ("Expandable segments are not
+    compatible with memory pool"); 0.32 turns them off around its pool itself, but reads only the
+    variables it knows. A trainer beside it may keep them (they help its fragmentation), so serve's
+    environment passes them on and only vLLM's loses them. Every other setting stays.
+    """
+    for name in _ALLOC_CONF_VARS:
+        if name not in env:
+            continue
+        kept = [f for f in env[name].split(",") if f.strip() and f.partition(":")[0].strip() != "expandable_segments"]
+        if kept:
+            env[name] = ",".join(kept)
+        else:
+            del env[name]
 
 
 def cpu_has_bf16() -> bool:

@@ -28,7 +28,7 @@ from trainer import _distributed
 from trainer._attention import ATTN_CHOICES
 from trainer._config import TrainConfig
 from trainer._distributed import Ranks
-from trainer._worker import Worker, WorkerSettings, follow
+from trainer._worker import COLLECTIVE_TIMEOUT_S, Worker, WorkerSettings, follow
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -55,6 +55,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="with --procs N: split the base model and the LoRA over the N processes (FSDP2) instead of each "
         "holding the whole base (DDP); for a base that does not fit one device. The adapter is the same",
+    )
+    p.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=COLLECTIVE_TIMEOUT_S,
+        metavar="SECONDS",
+        help="with --procs N: how long a rank waits for the others in a collective before the run stops "
+        f"(default {COLLECTIVE_TIMEOUT_S:.0f}, NCCL's); rank 0 keeps the others in time while it waits for a "
+        "shared GPU",
     )
     p.add_argument(
         "--attn-implementation",
@@ -107,6 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.procs < 1 or (args.procs > 1 and args.device not in ("cpu", "cuda")):
         raise SystemExit(f"python -m trainer: --procs {args.procs} with --device {args.device}: N is at least 1, "
                          "and several processes take --device cpu or cuda (rank k on cuda:LOCAL_RANK)")  # fmt: skip
+    if not args.collective_timeout > 0:
+        raise SystemExit(f"python -m trainer: --collective-timeout {args.collective_timeout}: seconds, more than 0")
     if args.shard and args.procs == 1 and not _distributed.under_torchrun():
         raise SystemExit("python -m trainer: --shard splits the model over the processes of --procs N (N > 1)")
     if args.procs > 1 and not _distributed.under_torchrun():
@@ -114,13 +125,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = args.device
     if group is not None:
         try:
-            device = _distributed.start(group, device)
+            device = _distributed.start(group, device, timeout_s=args.collective_timeout)
         except ValueError as exc:
             raise SystemExit(f"python -m trainer: {exc}") from None
     settings = WorkerSettings(
         database_url=args.database_url, data_dir=args.data_dir, policy=args.policy, base_model=args.base_model,
         config=config, init_adapter=args.init_adapter, device=device, share_gpu=args.share_gpu,
-        shard=args.shard, attn_implementation=args.attn_implementation,
+        shard=args.shard, attn_implementation=args.attn_implementation, collective_timeout_s=args.collective_timeout,
     )  # fmt: skip
     try:
         if group is not None and not group.leads:

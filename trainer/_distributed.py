@@ -16,7 +16,8 @@ gradients is the single-process gradient; only the order of the float additions 
 
 Rank 0 alone talks to the store; the others wait for its word (``Load``, ``Step``,
 ``Idle``, ``Stop``) in ``broadcast_object_list``. ``Idle`` comes every poll while no job is
-queued, so a waiting rank never reaches the collective timeout. A rank that dies makes
+queued, and every quarter of the collective timeout while rank 0 waits for a shared GPU
+(``trainer._handover``), so a waiting rank never reaches the timeout. A rank that dies makes
 torchrun stop the others; the job's lease then runs out and a proxy queues it again.
 With one process none of this runs: no process group, no broadcast.
 """
@@ -28,6 +29,7 @@ import os
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
@@ -114,16 +116,20 @@ def torchrun_command(procs: int, argv: Sequence[str], env: Mapping[str, str]) ->
     return command, {**env, "OMP_NUM_THREADS": str(max(1, threads // procs))}
 
 
-def start(ranks: Ranks, device: str) -> str:
-    """Join the process group (once per process); returns the device this rank trains on."""
+def start(ranks: Ranks, device: str, *, timeout_s: float | None = None) -> str:
+    """Join the process group (once per process); returns the device this rank trains on.
+
+    ``timeout_s``: how long a collective may wait for the other ranks (None: torch's default, 10 minutes).
+    """
+    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
     if device == "cpu":
-        dist.init_process_group("gloo", rank=ranks.rank, world_size=ranks.world)
+        dist.init_process_group("gloo", rank=ranks.rank, world_size=ranks.world, timeout=timeout)
         return device
     if device != "cuda":
         raise ValueError(f"with several processes --device is cpu or cuda (rank k takes cuda:LOCAL_RANK), not {device}")
     cuda = torch.device("cuda", ranks.local_rank)
     torch.cuda.set_device(cuda)
-    dist.init_process_group("nccl", rank=ranks.rank, world_size=ranks.world, device_id=cuda)
+    dist.init_process_group("nccl", rank=ranks.rank, world_size=ranks.world, device_id=cuda, timeout=timeout)
     return str(cuda)
 
 

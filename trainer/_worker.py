@@ -19,6 +19,8 @@ what to do; they run ``follow``, which never opens the store (``trainer._distrib
 
 With ``share_gpu`` (one GPU for vLLM and the trainer) the step, saving and recording run
 while vLLM sleeps: the worker asks for the GPU through the store (``trainer._handover``).
+Every rank frees what a step held once it ends (``trainer._memory``), rank 0 before it gives the
+GPU back, so that vLLM's workers on every GPU have their memory to wake into.
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ from trainer._adapters import files_for_store
 from trainer._batch import TrajectoryData, build_batch
 from trainer._config import TrainConfig
 from trainer._distributed import Idle, Load, Ranks, Step, StepFailed, Stop, Word
-from trainer._handover import gpu_handed_over
+from trainer._handover import Grant, gpu_handed_over, stop_when_revoked
 from trainer._learner import Learner, TrainItem
+from trainer._memory import release_learner_memory, release_step_memory
 from trainer._sampling import SamplingDefaults
 
 log = logging.getLogger("tracetrain.trainer")
@@ -48,6 +51,9 @@ log = logging.getLogger("tracetrain.trainer")
 READY_LINE = "trainer worker ready"
 # A claim outlives a worker by this long; the worker renews it every third of it while it trains.
 JOB_LEASE_S = 60.0
+# How long a rank waits in a collective (the next word of rank 0, a gradient all_reduce) before it gives
+# up: torch's default for NCCL. Rank 0 says a word at least every quarter of it while it waits for the GPU.
+COLLECTIVE_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +70,7 @@ class WorkerSettings:
     share_gpu: bool = False  # the GPU is vLLM's but for each step, which waits for the proxy's grant
     shard: bool = False  # under torchrun: the base and the LoRA split over the ranks (FSDP2), not replicated
     attn_implementation: str = "auto"  # trainer._attention.choose_attention's choice, or a name that forces one
+    collective_timeout_s: float = COLLECTIVE_TIMEOUT_S  # under torchrun: the process group's timeout
 
     @property
     def adapters_dir(self) -> Path:
@@ -137,6 +144,7 @@ class Worker:
         except Exception as exc:
             log.exception("training job %s failed", job["id"])
             ok, metrics, version, error = False, {}, None, f"{type(exc).__name__}: {exc}"
+            release_step_memory(exc)  # a GPU of its own too: the next step needs what this one left
         else:
             ok = True
         finally:
@@ -174,11 +182,12 @@ class Worker:
         items = [
             TrainItem(sample, advantage) for sample, advantage in zip(batch.samples, batch.advantages, strict=True)
         ]
-        async with self._gpu(job["id"]):  # one GPU shared with vLLM: held from here to the record
+        async with self._gpu(job["id"]) as grant:  # one GPU shared with vLLM: held from here to the record
             self._tell(Step(base, holds, tuple(items)))
             # Loaded after the word: a sharded learner's set-up is collective, so every rank builds it together.
             learner = await asyncio.to_thread(self._held.at, base)
-            result = await asyncio.to_thread(learner.step, items)
+            with stop_when_revoked(learner, grant):
+                result = await asyncio.to_thread(learner.step, items)
             self._held.version = -1  # the weights moved: no version until they are saved as one
             version = await self._next_version()
             metrics = {**batch.metrics, **result.to_dict(), "version": version, "trained_from": base}
@@ -197,11 +206,14 @@ class Worker:
         if self._group is not None:
             _distributed.tell(word)
 
-    def _gpu(self, job_id: int) -> contextlib.AbstractAsyncContextManager[None]:
+    def _gpu(self, job_id: int) -> contextlib.AbstractAsyncContextManager[Grant | None]:
         """The step's hold on a GPU shared with vLLM (asked from the proxy through the store); else nothing."""
         if not self.settings.share_gpu:
             return contextlib.nullcontext()
-        return gpu_handed_over(self._store, job_id, self._name)
+        # The other ranks wait for the step's word, which comes after the grant: an Idle keeps them in time.
+        keepalive = (lambda: self._tell(Idle())) if self._group is not None else None
+        return gpu_handed_over(self._store, job_id, self._name, keepalive=keepalive,
+                               keepalive_s=self.settings.collective_timeout_s / 4)  # fmt: skip
 
     async def _version_to_train_on(self) -> int:
         return await self._store.adapters.version_to_train_on(self.settings.policy)
@@ -220,13 +232,21 @@ class HeldLearner:
         self.version = -1
 
     def at(self, version: int) -> Learner:
-        """The learner holding ``version``'s weights (built or reloaded when it holds another)."""
+        """The learner holding ``version``'s weights (built or reloaded when it holds another).
+
+        The learner it held is freed before the new one is built: two at once would double the
+        trainer's resident memory (inside a hand-over, after a rollback or a failed publish),
+        which the GPU plan does not leave room for.
+        """
         if self.learner is not None and self.version == version:
             return self.learner
         settings = self.settings
         adapter = settings.adapters_dir / str(version) if version > 0 else settings.init_adapter
         if adapter is not None and not adapter.is_dir():
             raise FileNotFoundError(f"the adapter to train from is missing: {adapter}")
+        if self.learner is not None:
+            self.learner, self.version = None, -1
+            release_learner_memory()
         self.learner = Learner(settings.base_model, settings.config, adapter=adapter, device=settings.device,
                                attn_implementation=settings.attn_implementation, shard=settings.shard)  # fmt: skip
         self.version = version
@@ -240,6 +260,7 @@ def follow(settings: WorkerSettings) -> None:
     version label for them is this rank's too. A step that fails fails on every rank
     (``ValueError`` from the batch's checks, ``StepFailed``); rank 0 records why and goes
     on, and so does this rank. Any other error ends the process, and torchrun the others.
+    After every step it frees what the step held, as rank 0 does before giving a shared GPU back.
     """
     held = HeldLearner(settings)
     while True:
@@ -255,6 +276,9 @@ def follow(settings: WorkerSettings) -> None:
                 held.at(word.version).step(word.items)
             except (ValueError, StepFailed) as exc:
                 log.debug("the step failed on every rank: %s", exc)
+                release_step_memory(exc)
+            else:
+                release_step_memory()
 
 
 def _alive(pid: int) -> bool:

@@ -21,9 +21,12 @@ the step fails (the worker releases in its own ``finally``); the worker dies (it
 runs out, the job is queued again and the hand-over revoked in one transaction,
 ``store._jobs``); the step outlives ``--handover-timeout`` (revoked here); pausing or
 sleeping fails (the request stays pending and is tried again after a back-off, while the
-trainer waits). A proxy restarted mid-step finds the granted hand-over, puts vLLM to sleep
-again (its predecessor woke it as it stopped) and waits for the release; one that finds
-vLLM asleep with no step running wakes it.
+trainer waits). After ``_MAX_FAILED_TRIES`` failures in a row the coordinator gives up: the
+request is revoked, the policy's training is paused with the reason (the dashboard and the
+admin API show it, ``/readyz`` names it, the log says it), and vLLM serves on. An admin's
+resume (``POST /admin/training/resume``) lets it try again. A proxy restarted mid-step finds
+the granted hand-over, puts vLLM to sleep again (its predecessor woke it as it stopped) and
+waits for the release; one that finds vLLM asleep with no step running wakes it.
 
 A vLLM that does not wake (``/wake_up`` fails, or ``/is_sleeping`` stays true) stops
 serving honestly: held and new calls get a 503 with Retry-After at once, the error is
@@ -48,11 +51,13 @@ from proxy.gateway._gate import Gate
 from proxy.gateway._upstream import Upstream
 from proxy.observability._metrics import Metrics
 from proxy.training._publisher import Publisher
-from store import GpuHandover, JobState, Store
+from store import GpuHandover, JobState, Store, TrainingState
 
 log = logging.getLogger("tracetrain.handover")
 
 _RETRY_MIN_S, _RETRY_MAX_S = 2.0, 60.0  # after a failed pause or sleep, doubling
+# Failed hand-overs in a row before training stops (each closes the gate for its calls): 2 + 4 + 8 + 16 s apart.
+_MAX_FAILED_TRIES = 5
 _WAKE_RETRY_S = 5.0
 # While calls are held, the release is looked for more often than new requests are: each poll of
 # it is time serving stands still (one indexed read of one row).
@@ -90,7 +95,9 @@ class HandoverCoordinator:
         self._on_stuck = on_stuck
         self._retry_s = _RETRY_MIN_S
         self._retry_at = 0.0
+        self._failed_tries = 0
         self.not_awake: str | None = None  # why serving stopped: a vLLM did not wake up
+        self.gave_up: str | None = None  # why training stopped: vLLM would not pause or sleep
 
     async def run(self) -> None:
         try:
@@ -108,12 +115,23 @@ class HandoverCoordinator:
         """Serve the oldest open hand-over of the policy, if any (one at a time)."""
         if time.monotonic() < self._retry_at:
             return
+        if self.gave_up is not None and not await self._still_given_up():
+            return
         for job in await self._store.jobs.pending_gpu_requests(self._policy):
-            if job["state"] != JobState.RUNNING:  # its worker finished or was replaced without releasing
+            if job["state"] != JobState.RUNNING or self.gave_up is not None:  # finished, or training stopped
                 await self._store.jobs.revoke_gpu(job["id"])
                 continue
             await self._hand_over(job, adopted=job["gpu_state"] == GpuHandover.GRANTED)
             return
+
+    async def _still_given_up(self) -> bool:
+        """True while training stays paused after giving up; False (and ready to try again) once it is resumed."""
+        training = await self._store.guards.training(self._policy)
+        if training["training"] == TrainingState.PAUSED:
+            return True
+        log.info("training was resumed: GPU requests are served again")
+        self.gave_up, self._failed_tries, self._retry_s = None, 0, _RETRY_MIN_S
+        return False
 
     async def _hand_over(self, job: dict[str, Any], *, adopted: bool) -> None:
         """Steps 2 to 4: hold calls, put vLLM to sleep, grant, wait for the release, wake, publish, resume."""
@@ -136,13 +154,9 @@ class HandoverCoordinator:
                     log.info("job %s: the GPU is the trainer's (%.2f s to pause and sleep)", job_id,
                              asleep_at - closed_at)  # fmt: skip
                 outcome = await self._until_released(job)
-                self._retry_s = _RETRY_MIN_S
+                self._retry_s, self._failed_tries = _RETRY_MIN_S, 0
             except Exception as exc:
-                detail = exc.message if isinstance(exc, ProxyError) else repr(exc)
-                log.error("job %s: the GPU could not be handed over (%s); vLLM serves again, another try in %.0f s",
-                          job_id, detail, self._retry_s)  # fmt: skip
-                self._retry_at = time.monotonic() + self._retry_s
-                self._retry_s = min(self._retry_s * 2, _RETRY_MAX_S)
+                await self._failed(job_id, exc.message if isinstance(exc, ProxyError) else repr(exc))
             finally:
                 woke_at = await self._wake(publish)
                 self._metrics.handovers.labels(outcome).inc()
@@ -152,6 +166,24 @@ class HandoverCoordinator:
                     self._metrics.handover_seconds.observe(asleep_s)
                     await self._store.jobs.record_gpu_asleep(job_id, asleep_s)
                     log.info("job %s: vLLM slept %.2f s and serves again (%s)", job_id, asleep_s, outcome)
+
+    async def _failed(self, job_id: int, detail: str) -> None:
+        """A hand-over that did not get vLLM to sleep: try again after a back-off, or give up after too many."""
+        self._failed_tries += 1
+        if self._failed_tries < _MAX_FAILED_TRIES:
+            log.error("job %s: the GPU could not be handed over (%s); vLLM serves again, another try in %.0f s",
+                      job_id, detail, self._retry_s)  # fmt: skip
+            self._retry_at = time.monotonic() + self._retry_s
+            self._retry_s = min(self._retry_s * 2, _RETRY_MAX_S)
+            return
+        self.gave_up = (
+            f"the GPU could not be handed over to the trainer {self._failed_tries} times in a row (last: {detail}); "
+            "vLLM serves on without training. Check that vLLM serves /pause and /sleep (VLLM_SERVER_DEV_MODE=1 and, "
+            "on a GPU, --enable-sleep-mode), then resume training (dashboard, or POST /admin/training/resume)"
+        )
+        log.error("job %s: %s", job_id, self.gave_up)
+        await self._store.jobs.revoke_gpu(job_id)
+        await self._store.guards.pause(self._policy, self.gave_up)
 
     async def _until_released(self, job: dict[str, Any]) -> str:
         """Wait for the worker's release; revoke when it is gone or took too long. Returns the outcome."""
