@@ -4,7 +4,8 @@ The proxy turns each Messages call into a chat completion (``proxy.gateway._mess
 pure functions are that turn's message half, shared with the dashboard, export, SFT and Langfuse,
 so every reader sees exactly the messages vLLM got:
 
-- ``system`` (a string or text blocks) is one system message;
+- ``system`` (a string or text blocks) is one system message, and a ``system`` message among the
+  messages (Claude Code sends them mid-conversation) one more, where it stands;
 - a message's text blocks are joined with a newline, as vLLM joins a chat message's text parts;
 - an assistant's ``tool_use`` blocks are its ``tool_calls`` (the ``toolu_...`` id kept, ``input`` as
   JSON text), each user ``tool_result`` block a ``tool`` message at its place in the turn;
@@ -14,15 +15,14 @@ so every reader sees exactly the messages vLLM got:
 - anything else (images, documents, blocks of newer API versions) is skipped here: the proxy
   refuses images and documents before this runs, and readers must never fail on a stored body.
 
-Pure Python (orjson only): the store imports no proxy.
+Pure Python (stdlib only): the store imports no proxy.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
-
-import orjson
 
 
 def _text(content: Any) -> str | None:
@@ -36,7 +36,8 @@ def _text(content: Any) -> str | None:
 
 
 def _tool_call(block: Mapping[str, Any]) -> dict[str, Any]:
-    arguments = orjson.dumps(block.get("input") or {}).decode()
+    # Written as vLLM's tool parsers write arguments (json.dumps), so a replayed call reads as it was answered.
+    arguments = json.dumps(block.get("input") if block.get("input") is not None else {}, ensure_ascii=False)
     return {"id": block.get("id"), "type": "function", "function": {"name": block.get("name"), "arguments": arguments}}
 
 
@@ -95,6 +96,8 @@ def anthropic_chat_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
             out.append(_assistant(message.get("content")))
         elif message.get("role") == "user":
             out.extend(_user(message.get("content")))
+        elif message.get("role") == "system":
+            out.append({"role": "system", "content": _text(message.get("content")) or ""})
     return out
 
 

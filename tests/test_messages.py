@@ -90,13 +90,22 @@ def test_system_text_blocks_and_sampling_settings_become_a_chat_body() -> None:
     }  # fmt: skip
 
 
+def test_a_system_message_among_the_messages_stays_where_it_was_sent() -> None:
+    # Claude Code 2.1 sends one after the first user turn (anthropic-beta: mid-conversation-system-2026-04-07).
+    chat = MESSAGES.to_chat(body(system="Be brief.", messages=[
+        {"role": "user", "content": "Hi"}, {"role": "system", "content": [{"type": "text", "text": "Agents: none."}]},
+    ]))  # fmt: skip
+    assert chat["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                                {"role": "system", "content": "Agents: none."}]  # fmt: skip
+
+
 def test_a_tool_loop_keeps_the_tool_use_id_from_the_call_to_its_result_in_order() -> None:
     chat = MESSAGES.to_chat(body(messages=TOOL_LOOP, tools=[WEATHER]))
     assert chat["messages"] == [
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": "Let me look.", "tool_calls": [
             {"id": "toolu_abc", "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}},
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
         ]},
         {"role": "tool", "tool_call_id": "toolu_abc", "content": "18 C"},
         {"role": "user", "content": "And tomorrow?"},
@@ -150,7 +159,7 @@ def test_count_tokens_renders_what_the_call_would_without_sampling_settings() ->
         ({"max_tokens": "many"}, "max_tokens", "valid integer"),
         ({"messages": "Hi"}, "messages", "valid list"),
         ({"messages": []}, "messages", "at least 1"),
-        ({"messages": [{"role": "system", "content": "x"}]}, "messages.0.role", "'user' or 'assistant'"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", "'user', 'assistant' or 'system'"),
         ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "messages.0.content.0", "does not match"),
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages.0.content.0",
          "text only"),
@@ -327,6 +336,6 @@ def test_readers_get_the_conversation_and_never_fail_on_a_stored_body() -> None:
         {"role": "user", "content": ""}]  # fmt: skip
     assert anthropic_chat_messages({"messages": "nope"}) == []
     reply = anthropic_reply({"content": [{"type": "tool_use", "id": "toolu_1", "name": "ls", "input": {"a": 1}}]})
-    call = {"id": "toolu_1", "type": "function", "function": {"name": "ls", "arguments": '{"a":1}'}}
+    call = {"id": "toolu_1", "type": "function", "function": {"name": "ls", "arguments": '{"a": 1}'}}
     assert reply == {"role": "assistant", "content": None, "tool_calls": [call]}
     assert anthropic_reply(None) is None and anthropic_reply({"content": "x"}) is None

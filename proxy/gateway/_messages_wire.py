@@ -68,7 +68,8 @@ ContentBlock = Annotated[
 
 
 class MessageParam(_Open):
-    role: Literal["user", "assistant"]
+    # "system": a system message mid-conversation (Claude Code sends them: beta mid-conversation-system-2026-04-07).
+    role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
 
 
