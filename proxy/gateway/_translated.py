@@ -120,11 +120,12 @@ class TranslatedRelay(Relay):
         except (UpstreamError, orjson.JSONDecodeError) as exc:
             message = exc.message if isinstance(exc, ProxyError) else f"the upstream stream broke: {exc!r}"
             self._recorded = True
+            closing = b"".join(translator.failed(message))  # the response is now a failed one, as recorded
             try:
                 await self._forwarder.record(self._record(502, message, translator.response()))
             finally:
                 self._uncount()
-            yield b"".join(translator.failed(message))
+            yield closing
             return
         self._recorded = True
         try:
