@@ -8,12 +8,15 @@ surface Claude Code uses, and errors as the SDK's own exceptions.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import anthropic
 import httpx
 import pytest
+from claude_code import claude_env, needs_claude, run_claude
 from conftest import RunningProxy
 from fake_vllm import EOS_TOKEN_ID, FakeVLLM, Reply, ToolCall
 
@@ -30,8 +33,9 @@ WEATHER: Any = {
 KEY = "sk-tracetrain-test-key-0123456789"
 
 
-def stored_calls(proxy: RunningProxy, trajectory_id: str) -> list[dict[str, Any]]:
-    calls: list[dict[str, Any]] = httpx.get(f"{proxy.v1}/trajectories/{trajectory_id}").json()["calls"]
+def stored_calls(proxy: RunningProxy, trajectory_id: str, key: str = "") -> list[dict[str, Any]]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    calls: list[dict[str, Any]] = httpx.get(f"{proxy.v1}/trajectories/{trajectory_id}", headers=headers).json()["calls"]
     return calls
 
 
@@ -244,3 +248,35 @@ def test_readers_see_the_messages_vllm_got(client: Client, proxy: RunningProxy, 
     )
     [call] = stored_calls(proxy, raw.headers["x-trajectory-id"])
     assert anthropic_chat_messages(call["request"]) == fake.requests[-1]["messages"]
+
+
+@needs_claude
+def test_claude_code_runs_a_tool_loop_through_the_proxy_captured_as_one_trajectory(
+    start_proxy: Any, fake: FakeVLLM, tmp_path: Path
+) -> None:
+    proxy = start_proxy(api_keys=KEY)
+    note = tmp_path / "note.txt"
+    note.write_text("tracetrain was here\n")
+
+    def reply(body: dict[str, Any]) -> Reply:
+        # Claude Code reads the file the model asks for, then the model answers from the tool's result.
+        if body["messages"][-1]["role"] == "tool":
+            return Reply(content="The note says: tracetrain was here.")
+        return Reply(tool_calls=[ToolCall("Read", json.dumps({"file_path": str(note)}))])
+
+    fake.reply_for = reply
+    env = claude_env(proxy.url, KEY, tmp_path / "home")
+    answer = run_claude("What does note.txt say?", env, tmp_path, "--allowedTools", "Read")
+    assert "The note says: tracetrain was here." in answer
+    rows = proxy.rows("SELECT trajectory_id, endpoint, stream, request, status_code FROM calls ORDER BY started_at")
+    assert len(rows) == 2 and {r["trajectory_id"] for r in rows} == {rows[0]["trajectory_id"]}  # threaded
+    assert all(r["endpoint"] == "messages" and r["stream"] and r["status_code"] == 200 for r in rows)
+    calls = stored_calls(proxy, rows[0]["trajectory_id"], KEY)
+    [use] = calls[0]["response"]["content"]
+    results = [b for b in calls[1]["request"]["messages"][-1]["content"] if b.get("type") == "tool_result"]
+    assert use["type"] == "tool_use" and results[0]["tool_use_id"] == use["id"]
+    assert "tracetrain was here" in json.dumps(results[0]["content"])
+    for call, sent in zip(calls, fake.requests[-2:], strict=True):
+        assert call["prompt_token_ids"] == fake.tokenize(fake.render_chat(sent["messages"], sent.get("tools")))
+    first = calls[0]["prompt_token_ids"] + calls[0]["completion_token_ids"]
+    assert calls[1]["prompt_token_ids"][: len(first)] == first  # one sample for training
