@@ -12,6 +12,7 @@ from store._anthropic import anthropic_chat_messages, anthropic_reply
 from store._conversation import (
     call_messages,
     call_reply,
+    call_tools,
     canonical_message,
     common_prefix,
     first_choice,
@@ -83,6 +84,7 @@ __all__ = [
     "anthropic_reply",
     "call_messages",
     "call_reply",
+    "call_tools",
     "canonical_message",
     "common_prefix",
     "connect",

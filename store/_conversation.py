@@ -91,6 +91,25 @@ def call_messages(endpoint: str, request: Mapping[str, Any] | None) -> list[dict
     return None
 
 
+def call_tools(endpoint: str, request: Mapping[str, Any] | None) -> list[dict[str, Any]] | None:
+    """A captured call's tool definitions in chat's shape (``{"type": "function", "function": ...}``); None without."""
+    tools = (request or {}).get("tools")
+    if not isinstance(tools, list) or not tools:
+        return None
+    if endpoint == "responses":  # {"type": "function", "name", "description", "parameters"}
+        keys = ("name", "description", "parameters", "strict")
+        tools = [
+            {"type": "function", "function": {k: t[k] for k in keys if k in t}} for t in tools if isinstance(t, dict)
+        ]
+    elif endpoint == "messages":  # Anthropic's {"name", "description", "input_schema"}
+        tools = [
+            {"type": "function", "function": {"name": t.get("name"), "description": t.get("description"),
+                                              "parameters": t.get("input_schema")}}
+            for t in tools if isinstance(t, dict) and "input_schema" in t
+        ]  # fmt: skip
+    return [t for t in tools if isinstance(t, dict)] or None
+
+
 def call_reply(endpoint: str, response: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """A captured call's reply as one chat assistant message (tool calls in chat's shape); None without one."""
     if endpoint == "responses":

@@ -58,8 +58,8 @@ def test_store_public_names() -> None:
         "StoreUnavailable", "StoredCall", "TRAINING_FIELDS", "TrainingState", "TrajectoryFilter", "TrajectoryRecord",
         "TransitionRefused",
         "UnknownTrajectories", "allowed", "anthropic_chat_messages", "anthropic_reply", "call_messages", "call_reply",
-        "canonical_message", "common_prefix", "connect", "first_choice", "group_advantages", "reply_message",
-        "responses_chat_messages", "responses_reply", "same_message",
+        "call_tools", "canonical_message", "common_prefix", "connect", "first_choice", "group_advantages",
+        "reply_message", "responses_chat_messages", "responses_reply", "same_message",
     ]  # fmt: skip
 
 
