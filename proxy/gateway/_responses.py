@@ -62,73 +62,73 @@ class ResponsesRequest(_Open):
     prompt: dict[str, Any] | None = None
 
 
-class _Message(_Open):
-    type: Literal["message"] = "message"
-    role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[dict[str, Any]]
-
-
-class _FunctionCall(_Open):
-    type: Literal["function_call"]
-    call_id: str = Field(min_length=1)
-    name: str = Field(min_length=1)
-    arguments: str
-
-
-class _FunctionCallOutput(_Open):
-    type: Literal["function_call_output"]
-    call_id: str = Field(min_length=1)
-    output: str | list[dict[str, Any]]
-
-
-class _FunctionTool(_Open):
-    type: Literal["function"]
-    name: str = Field(min_length=1)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-_ITEMS: dict[str, type[BaseModel] | None] = {
-    "message": _Message,
-    "function_call": _FunctionCall,
-    "function_call_output": _FunctionCallOutput,
-    "reasoning": None,  # dropped
-}
+_ROLES = ("user", "system", "developer", "assistant")
 _PARTS = frozenset({"input_text", "output_text", "text", "refusal", "input_image"})
+_ITEM_TYPES = frozenset({"message", "function_call", "function_call_output", "reasoning"})  # reasoning: dropped
 _STATELESS = "the proxy keeps no responses: send the whole conversation as `input`, as the Agents SDK and Codex do"
 
 
-def _validated(model: type[BaseModel], value: Any, where: str) -> None:
-    try:
-        model.model_validate(value)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join([where, *(str(part) for part in first["loc"])])
-        raise InvalidRequest(f"Invalid value for '{param}': {first['msg']}.", param=param) from exc
+# Items and tools are checked by hand, not by pydantic models: a model per item cost ~5 us, on every call.
+def _field(item: dict[str, Any], name: str, where: str, kinds: type | tuple[type, ...], *, required: bool = True,
+           nonempty: bool = False) -> None:  # fmt: skip
+    value = item.get(name)
+    if value is None and not required:
+        return
+    if value is None or not isinstance(value, kinds):
+        problem = "Field required" if name not in item else f"expected {_kind_names(kinds)}"
+    elif nonempty and not value:
+        problem = "must not be empty"
+    else:
+        return
+    raise InvalidRequest(f"Invalid value for '{where}.{name}': {problem}.", param=f"{where}.{name}")
+
+
+def _kind_names(kinds: type | tuple[type, ...]) -> str:
+    names = {str: "a string", list: "an array", dict: "an object", bool: "a boolean"}
+    return " or ".join(names.get(k, k.__name__) for k in (kinds if isinstance(kinds, tuple) else (kinds,)))
+
+
+def _check_message(item: dict[str, Any], where: str) -> None:
+    if item.get("role") not in _ROLES:
+        raise InvalidRequest(
+            f"Invalid value for '{where}.role': expected one of {', '.join(_ROLES)}.", param=f"{where}.role"
+        )
+    _field(item, "content", where, (str, list))
+    content = item["content"]
+    for j, part in enumerate(content if isinstance(content, list) else ()):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _PARTS:
+            raise InvalidRequest(
+                f"Unsupported content part type {str(kind)[:50]!r} at '{where}.content[{j}]': "
+                "use input_text, output_text or input_image (files are not supported).",
+                param=f"{where}.content[{j}].type",
+            )
+        text_field = "image_url" if kind == "input_image" else "refusal" if kind == "refusal" else "text"
+        _field(part, text_field, f"{where}.content[{j}]", str)
+
+
+def _check_item(item: dict[str, Any], where: str) -> None:
+    kind = item.get("type", "message" if "role" in item else None)
+    if kind == "message":
+        _check_message(item, where)
+    elif kind == "function_call":
+        _field(item, "call_id", where, str, nonempty=True)
+        _field(item, "name", where, str, nonempty=True)
+        _field(item, "arguments", where, str)
+    elif kind == "function_call_output":
+        _field(item, "call_id", where, str, nonempty=True)
+        _field(item, "output", where, (str, list))
+    elif kind not in _ITEM_TYPES:
+        raise InvalidRequest(
+            f"Unsupported input item type {str(kind)[:50]!r} at '{where}': the proxy takes messages, "
+            f"function_call and function_call_output items (item references need stored responses; {_STATELESS}).",
+            param=f"{where}.type",
+        )
 
 
 def _check_items(items: list[dict[str, Any]]) -> None:
     for i, item in enumerate(items):
-        kind = item.get("type", "message" if "role" in item else None)
-        if not isinstance(kind, str) or kind not in _ITEMS:
-            raise InvalidRequest(
-                f"Unsupported input item type {str(kind)[:50]!r} at 'input[{i}]': the proxy takes messages, "
-                f"function_call and function_call_output items (item references need stored responses; {_STATELESS}).",
-                param=f"input[{i}].type",
-            )
-        model = _ITEMS[kind]
-        if model is None:
-            continue
-        _validated(model, item, f"input[{i}]")
-        content = item.get("content")
-        for j, part in enumerate(content if isinstance(content, list) else ()):
-            if part.get("type") not in _PARTS:
-                raise InvalidRequest(
-                    f"Unsupported content part type {str(part.get('type'))[:50]!r} at 'input[{i}].content[{j}]': "
-                    "use input_text, output_text or input_image (files are not supported).",
-                    param=f"input[{i}].content[{j}].type",
-                )
+        _check_item(item, f"input[{i}]")
 
 
 def _chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -140,7 +140,11 @@ def _chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "and takes function tools only (hosted tools such as web search or file search need OpenAI).",
                 param=f"tools[{i}].type",
             )
-        _validated(_FunctionTool, tool, f"tools[{i}]")
+        where = f"tools[{i}]"
+        _field(tool, "name", where, str, nonempty=True)
+        _field(tool, "description", where, str, required=False)
+        _field(tool, "parameters", where, dict, required=False)
+        _field(tool, "strict", where, bool, required=False)
         function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
         out.append({"type": "function", "function": function})
     return out
