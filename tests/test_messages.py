@@ -129,6 +129,12 @@ def test_disabling_parallel_tool_use_asks_for_one_call() -> None:
     assert chat["parallel_tool_calls"] is False
 
 
+def test_a_json_output_format_asks_vllm_for_that_schema() -> None:
+    chat = MESSAGES.to_chat(body(output_config={"effort": "high", "format": {"type": "json_schema", "schema": CITY}}))
+    assert chat["response_format"] == {"type": "json_schema", "json_schema": {"name": "output", "schema": CITY}}
+    assert "response_format" not in MESSAGES.to_chat(body(output_config={"effort": "high"}))
+
+
 def test_thinking_blocks_are_dropped_and_a_tool_results_error_flag_is_not_rendered() -> None:
     chat = MESSAGES.to_chat(body(messages=[
         {"role": "user", "content": "Go"},

@@ -11,6 +11,7 @@ on the chat path, which captures the exact prompt ids, sampled ids and logprobs
   ``tool_choice`` (``auto``, ``any`` -> ``required``, ``tool`` -> a named function, ``none``;
   ``disable_parallel_tool_use`` -> ``parallel_tool_calls: false``); Anthropic's server tools
   (web search, code execution...) are refused: the proxy runs none;
+- ``output_config.format`` (a JSON schema) -> ``response_format``, which vLLM decodes to;
 - whatever else the client sends (``metadata``, ``thinking``, ``cache_control``...) is kept in
   the record and not sent to vLLM.
 
@@ -134,6 +135,10 @@ class MessagesDialect:
             if getattr(request, name) is not None:
                 chat[name] = getattr(request, name)
         chat.update(_chat_tools(request, body))
+        if request.output_config is not None and request.output_config.format is not None:
+            # Structured outputs: vLLM decodes to the schema, as Anthropic's API promises.
+            schema = request.output_config.format.schema_
+            chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
         return chat
 
     def from_chat(self, chat: dict[str, Any], body: dict[str, Any], model: str) -> dict[str, Any]:

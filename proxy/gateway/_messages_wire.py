@@ -87,6 +87,16 @@ class ToolChoice(_Open):
     disable_parallel_tool_use: bool | None = None
 
 
+class OutputFormat(_Open):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Open):
+    # ``effort`` is Claude's thinking budget: the policy has none, so it is kept in the record only.
+    format: OutputFormat | None = None
+
+
 class CountTokensRequest(_Open):
     """``POST /v1/messages/count_tokens``: what a call would render, without sampling settings."""
 
@@ -102,6 +112,7 @@ class MessagesRequest(CountTokensRequest):
 
     max_tokens: int = Field(ge=1, le=_INT32)
     metadata: dict[str, Any] | None = None
+    output_config: OutputConfig | None = None
     stop_sequences: list[str] | None = None
     stream: bool | None = None
     temperature: float | None = Field(default=None, ge=0)
