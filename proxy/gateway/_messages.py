@@ -29,7 +29,7 @@ from proxy.errors import InvalidRequest, ProxyError
 from proxy.gateway import _messages_out as out
 from proxy.gateway._messages_stream import MessagesStream
 from proxy.gateway._messages_wire import CountTokensRequest, MessagesRequest, ToolChoice
-from store._anthropic import anthropic_chat_messages
+from store import anthropic_chat_messages
 
 _REFUSED_BLOCKS = {
     "image": "Image blocks are not supported: the policy reads text only.",
