@@ -66,7 +66,7 @@ def _add_item(messages: list[dict[str, Any]], item: Mapping[str, Any]) -> None:
 
 
 def _content(content: Any) -> str | list[dict[str, Any]]:
-    """A message's content: a string stays one; one text part becomes its string; else chat's parts."""
+    """A message's content: a string stays one; text parts become one string; with images, chat's parts."""
     if isinstance(content, str):
         return content
     parts: list[dict[str, Any]] = []
@@ -81,8 +81,9 @@ def _content(content: Any) -> str | list[dict[str, Any]]:
             if part.get("detail"):
                 image["detail"] = part["detail"]
             parts.append({"type": "image_url", "image_url": image})
-    if len(parts) == 1 and parts[0]["type"] == "text":
-        return str(parts[0]["text"] or "")
+    if all(part["type"] == "text" for part in parts):
+        # Text parts as one string, joined as vLLM joins them for a template that takes strings (Codex sends several).
+        return "\n".join(str(part["text"] or "") for part in parts)
     return parts
 
 
