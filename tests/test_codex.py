@@ -31,7 +31,9 @@ def test_a_codex_tool_loop_is_one_trajectory_of_token_exact_calls(
     calls = httpx.get(f"{proxy.v1}/trajectories/{trajectory['id']}").json()["calls"]
     assert [(c["endpoint"], c["stream"], c["status_code"]) for c in calls] == [("responses", True, 200)] * 2
     first_sent, second_sent = fake.requests[-2:]
-    assert second_sent["messages"][-1]["role"] == "tool" and "the answer is 42" in second_sent["messages"][-1]["content"]
+    assert (
+        second_sent["messages"][-1]["role"] == "tool" and "the answer is 42" in second_sent["messages"][-1]["content"]
+    )
     assert second_sent["messages"][-2]["tool_calls"][0]["function"]["name"] == "exec_command"
     for call, sent in zip(calls, (first_sent, second_sent), strict=True):
         assert call["prompt_token_ids"] == fake.tokenize(fake.render_chat(sent["messages"], sent["tools"]))
