@@ -5,7 +5,8 @@ pure functions are that turn's message half, shared with the dashboard, export, 
 so every reader sees exactly the messages vLLM got:
 
 - ``system`` (a string or text blocks) is one system message, and a ``system`` message among the
-  messages (Claude Code sends them mid-conversation) one more, where it stands;
+  messages (Claude Code sends them mid-conversation) one more, where it stands; Claude Code's
+  attribution line (``x-anthropic-billing-header: ...``) is dropped from them, as vLLM drops it;
 - a message's text blocks are joined with a newline, as vLLM joins a chat message's text parts;
 - an assistant's ``tool_use`` blocks are its ``tool_calls`` (the ``toolu_...`` id kept, ``input`` as
   JSON text), each user ``tool_result`` block a ``tool`` message at its place in the turn;
@@ -24,6 +25,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+_BILLING_HEADER = "x-anthropic-billing-header"
+
 
 def _text(content: Any) -> str | None:
     """A string, or the text of a list of blocks joined with newlines; None when it holds no text."""
@@ -33,6 +36,28 @@ def _text(content: Any) -> str | None:
         return None
     texts = [b["text"] for b in content if isinstance(b, Mapping) and b.get("type") == "text" and "text" in b]
     return "\n".join(str(t) for t in texts) if texts else None
+
+
+def _system(content: Any) -> str | None:
+    """A system prompt's text without Claude Code's attribution line, as vLLM (0.32) drops it from system messages.
+
+    ``x-anthropic-billing-header: cc_version=...; cch=...;`` may change on every request: kept, it would
+    stop a Claude Code session from threading; vLLM renders the prompt without it anyway.
+    """
+    if isinstance(content, list):
+        kept = []
+        for block in content:
+            text = block.get("text") if isinstance(block, Mapping) else None
+            if isinstance(text, str) and text.startswith(_BILLING_HEADER):
+                rest = text.partition("\n")[2]
+                if rest:
+                    kept.append({**block, "text": rest})
+            else:
+                kept.append(block)
+        content = kept
+    elif isinstance(content, str) and content.startswith(_BILLING_HEADER):
+        content = content.partition("\n")[2]
+    return _text(content)
 
 
 def _tool_call(block: Mapping[str, Any]) -> dict[str, Any]:
@@ -85,7 +110,7 @@ def anthropic_chat_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'Hi'}]
     """
     out: list[dict[str, Any]] = []
-    system = _text(body.get("system"))
+    system = _system(body.get("system"))
     if system:
         out.append({"role": "system", "content": system})
     messages = body.get("messages")
@@ -97,7 +122,7 @@ def anthropic_chat_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
         elif message.get("role") == "user":
             out.extend(_user(message.get("content")))
         elif message.get("role") == "system":
-            out.append({"role": "system", "content": _text(message.get("content")) or ""})
+            out.append({"role": "system", "content": _system(message.get("content")) or ""})
     return out
 
 

@@ -90,6 +90,17 @@ def test_system_text_blocks_and_sampling_settings_become_a_chat_body() -> None:
     }  # fmt: skip
 
 
+def test_claude_codes_attribution_line_is_dropped_from_the_system_prompt_as_vllm_drops_it() -> None:
+    # vLLM 0.32 (renderers/chat_utils.py) drops it from system messages: its cch= value changes per request.
+    header = "x-anthropic-billing-header: cc_version=2.1.197.84c; cc_entrypoint=sdk-cli; cch=1f2e3;"
+    chat = MESSAGES.to_chat(body(system=[{"type": "text", "text": header}, {"type": "text", "text": "Be brief."}]))
+    assert chat["messages"][0] == {"role": "system", "content": "Be brief."}
+    chat = MESSAGES.to_chat(body(system=header + "\nBe brief.", messages=[
+        {"role": "user", "content": "Hi"}, {"role": "system", "content": header}]))  # fmt: skip
+    assert chat["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                                {"role": "system", "content": ""}]  # fmt: skip
+
+
 def test_a_system_message_among_the_messages_stays_where_it_was_sent() -> None:
     # Claude Code 2.1 sends one after the first user turn (anthropic-beta: mid-conversation-system-2026-04-07).
     chat = MESSAGES.to_chat(body(system="Be brief.", messages=[
@@ -300,6 +311,7 @@ def test_a_broken_upstream_mid_stream_raises_in_the_sdk() -> None:
     with pytest.raises(anthropic.APIStatusError, match="the upstream stream broke"):
         for _ in client.messages.create(model="agent", max_tokens=8, messages=[], stream=True):
             pass
+    assert translator.response()["stop_reason"] is None  # the record: it never stopped
 
 
 # ---------------------------------------------------------------- errors

@@ -130,4 +130,6 @@ class MessagesStream:
         content = [
             {**b, "input": out.tool_input(b["input"])} if b["type"] == "tool_use" else dict(b) for b in self._blocks
         ]
-        return out.message(self._chat_id, self._model, content, self._stopped(), out.usage(self._usage))
+        # A stream that broke before vLLM said why it stopped did not stop: no stop reason in its record.
+        stopped = self._stopped() if self._finish_reason is not None else (None, None)
+        return out.message(self._chat_id, self._model, content, stopped, out.usage(self._usage))
