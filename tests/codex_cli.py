@@ -25,8 +25,8 @@ def codex_config(base_url: str) -> str:
 model_provider = "tracetrain"
 web_search = "disabled"
 
-[features]
-multi_agent = false
+[agents]
+enabled = false
 
 [model_providers.tracetrain]
 name = "tracetrain"
@@ -36,8 +36,10 @@ wire_api = "responses"
 '''
 
 
-def run_codex(prompt: str, base_url: str, home: Path, cwd: Path, *args: str, timeout_s: float = 240) -> str:
-    """``codex exec prompt``'s printed answer (its last message); a failure shows what it said."""
+def run_codex(
+    prompt: str, base_url: str, home: Path, cwd: Path, *args: str, timeout_s: float = 240, check: bool = True
+) -> str:
+    """``codex exec prompt``'s output (its answer last); ``check``: a failure shows what it said."""
     assert CODEX is not None
     home.mkdir(parents=True, exist_ok=True)
     (home / "config.toml").write_text(codex_config(base_url))
@@ -46,5 +48,7 @@ def run_codex(prompt: str, base_url: str, home: Path, cwd: Path, *args: str, tim
     argv = [CODEX, "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox", *args, prompt]
     done = subprocess.run(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
                           timeout=timeout_s, check=False)  # fmt: skip
-    assert done.returncode == 0, f"codex exited {done.returncode}: {done.stdout[-2000:]} {done.stderr[-2000:]}"
-    return done.stdout
+    assert done.returncode == 0 or not check, (
+        f"codex exited {done.returncode}: {done.stdout[-2000:]} {done.stderr[-2000:]}"
+    )
+    return done.stdout + done.stderr
