@@ -9,6 +9,7 @@ surface Claude Code uses, and errors as the SDK's own exceptions.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,39 @@ def test_a_streamed_message_arrives_as_events_and_is_recorded_as_the_sdk_assembl
     assert call["prompt_token_ids"] == rendered(fake, {"model": "agent", "max_tokens": 64, "messages": QUESTION})
     assert call["completion_token_ids"] == [*fake.tokenize("Paris, of course."), EOS_TOKEN_ID]
     assert final.usage.input_tokens == len(call["prompt_token_ids"])
+
+
+def test_a_stream_is_forwarded_before_upstream_finishes(client: Client, proxy: RunningProxy, fake: FakeVLLM) -> None:
+    fake.token_delay_s = 0.2
+    fake.script(Reply(content="one two three four five six"))
+    started = time.perf_counter()
+    arrivals = []
+    for event in client(proxy).messages.create(model="agent", max_tokens=64, messages=QUESTION, stream=True):
+        if event.type == "content_block_delta":
+            arrivals.append(time.perf_counter() - started)
+    total = time.perf_counter() - started
+    assert len(arrivals) >= 6
+    assert arrivals[0] < total - 0.8, f"first delta at {arrivals[0]:.2f}s of {total:.2f}s: the proxy buffered"
+
+
+def test_keying_prefixes_headers_and_pins_work_as_for_chat(client: Client, proxy: RunningProxy) -> None:
+    prefixed = anthropic.Anthropic(base_url=f"{proxy.url}/g/grp-m/t/traj-m", api_key="unused", max_retries=0)
+    try:
+        raw = prefixed.messages.with_raw_response.create(model="agent@0", max_tokens=16, messages=QUESTION)
+    finally:
+        prefixed.close()
+    assert (raw.headers["x-trajectory-id"], raw.headers["x-group-id"]) == ("traj-m", "grp-m")
+    assert raw.headers["x-policy-version"] == "0" and raw.parse().model == "agent@0"
+    raw = client(proxy).messages.with_raw_response.create(
+        model="agent",
+        max_tokens=16,
+        messages=QUESTION,
+        extra_headers={"X-Trajectory-Id": "traj-h", "X-Group-Id": "grp-h"},
+    )
+    assert (raw.headers["x-trajectory-id"], raw.headers["x-group-id"]) == ("traj-h", "grp-h")
+    with pytest.raises(anthropic.NotFoundError):
+        client(proxy).messages.create(model="agent@7", max_tokens=16, messages=QUESTION)  # no such version
+    assert [c["endpoint"] for c in stored_calls(proxy, "traj-m") + stored_calls(proxy, "traj-h")] == ["messages"] * 2
 
 
 @pytest.mark.parametrize("stream", [False, True])
