@@ -12,6 +12,8 @@ import anthropic
 import httpx2 as httpx  # the anthropic SDK's HTTP client (2.14 moved to httpx2)
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from proxy.errors import AuthenticationFailed, GpuBusy, InvalidRequest, ModelNotFound, UpstreamError, UpstreamHTTPError
 from proxy.gateway._messages import MESSAGES, count_tokens_chat
@@ -357,3 +359,36 @@ def test_readers_get_the_conversation_and_never_fail_on_a_stored_body() -> None:
     call = {"id": "toolu_1", "type": "function", "function": {"name": "ls", "arguments": '{"a": 1}'}}
     assert reply == {"role": "assistant", "content": None, "tool_calls": [call]}
     assert anthropic_reply(None) is None and anthropic_reply({"content": "x"}) is None
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=12,
+)
+FIELDS = ["model", "max_tokens", "messages", "system", "tools", "tool_choice", "stop_sequences", "temperature",
+          "top_p", "top_k", "stream", "metadata", "output_config"]  # fmt: skip
+BLOCK_TYPES = st.sampled_from(["text", "tool_use", "tool_result", "thinking", "image", "document", "other"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    field=st.sampled_from(FIELDS),
+    value=JSON,
+    block=st.fixed_dictionaries(
+        {"type": BLOCK_TYPES},
+        optional={"text": JSON, "id": JSON, "name": JSON, "input": JSON, "tool_use_id": JSON, "content": JSON},
+    ),
+    role=st.sampled_from(["user", "assistant", "system"]),
+)
+def test_any_body_is_translated_or_refused_with_a_400_never_a_crash(
+    field: str, value: Any, block: dict[str, Any], role: str
+) -> None:
+    for sent in (body(**{field: value}), body(messages=[{"role": role, "content": [block]}])):
+        try:
+            chat = MESSAGES.to_chat(sent)
+        except InvalidRequest:
+            continue
+        orjson.dumps(chat)  # what goes to vLLM serializes
+        assert chat["messages"] and chat["max_tokens"] >= 1
+        assert anthropic_chat_messages(sent) == chat["messages"]
