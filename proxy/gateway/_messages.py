@@ -87,7 +87,7 @@ def _tool_choice(choice: ToolChoice) -> Any:
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
 
 
-def _chat_tools(request: CountTokensRequest, body: dict[str, Any]) -> dict[str, Any]:
+def _chat_tools(request: CountTokensRequest) -> dict[str, Any]:
     """``tools`` and ``tool_choice`` in chat's shape (none when the client sent none)."""
     chat: dict[str, Any] = {}
     if request.tools:
@@ -110,14 +110,16 @@ def _messages(request: CountTokensRequest, body: dict[str, Any]) -> list[dict[st
     _refuse_unreadable(request)
     messages = anthropic_chat_messages(body)
     if not any(m["role"] != "system" for m in messages):
-        raise InvalidRequest("messages hold no text to send: give the first message some text.", param="messages")
+        raise InvalidRequest(
+            "messages hold nothing to answer: send a user or assistant message with some content.", param="messages"
+        )
     return messages
 
 
 def count_tokens_chat(body: dict[str, Any]) -> dict[str, Any]:
     """A ``/v1/messages/count_tokens`` body as the chat body vLLM's ``/tokenize`` renders (messages, tools)."""
     request: CountTokensRequest = _validated(CountTokensRequest, body)
-    return {"model": request.model, "messages": _messages(request, body), **_chat_tools(request, body)}
+    return {"model": request.model, "messages": _messages(request, body), **_chat_tools(request)}
 
 
 class MessagesDialect:
@@ -134,7 +136,7 @@ class MessagesDialect:
         for name in _SAME:
             if getattr(request, name) is not None:
                 chat[name] = getattr(request, name)
-        chat.update(_chat_tools(request, body))
+        chat.update(_chat_tools(request))
         if request.output_config is not None and request.output_config.format is not None:
             # Structured outputs: vLLM decodes to the schema, as Anthropic's API promises.
             schema = request.output_config.format.schema_
