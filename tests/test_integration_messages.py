@@ -174,6 +174,8 @@ def test_a_tool_loop_is_captured_token_exact_as_one_trajectory(
     for call in calls:
         assert_token_exact(call, tokenizer)
     assert calls[1]["request"]["messages"][-1]["content"][0]["tool_use_id"] == uses[0].id
+    counted = sdk.messages.count_tokens(model="agent", messages=loop, tools=[WEATHER])  # vLLM's /tokenize, with tools
+    assert counted.input_tokens == len(calls[1]["prompt_token_ids"])
 
 
 @needs_claude
