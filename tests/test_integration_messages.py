@@ -150,6 +150,26 @@ def test_the_sdks_plain_and_streamed_calls_are_captured_token_exact(
     )
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_sequence_vllm_matched_is_the_stop_reason(
+    proxy: RunningProxy, sdk: anthropic.Anthropic, tokenizer: Any, stream: bool
+) -> None:
+    greedy = sdk.messages.create(model="agent", max_tokens=12, messages=QUESTION, extra_body=GREEDY)
+    text = greedy.content[0].text if greedy.content and greedy.content[0].type == "text" else ""
+    assert len(text) >= 6, f"the tiny model's greedy answer is too short to cut: {text!r}"
+    stop = text[len(text) // 2 :][:2]
+    asked: dict[str, Any] = {"model": "agent", "max_tokens": 12, "messages": QUESTION, "stop_sequences": [stop],
+                             "extra_body": GREEDY}  # fmt: skip
+    if stream:
+        with sdk.messages.stream(**asked) as s:
+            message = s.get_final_message()
+    else:
+        message = sdk.messages.create(**asked)
+    assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", stop)
+    cut = message.content[0].text if message.content and message.content[0].type == "text" else ""
+    assert cut == text[: text.index(stop)]  # vLLM leaves the stop string out of the text
+
+
 def test_a_tool_loop_is_captured_token_exact_as_one_trajectory(
     proxy: RunningProxy, sdk: anthropic.Anthropic, tokenizer: Any
 ) -> None:
