@@ -256,10 +256,16 @@ def test_bodies_the_sdk_would_not_send_get_a_400_in_anthropics_shape(
     assert says in answer["error"]["message"]
 
 
-def test_vllms_own_refusal_reaches_the_sdk_as_its_error(client: Client, proxy: RunningProxy, fake: FakeVLLM) -> None:
+@pytest.mark.parametrize("stream", [False, True])
+def test_vllms_own_refusal_reaches_the_sdk_as_its_error(
+    client: Client, proxy: RunningProxy, fake: FakeVLLM, stream: bool
+) -> None:
     fake.script(Reply(status=400, error_message="This model's maximum context length is 1024 tokens."))
-    with pytest.raises(anthropic.BadRequestError, match="maximum context length"):
-        client(proxy).messages.create(model="agent", max_tokens=16, messages=QUESTION)
+    with pytest.raises(anthropic.BadRequestError, match="maximum context length") as raised:
+        client(proxy).messages.create(model="agent", max_tokens=16, messages=QUESTION, stream=stream)
+    assert raised.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+    [row] = proxy.rows("SELECT status_code, endpoint FROM calls")
+    assert (row["status_code"], row["endpoint"]) == (400, "messages")
 
 
 def test_a_stream_broken_upstream_raises_in_the_sdk_and_is_recorded(
