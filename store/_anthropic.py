@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 _BILLING_HEADER = "x-anthropic-billing-header"
+_ARGUMENTS = json.JSONEncoder(ensure_ascii=False)  # json.dumps(..., ensure_ascii=False), without a new encoder per call
 
 
 def _text(content: Any) -> str | None:
@@ -34,7 +35,7 @@ def _text(content: Any) -> str | None:
         return content
     if not isinstance(content, list):
         return None
-    texts = [b["text"] for b in content if isinstance(b, Mapping) and b.get("type") == "text" and "text" in b]
+    texts = [b["text"] for b in content if isinstance(b, dict) and b.get("type") == "text" and "text" in b]
     return "\n".join(str(t) for t in texts) if texts else None
 
 
@@ -47,7 +48,7 @@ def _system(content: Any) -> str | None:
     if isinstance(content, list):
         kept = []
         for block in content:
-            text = block.get("text") if isinstance(block, Mapping) else None
+            text = block.get("text") if isinstance(block, dict) else None
             if isinstance(text, str) and text.startswith(_BILLING_HEADER):
                 rest = text.partition("\n")[2]
                 if rest:
@@ -62,15 +63,15 @@ def _system(content: Any) -> str | None:
 
 def _tool_call(block: Mapping[str, Any]) -> dict[str, Any]:
     # Written as vLLM's tool parsers write arguments (json.dumps), so a replayed call reads as it was answered.
-    arguments = json.dumps(block.get("input") if block.get("input") is not None else {}, ensure_ascii=False)
+    arguments = _ARGUMENTS.encode(block.get("input") if block.get("input") is not None else {})
     return {"id": block.get("id"), "type": "function", "function": {"name": block.get("name"), "arguments": arguments}}
 
 
 def _assistant(content: Any) -> dict[str, Any]:
     if not isinstance(content, list):
         return {"role": "assistant", "content": _text(content)}
-    texts = [b for b in content if isinstance(b, Mapping) and b.get("type") == "text"]
-    calls = [_tool_call(b) for b in content if isinstance(b, Mapping) and b.get("type") == "tool_use"]
+    texts = [b for b in content if isinstance(b, dict) and b.get("type") == "text"]
+    calls = [_tool_call(b) for b in content if isinstance(b, dict) and b.get("type") == "tool_use"]
     message: dict[str, Any] = {"role": "assistant", "content": _text(texts)}
     if calls:
         message["tool_calls"] = calls
@@ -91,7 +92,7 @@ def _user(content: Any) -> list[dict[str, Any]]:
         pending.clear()
 
     for block in content:
-        if not isinstance(block, Mapping):
+        if not isinstance(block, dict):
             continue
         if block.get("type") == "tool_result":
             flush()
@@ -115,7 +116,7 @@ def anthropic_chat_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
         out.append({"role": "system", "content": system})
     messages = body.get("messages")
     for message in messages if isinstance(messages, list) else ():
-        if not isinstance(message, Mapping):
+        if not isinstance(message, dict):
             continue
         if message.get("role") == "assistant":
             out.append(_assistant(message.get("content")))
