@@ -74,7 +74,7 @@ def _content(content: Any) -> str | list[dict[str, Any]]:
         if not isinstance(part, Mapping):
             continue
         kind = part.get("type")
-        if kind in _TEXT_PARTS:
+        if isinstance(kind, str) and kind in _TEXT_PARTS:
             parts.append({"type": "text", "text": part.get("text") if kind != "refusal" else part.get("refusal")})
         elif kind == "input_image":
             image: dict[str, Any] = {"url": part.get("image_url")}
@@ -90,7 +90,12 @@ def _content(content: Any) -> str | list[dict[str, Any]]:
 def _joined_text(parts: Any) -> str:
     if not isinstance(parts, Sequence):
         return ""
-    return "".join(str(p.get("text") or "") for p in parts if isinstance(p, Mapping) and p.get("type") in _TEXT_PARTS)
+    texts = (
+        p.get("text")
+        for p in parts
+        if isinstance(p, Mapping) and isinstance(p.get("type"), str) and p["type"] in _TEXT_PARTS
+    )
+    return "".join(str(text or "") for text in texts)
 
 
 def responses_reply(response: Mapping[str, Any] | None) -> dict[str, Any] | None:

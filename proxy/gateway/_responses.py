@@ -97,7 +97,7 @@ def _check_message(item: dict[str, Any], where: str) -> None:
     content = item["content"]
     for j, part in enumerate(content if isinstance(content, list) else ()):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _PARTS:
+        if not isinstance(kind, str) or kind not in _PARTS:
             raise InvalidRequest(
                 f"Unsupported content part type {str(kind)[:50]!r} at '{where}.content[{j}]': "
                 "use input_text, output_text or input_image (files are not supported).",
@@ -118,7 +118,7 @@ def _check_item(item: dict[str, Any], where: str) -> None:
     elif kind == "function_call_output":
         _field(item, "call_id", where, str, nonempty=True)
         _field(item, "output", where, (str, list))
-    elif kind not in _ITEM_TYPES:
+    elif not isinstance(kind, str) or kind not in _ITEM_TYPES:
         raise InvalidRequest(
             f"Unsupported input item type {str(kind)[:50]!r} at '{where}': the proxy takes messages, "
             f"function_call and function_call_output items (item references need stored responses; {_STATELESS}).",
