@@ -1,8 +1,10 @@
 """What tracetrain's capture costs: the proxy against the upstream itself and against LiteLLM.
 
-Three targets, each a process group of its own: ``direct`` (the fake vLLM of
+Three processes, each a process group of its own: ``direct`` (the fake vLLM of
 ``tests/fake_vllm.py``), ``tracetrain`` (``tracetrain serve``, capture into SQLite) and
 ``litellm`` (LiteLLM's proxy, one worker, no database), both proxies in front of that fake.
+tracetrain is measured on chat (target ``tracetrain``) and, as targets ``responses`` and
+``messages``, on ``/v1/responses`` and ``/v1/messages`` (translated to chat for the same fake).
 Per mode ("plain", "stream") and concurrency the targets run back to back under ``wrk``
 (``bench/wrk/chat.lua``: a fresh ``X-Trajectory-Id`` per request), each after a warm-up and
 a wait for quiet. Time to first streamed byte is probed apart at concurrency 1, and every
@@ -65,7 +67,14 @@ def parse_options(argv: Sequence[str] | None) -> Options:
         return Options(2, 1, (1, 64), targets, 30, args.out, args.profile, args.upstreams, args.observe)
     concurrency = tuple(int(c) for c in args.concurrency.split(","))
     return Options(
-        args.duration, args.warmup, concurrency, targets, args.ttfb_requests, args.out, args.profile, args.upstreams,
+        args.duration,
+        args.warmup,
+        concurrency,
+        targets,
+        args.ttfb_requests,
+        args.out,
+        args.profile,
+        args.upstreams,
         args.observe,
     )
 
@@ -98,7 +107,7 @@ def run(opts: Options, workdir: Path, stack: contextlib.ExitStack) -> Results:
     cells = run_matrix(bench)
     ttfb = measure_all_ttfb(bench)
     profile = records = None
-    if "tracetrain" in servers:
+    if "tracetrain" in servers:  # started for any of its APIs
         if opts.profile is not None:
             print("profiling tracetrain under plain c=64 load ...", file=sys.stderr, flush=True)
             profile = profile_tracetrain(bench, opts.profile, opts.duration_s)

@@ -226,10 +226,10 @@ class _App(FastAPI):
     """FastAPI, with the two plain generation paths served before its middleware (``proxy.gateway._routes``)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        endpoint = _openai_routes.GENERATION_PATHS.get(scope["path"]) if scope["type"] == "http" else None
-        if endpoint is not None and scope["method"] == "POST" and not self.root_path:
+        serving = _openai_routes.GENERATION_PATHS.get(scope["path"]) if scope["type"] == "http" else None
+        if serving is not None and scope["method"] == "POST" and not self.root_path:
             scope["app"] = self
-            await _openai_routes.serve_generation(endpoint, scope, receive, send)
+            await _openai_routes.serve_generation(serving, scope, receive, send)
             return
         await super().__call__(scope, receive, send)
 

@@ -62,9 +62,10 @@ ServicesDep = Annotated[Services, Depends(get_services)]
 def _check(request: Request, keys: tuple[SecretStr, ...], what: str) -> None:
     if not keys:
         return
-    presented = presented_token(request)
+    # Anthropic's clients (its SDK, Claude Code) send their key as x-api-key.
+    presented = presented_token(request) or request.headers.get("x-api-key")
     if presented is None:
-        raise AuthenticationFailed(f"Missing {what}: send it as 'Authorization: Bearer <key>'.")
+        raise AuthenticationFailed(f"Missing {what}: send it as 'Authorization: Bearer <key>' (or 'x-api-key: <key>').")
     matched = False
     for key in keys:  # no early exit: the time taken does not depend on which key matched
         matched |= hmac.compare_digest(presented.encode(), key.get_secret_value().encode())

@@ -8,7 +8,17 @@ the proxy, and the proxy never loads torch. ``Store.open(url)`` is the way in.
 from store._adapter_files import FILE_NAME_PATTERN, AdapterFile, AdapterFiles, FileEntry
 from store._adapters import ADAPTER_FIELDS, Adapters, Policies
 from store._advantages import GroupAdvantages, group_advantages
-from store._conversation import canonical_message, common_prefix, first_choice, reply_message, same_message
+from store._anthropic import anthropic_chat_messages, anthropic_reply
+from store._conversation import (
+    call_messages,
+    call_reply,
+    call_tools,
+    canonical_message,
+    common_prefix,
+    first_choice,
+    reply_message,
+    same_message,
+)
 from store._engine import connect
 from store._errors import SchemaTooNew, StoreError, StoreUnavailable, TransitionRefused, UnknownTrajectories
 from store._export import ExportFilter, ExportPage, ExportReads, RewardSummary
@@ -17,6 +27,7 @@ from store._jobs import JOB_FIELDS, Jobs, RewardedTrajectory, StoredCall
 from store._judgements import JUDGEMENT_STATES, DueRule, GroupCalls, GroupChanged, Judgements
 from store._lifecycle import MOVES, AdapterState, GpuHandover, GroupState, JobState, TrainingState, allowed
 from store._reads import GROUP_VIEW_STATES, GroupRecord, Reads, TrajectoryFilter, TrajectoryRecord
+from store._responses_api import responses_chat_messages, responses_reply
 from store._rewards import RewardIn
 from store._store import Store
 from store._tables import Call
@@ -69,11 +80,18 @@ __all__ = [
     "TransitionRefused",
     "UnknownTrajectories",
     "allowed",
+    "anthropic_chat_messages",
+    "anthropic_reply",
+    "call_messages",
+    "call_reply",
+    "call_tools",
     "canonical_message",
     "common_prefix",
     "connect",
     "first_choice",
     "group_advantages",
     "reply_message",
+    "responses_chat_messages",
+    "responses_reply",
     "same_message",
 ]

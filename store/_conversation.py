@@ -16,6 +16,9 @@ from typing import Any, TypeVar
 
 import orjson
 
+from store._anthropic import anthropic_chat_messages, anthropic_reply
+from store._responses_api import responses_chat_messages, responses_reply
+
 T = TypeVar("T")
 
 
@@ -68,6 +71,52 @@ def reply_message(response: Mapping[str, Any] | None) -> dict[str, Any] | None:
     first = first_choice(response)
     message = first.get("message") if first is not None else None
     return {"role": "assistant", **message} if isinstance(message, dict) else None
+
+
+def call_messages(endpoint: str, request: Mapping[str, Any] | None) -> list[dict[str, Any]] | None:
+    """A captured call's request as chat messages, whatever API it spoke; None for a text prompt.
+
+    The one place every reader (the dashboard, the judge, export, the SFT path, Langfuse) turns a
+    ``calls.request`` into a conversation: chat's messages as sent; the Responses API's
+    ``instructions`` and ``input``, Anthropic's ``system`` and ``messages``, as the proxy translated
+    them for vLLM.
+    """
+    request = request or {}
+    if endpoint == "responses":
+        return responses_chat_messages(request)
+    if endpoint == "messages":
+        return anthropic_chat_messages(request)
+    if endpoint == "chat.completions":
+        return [m for m in request.get("messages") or () if isinstance(m, dict)]
+    return None
+
+
+def call_tools(endpoint: str, request: Mapping[str, Any] | None) -> list[dict[str, Any]] | None:
+    """A captured call's tool definitions in chat's shape (``{"type": "function", "function": ...}``); None without."""
+    tools = (request or {}).get("tools")
+    if not isinstance(tools, list) or not tools:
+        return None
+    if endpoint == "responses":  # {"type": "function", "name", "description", "parameters"}
+        keys = ("name", "description", "parameters", "strict")
+        tools = [
+            {"type": "function", "function": {k: t[k] for k in keys if k in t}} for t in tools if isinstance(t, dict)
+        ]
+    elif endpoint == "messages":  # Anthropic's {"name", "description", "input_schema"}
+        tools = [
+            {"type": "function", "function": {"name": t.get("name"), "description": t.get("description"),
+                                              "parameters": t.get("input_schema")}}
+            for t in tools if isinstance(t, dict) and "input_schema" in t
+        ]  # fmt: skip
+    return [t for t in tools if isinstance(t, dict)] or None
+
+
+def call_reply(endpoint: str, response: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """A captured call's reply as one chat assistant message (tool calls in chat's shape); None without one."""
+    if endpoint == "responses":
+        return responses_reply(response)
+    if endpoint == "messages":
+        return anthropic_reply(response)
+    return reply_message(response)
 
 
 def common_prefix(*sequences: Sequence[T], same: Callable[[T, T], bool] | None = None) -> int:

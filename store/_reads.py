@@ -14,6 +14,7 @@ from typing import Any
 from sqlalchemy import and_, case, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from store._conversation import call_reply
 from store._jobs import ready_condition
 from store._lifecycle import GroupState
 from store._tables import calls as C
@@ -46,7 +47,7 @@ class TrajectoryRecord:
 class GroupRecord:
     group: dict[str, Any]
     members: list[dict[str, Any]]  # its trajectories, oldest first
-    last_responses: dict[str, Any]  # trajectory id -> the response of its last call
+    last_replies: dict[str, dict[str, Any] | None]  # trajectory id -> its last call's reply, as a chat message
 
 
 class Reads:
@@ -137,9 +138,12 @@ class Reads:
                 return None
             members = await conn.execute(select(T).where(T.c.group_id == group_id).order_by(T.c.created_at))
             calls = await conn.execute(
-                select(C.c.trajectory_id, C.c.response).where(C.c.group_id == group_id).order_by(C.c.started_at, C.c.pk)
+                select(C.c.trajectory_id, C.c.endpoint, C.c.response)
+                .where(C.c.group_id == group_id)
+                .order_by(C.c.started_at, C.c.pk)
             )
-            last = {row.trajectory_id: row.response for row in calls.all()}  # the last call of each wins
+            # The last call of each wins; its reply read alike whatever API it spoke.
+            last = {row.trajectory_id: call_reply(row.endpoint, row.response) for row in calls.all()}
             return GroupRecord(dict(group._mapping), [dict(m._mapping) for m in members.all()], last)
 
     async def traffic(self) -> dict[str, int]:

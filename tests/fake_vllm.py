@@ -793,6 +793,11 @@ class FakeVLLM:
     async def _tokenize(self, request: Request) -> Response:
         body = await _json_body(request)
         prompt = body.get("prompt")
+        messages = body.get("messages")
+        if isinstance(messages, list) and all(isinstance(m, dict) for m in messages):
+            # vLLM's TokenizeChatRequest: the messages rendered by the chat template (generation prompt by default).
+            add_generation_prompt = body.get("add_generation_prompt", True) is not False
+            prompt = render_chat(messages, body.get("tools"), add_generation_prompt=add_generation_prompt)
         if not isinstance(prompt, str):
             raise _invalid("prompt")
         await self._resolved(body.get("model"))

@@ -57,8 +57,9 @@ def test_store_public_names() -> None:
         "RewardSummary", "RewardTimeouts", "RewardedTrajectory", "SchemaTooNew", "Store", "StoreError",
         "StoreUnavailable", "StoredCall", "TRAINING_FIELDS", "TrainingState", "TrajectoryFilter", "TrajectoryRecord",
         "TransitionRefused",
-        "UnknownTrajectories", "allowed", "canonical_message", "common_prefix", "connect", "first_choice",
-        "group_advantages", "reply_message", "same_message",
+        "UnknownTrajectories", "allowed", "anthropic_chat_messages", "anthropic_reply", "call_messages", "call_reply",
+        "call_tools", "canonical_message", "common_prefix", "connect", "first_choice", "group_advantages",
+        "reply_message", "responses_chat_messages", "responses_reply", "same_message",
     ]  # fmt: skip
 
 
@@ -78,7 +79,7 @@ def test_the_store_loads_neither_torch_nor_a_web_framework() -> None:
     import subprocess
     import sys
 
-    modules = ('torch', 'fastapi', 'starlette', 'proxy', 'trainer')
+    modules = ("torch", "fastapi", "starlette", "proxy", "trainer")
     code = f"import sys, store; print(*(m in sys.modules for m in {modules}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False"] * 5

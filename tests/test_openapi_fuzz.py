@@ -2,7 +2,9 @@
 
 The real app runs on loopback in front of the fake vLLM, with a little real traffic in
 its store so that detail routes find something. Every generated request carries the
-admin token; every answer must be below 500, and every 4xx must be OpenAI's error shape.
+admin token; every answer must be below 500, and every 4xx must be OpenAI's error shape
+(Anthropic's on /v1/messages: ``{"type": "error", "error": {"type", "message"}}``).
+The generation routes (chat, completions, /v1/responses, /v1/messages, count_tokens) are in it.
 The dashboard's pages and the keying prefixes (/t/{id}/v1/...) are not in the schema, so they
 get hostile values by hand.
 """
@@ -75,15 +77,25 @@ def seeded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningProxy]:
 def errors_are_openai_shaped(
     ctx: schemathesis.CheckContext, response: schemathesis.Response, case: schemathesis.Case
 ) -> bool:
-    """Every 4xx is ``{"error": {"message", "type", "param", "code"}}`` with a message."""
+    """Every 4xx is ``{"error": {"message", "type", "param", "code"}}`` with a message (Anthropic's on its API)."""
     if not 400 <= response.status_code < 500:
         return True
     body = response.json()
+    if case.path.startswith("/v1/messages") and case.method.upper() == "POST":  # others: the app's 405
+        assert isinstance(body, dict) and body.get("type") == "error", response.text
+        assert isinstance(body["error"]["type"], str) and body["error"]["message"], response.text
+        return True
     assert isinstance(body, dict) and set(body) == {"error"}, response.text
     error = body["error"]
     assert set(error) == {"message", "type", "param", "code"}, response.text
     assert isinstance(error["message"], str) and error["message"], response.text
     return True
+
+
+def test_the_translated_apis_are_fuzzed() -> None:
+    assert {"/v1/responses", "/v1/messages", "/v1/messages/count_tokens"} <= set(OPENAPI["paths"])
+    for path in ("/v1/responses", "/v1/messages", "/v1/messages/count_tokens"):
+        assert OPENAPI["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"], path
 
 
 def test_the_fuzzed_schema_is_the_one_the_proxy_serves(seeded: RunningProxy) -> None:

@@ -37,7 +37,7 @@ from typing import Any, Literal, Protocol
 
 import orjson
 
-from store import ExportFilter, Store, first_choice, reply_message
+from store import ExportFilter, Store, call_messages, call_reply, call_tools, first_choice
 
 ExportFormat = Literal["jsonl", "parquet"]
 FORMATS: tuple[ExportFormat, ...] = ("jsonl", "parquet")
@@ -72,18 +72,19 @@ def trajectory_row(
 
 def call_row(call: Mapping[str, Any]) -> dict[str, Any]:
     request = call["request"] or {}
-    chat = call["endpoint"] == "chat.completions"
-    tools = request.get("tools")
+    sent = call_messages(call["endpoint"], request)  # chat, Responses and Messages calls alike; None: a text prompt
+    chat = sent is not None
+    tools = call_tools(call["endpoint"], request)
     return {
         "id": call["id"],
         "endpoint": call["endpoint"],
         "version": call["version"],
         "served_model": call["served_model"],
         "status_code": call["status_code"],
-        "messages": [message(m) for m in request.get("messages") or () if isinstance(m, dict)] if chat else None,
+        "messages": [message(m) for m in sent] if sent is not None else None,
         "prompt": None if chat else _prompt_text(request.get("prompt")),
         "tools": orjson.dumps(tools).decode() if tools else None,
-        "response": _response_message(call["response"], chat),
+        "response": _response_message(call["endpoint"], call["response"], chat),
         "prompt_token_ids": list(call["prompt_token_ids"] or ()),
         "completion_token_ids": list(call["completion_token_ids"] or ()),
         "logprobs": list(call["logprobs"] or ()),
@@ -145,13 +146,12 @@ def _prompt_text(prompt: Any) -> str | None:
     return orjson.dumps(prompt).decode()  # token ids or several prompts: kept, as JSON text
 
 
-def _response_message(response: Mapping[str, Any] | None, chat: bool) -> dict[str, Any] | None:
-    first = first_choice(response)
-    if first is None:
-        return None
+def _response_message(endpoint: str, response: Mapping[str, Any] | None, chat: bool) -> dict[str, Any] | None:
     if chat:
-        return message(reply_message(response) or {"role": "assistant"})
-    return message({"role": "assistant", "content": first.get("text")})
+        reply = call_reply(endpoint, response)
+        return message(reply) if reply is not None else None
+    first = first_choice(response)
+    return message({"role": "assistant", "content": first.get("text")}) if first is not None else None
 
 
 # -- writing ------------------------------------------------------------------------------------

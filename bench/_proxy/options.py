@@ -5,7 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-TARGETS = ("direct", "tracetrain", "litellm")
+# "responses" and "messages": tracetrain's /v1/responses and /v1/messages (translated to chat for the same
+# upstream), so their added latency reads beside chat's ("tracetrain").
+TARGETS = ("direct", "tracetrain", "responses", "messages", "litellm")
+# The targets served by tracetrain's one process, each by the API it speaks.
+TRACETRAIN_APIS = {"tracetrain": "chat", "responses": "responses", "messages": "messages"}
 MODES = ("plain", "stream")
 
 

@@ -77,14 +77,27 @@ class Connection:
         return Reply(int(head[0].split(b" ", 2)[1]), (first_ns - start_ns) / 1e6, b"".join(parts))
 
 
+# Per API the server speaks: its path, its body's maximum-tokens field, and what ends a stream / fills a reply
+# (16 tokens cut the fake's echo: a Responses stream then ends "incomplete").
+_API = {
+    "chat": ("/v1/chat/completions", "max_tokens", b"data: [DONE]", b'"choices"'),
+    "responses": ("/v1/responses", "max_output_tokens", b"event: response.incomplete", b'"output"'),
+    "messages": ("/v1/messages", "max_tokens", b"event: message_stop", b'"content"'),
+}
+
+
 def chat_request(server: Server, trajectory_id: str, stream: bool) -> bytes:
-    """The chat completion ``chat.lua`` sends, as raw HTTP/1.1."""
-    body: dict[str, Any] = {"model": server.model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 16}
+    """The call ``chat.lua`` sends (a chat completion, or the same question in ``server.api``), as raw HTTP/1.1."""
+    path, max_tokens = _API[server.api][:2]
+    question: dict[str, Any] = {"input": PROMPT} if server.api == "responses" else {
+        "messages": [{"role": "user", "content": PROMPT}]
+    }  # fmt: skip
+    body: dict[str, Any] = {"model": server.model, **question, max_tokens: 16}
     if stream:
         body["stream"] = True
     data = json.dumps(body, separators=(",", ":")).encode()
     head = (
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {HOST}:{server.port}\r\nContent-Type: application/json\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: {HOST}:{server.port}\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(data)}\r\nX-Trajectory-Id: {trajectory_id}\r\n\r\n"
     )
     return head.encode() + data
@@ -96,7 +109,8 @@ def check_answers(server: Server, tag: str) -> int:
     try:
         for i, stream in enumerate((False, True)):
             reply = conn.exchange(chat_request(server, f"{tag}-{i}", stream))
-            complete = b"data: [DONE]" in reply.body if stream else b'"choices"' in reply.body
+            ends_stream, fills_reply = _API[server.api][2:]
+            complete = ends_stream in reply.body if stream else fills_reply in reply.body
             if reply.status != 200 or b"echo" not in reply.body or not complete:
                 raise SystemExit(f"{server.name} answered {reply.status}: {reply.body[:500]!r}")
     finally:

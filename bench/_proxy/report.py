@@ -52,9 +52,9 @@ def _fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-SUMMARY_HEAD = "mode|conc|direct req/s|tracetrain req/s|litellm req/s|tracetrain/direct|tracetrain/litellm|"
-SUMMARY_HEAD += "tt +p50 ms|tt +p99 ms|"
-SUMMARY_HEAD += "litellm +p50 ms|litellm +p99 ms"
+SUMMARY_HEAD = "mode|conc|direct req/s|tracetrain req/s|responses req/s|messages req/s|litellm req/s|"
+SUMMARY_HEAD += "tracetrain/direct|tracetrain/litellm|tt +p50 ms|tt +p99 ms|responses +p50 ms|responses +p99 ms|"
+SUMMARY_HEAD += "messages +p50 ms|messages +p99 ms|litellm +p50 ms|litellm +p99 ms"
 
 
 def summary_rows(res: Results, opts: Options) -> list[list[str]]:
@@ -119,6 +119,11 @@ def verdicts(res: Results, opts: Options) -> list[str]:
     if plain is not None:  # the target is non-streamed; a stream's is its first byte (below)
         whole = f" (a whole stream, not a target: {stream:+.2f} ms)" if stream is not None else ""
         out.append(line(plain <= 1, f"added p50 <= 1 ms at c=1, non-streamed: {plain:+.2f} ms{whole}"))
+    for api in ("responses", "messages"):  # translated to chat and back: within 0.3 ms of chat's own
+        mine, chat = res.added(api, "plain", 1, "p50_ms"), plain
+        if mine is not None and chat is not None:
+            out.append(line(mine - chat <= 0.3, f"/v1/{api} added p50 within 0.3 ms of chat's at c=1, "
+                                                f"non-streamed: {mine:+.2f} ms vs {chat:+.2f} ms"))  # fmt: skip
     if "tracetrain" in res.ttfb and "direct" in res.ttfb:
         d50 = res.ttfb["tracetrain"].p50_ms - res.ttfb["direct"].p50_ms
         d99 = res.ttfb["tracetrain"].p99_ms - res.ttfb["direct"].p99_ms

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from _host import machine_busy_seconds
 
-from .options import MODES, TARGETS, Options
+from .options import MODES, TARGETS, TRACETRAIN_APIS, Options
 from .probe import TTFB_WARMUP, Ttfb, measure_ttfb
 from .servers import Server, cpu_seconds, settle
 from .wrk import WrkResult, run_wrk
@@ -28,7 +28,7 @@ class Bench:
     batches: list[tuple[str, int, int]] = field(default_factory=list)
 
     def note(self, target: str, tag: str, sent: int, answered: int) -> None:
-        if target == "tracetrain":
+        if target in TRACETRAIN_APIS:
             self.batches.append((tag, sent, answered))
 
     @property

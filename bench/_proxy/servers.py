@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from _host import free_port, machine_busy_seconds, wait_http
+
+from .options import TRACETRAIN_APIS
 
 REPO = Path(__file__).resolve().parents[2]
 BASE_MODEL = "fake/base-model"
@@ -33,6 +36,7 @@ class Server:
     model: str
     proc: subprocess.Popen[bytes]
     log: Path
+    api: str = "chat"  # what bench/wrk/chat.lua and the probes send: "chat", "responses" or "messages"
 
     @property
     def url(self) -> str:
@@ -94,7 +98,7 @@ def start_servers(
     more = [start(f"upstream{i}", [sys.executable, "tests/fake_vllm.py"], "/v1/models", BASE_MODEL)
             for i in range(2, upstreams + 1)]  # fmt: skip
     servers |= {server.name: server for server in more}
-    if "tracetrain" in targets:
+    if set(targets) & set(TRACETRAIN_APIS):
         argv = [tool("tracetrain"), "serve", "--upstream", upstream, "--data-dir", str(workdir / "tracetrain")]
         argv += [arg for server in more for arg in ("--upstream", f"{server.url}/v1")]
         argv += ["--no-train", "--log-level", "warning"]
@@ -105,6 +109,9 @@ def start_servers(
             env = {**os.environ, **keys, "LANGFUSE_BASE_URL": sink.url}
             argv.append("--langfuse")
         servers["tracetrain"] = start("tracetrain", argv, "/readyz", POLICY, env)
+        for name in ("responses", "messages"):  # the same process, another API
+            if name in targets:
+                servers[name] = dataclasses.replace(servers["tracetrain"], name=name, api=TRACETRAIN_APIS[name])
     if "litellm" in targets:
         quiet = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "DISABLE_ADMIN_UI": "True", "LITELLM_LOG": "ERROR"}
         config = str(_litellm_config(workdir, fake.port))

@@ -51,7 +51,7 @@ def parse_wrk(stdout: str) -> WrkResult:
 def run_wrk(server: Server, mode: str, concurrency: int, seconds: int, tag: str) -> WrkResult:
     """``wrk --latency`` with min(2, c) threads and c connections; ids are ``TAG-<thread>-<n>``."""
     load = [f"-t{min(2, concurrency)}", f"-c{concurrency}", f"-d{seconds}s", "--latency", "--timeout", "30s"]
-    argv = ["wrk", *load, "-s", str(WRK_SCRIPT), server.url, "--", server.model, mode, tag]
+    argv = ["wrk", *load, "-s", str(WRK_SCRIPT), server.url, "--", server.model, mode, tag, server.api]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 60, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"wrk failed ({done.returncode}): {done.stderr}{done.stdout}")

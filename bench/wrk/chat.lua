@@ -1,10 +1,12 @@
 -- POST one chat completion per request, each with a fresh X-Trajectory-Id.
 --
---   wrk -s bench/wrk/chat.lua URL -- MODEL MODE TAG
+--   wrk -s bench/wrk/chat.lua URL -- MODEL MODE TAG [API]
 --
 -- MODEL is the model name the target serves ("agent" for the proxies, the base
 -- model's name for the upstream itself), MODE is "stream" or "plain", TAG a prefix
 -- unique to this run: ids are TAG-<thread>-<n>, so no two requests share one.
+-- API ("chat" by default, "responses", "messages") sends the same question to
+-- /v1/responses or /v1/messages instead, in that API's grammar.
 -- done() prints one machine-readable line, BENCH_RESULT key=value ..., that
 -- bench/proxy_overhead.py parses; "sent" counts request() calls, including requests
 -- still in flight when wrk stopped (it runs one over per run: one call is never written).
@@ -24,13 +26,23 @@ function init(args)
    local tag = args[3] or "bench"
    id_prefix = string.format("%s-%d-", tag, thread_no)
    sent = 0
-   body = string.format(
-      '{"model":"%s","messages":[{"role":"user","content":"%s"}],"max_tokens":16%s}',
-      model,
-      "Write one short sentence about proxies, trajectories and rewards for this benchmark.",
-      stream and ',"stream":true' or ""
-   )
-   path = "/v1/chat/completions"
+   local api = args[4] or "chat"
+   local question = "Write one short sentence about proxies, trajectories and rewards for this benchmark."
+   local tail = stream and ',"stream":true' or ""
+   if api == "responses" then
+      body = string.format('{"model":"%s","input":"%s","max_output_tokens":16%s}', model, question, tail)
+      path = "/v1/responses"
+   elseif api == "messages" then
+      body = string.format(
+         '{"model":"%s","max_tokens":16,"messages":[{"role":"user","content":"%s"}]%s}', model, question, tail
+      )
+      path = "/v1/messages"
+   else
+      body = string.format(
+         '{"model":"%s","messages":[{"role":"user","content":"%s"}],"max_tokens":16%s}', model, question, tail
+      )
+      path = "/v1/chat/completions"
+   end
 end
 
 function request()

@@ -30,7 +30,7 @@ from proxy.admin import _service as _admin
 from proxy.admin._auth import COOKIE, SESSION_S, Admin, AdminAuth, cookie_is_secure
 from proxy.admin._svg import line_chart
 from proxy.errors import AuthenticationFailed, InvalidRequest, ProxyError
-from store import reply_message
+from store import call_reply
 
 router = APIRouter(prefix="/admin", include_in_schema=False)
 _T = TypeVar("_T")
@@ -253,7 +253,7 @@ async def trajectory(trajectory_id: Id, request: Request, services: ServicesDep)
     detail = await _or_error_page(request, _admin.trajectory_detail(services, trajectory_id), "Not found")
     for call in detail["calls"]:
         call["tokens"] = _token_rows(call)
-        call["reply"] = reply_message(call.get("response"))
+        call["reply"] = call_reply(call["endpoint"], call.get("response"))
     return _page(request, services, admin, "trajectory.html", "Trajectories", t=detail)
 
 

@@ -22,8 +22,9 @@ from store import (
     JobState,
     TrainingState,
     _advantages,
+    call_messages,
+    call_reply,
     common_prefix,
-    reply_message,
     same_message,
 )
 
@@ -139,12 +140,12 @@ async def trajectory_detail(services: Services, trajectory_id: str) -> dict[str,
     for call in calls:
         end = start + len(call["completion_token_ids"])
         call["completion_token_texts"], start = texts[start:end], end
-        messages = call["request"].get("messages")
-        if isinstance(messages, list):
+        messages = call_messages(call["endpoint"], call["request"])
+        if messages is not None:
             # Only what the agent added since the previous call; the rest is already shown above it.
             same_start = common_prefix(messages, previous, same=same_message) == len(previous)
             call["new_messages"] = messages[len(previous) :] if same_start else messages
-            reply = reply_message(call.get("response"))
+            reply = call_reply(call["endpoint"], call.get("response"))
             previous = [*messages, reply] if reply else list(messages)
         else:
             call["new_messages"] = []
@@ -162,7 +163,7 @@ async def group_detail(services: Services, group_id: str) -> dict[str, Any]:
     record = await services.store.reads.group(group_id)
     if record is None:
         raise NotFound(f"No group with id '{group_id}'.", param="group_id", code="group_not_found")
-    group, members, last_calls = record.group, record.members, record.last_responses
+    group, members, last_replies = record.group, record.members, record.last_replies
     rewards = [m["reward"] for m in members]
     centered, scaled = group_advantages(rewards)
     judgements = (await services.judging.list_judgements(group_id=group_id, state=None, limit=20))["data"]
@@ -170,7 +171,7 @@ async def group_detail(services: Services, group_id: str) -> dict[str, Any]:
     verdicts = {s["trajectory_id"]: s for s in judged["scores"]} if judged else {}
     rows = []
     for member, adv_c, adv_s in zip(members, centered, scaled, strict=True):
-        answer = reply_message(last_calls.get(member["id"]))
+        answer = last_replies.get(member["id"])
         verdict = verdicts.get(member["id"], {})
         rows.append(
             {

@@ -25,6 +25,8 @@ class Call:
     asked: Asked
     started_at: float
     t0: float
+    # The API the client spoke when the proxy translated it to chat ("responses", "messages"): the endpoint recorded.
+    api: str | None = None
 
     def headers(self) -> dict[str, str]:
         return {
@@ -61,7 +63,7 @@ def call_write(
         "trajectory_id": call.key.trajectory_id,
         "group_id": call.key.group_id,
         "policy": call.route.policy,
-        "endpoint": call.endpoint,
+        "endpoint": call.api or call.endpoint,
         "model": str(call.body.get("model")),
         "served_model": call.route.served_model,
         "version": call.route.version,

@@ -29,6 +29,7 @@ from proxy.errors import (
     error_body,
     from_store_error,
 )
+from proxy.gateway import _translated
 from proxy.gateway._call import Call, call_write
 from proxy.gateway._capture import (
     Endpoint,
@@ -37,6 +38,7 @@ from proxy.gateway._capture import (
     strip_response,
     without_token_fields,
 )
+from proxy.gateway._dialect import Dialect, StreamTranslator
 from proxy.gateway._gate import Gate
 from proxy.gateway._keying import Conversation, Key, Keyer, KeyHints
 from proxy.gateway._policies import PolicyRegistry, Route
@@ -147,6 +149,14 @@ class Forwarder:
             self._in_flight -= 1
             self._gate.leave()  # the upstream answered (a stream: its headers): a hand-over may pause it now
 
+    async def translated(self, dialect: Dialect, raw: bytes, hints: KeyHints) -> Response:
+        """A call in an API translated to chat (Responses, Messages): ``_translated.handle``."""
+        return await _translated.handle(self, dialect, raw, hints)
+
+    async def count_tokens(self, chat: dict[str, Any]) -> int:
+        """The prompt tokens of a chat body, as vLLM renders it (Anthropic's ``count_tokens``)."""
+        return await _translated.count_tokens(self, chat)
+
     async def _resolve(self, policy: str, hints: KeyHints, conversation: Conversation) -> Key:
         """The call's key; a lone call's new trajectory is seated later (``Keyer.resolve``'s ``defer_seat``)."""
         try:
@@ -190,7 +200,9 @@ class Forwarder:
         if call.key.seat_in:
             call.key = self._keyer.seated(call.key, write.group_id)
 
-    async def _stream(self, call: Call, payload: bytes) -> Response:
+    async def _stream(
+        self, call: Call, payload: bytes, translator: StreamTranslator | None = None, dialect: Dialect | None = None
+    ) -> Response:
         opening: Awaitable[tuple[UpstreamStream, Callable[[], None]]]
         opening = self._router.open_stream(call.key.trajectory_id, _PATHS[call.endpoint], payload)
         if call.key.seat_in:
@@ -208,6 +220,10 @@ class Forwarder:
             upstream, done = await opening
         except ProxyError as exc:
             await self.record(call_write(call, None, None, exc.status_code, exc.message, None))
-            return error_response(exc, call.headers())
-        relay = Relay(self, self._registry, call, upstream, on_close=done)
+            return (dialect.error if dialect is not None else error_response)(exc, call.headers())
+        relay = (
+            Relay(self, self._registry, call, upstream, on_close=done)
+            if translator is None
+            else _translated.TranslatedRelay(self, call, upstream, done, translator)
+        )
         return RelayResponse(relay, headers={**call.headers(), "Cache-Control": "no-cache"})

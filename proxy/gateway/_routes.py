@@ -8,8 +8,12 @@ FastAPI's request handler did for these routes: the inference key check
 handlers, so they keep OpenAI's shape. FastAPI's per-request machinery (dependency
 solving, its request wrapper and exit stacks) cost more than our own code on this path.
 
-The two plain paths (``POST /v1/chat/completions``, ``POST /v1/completions``) skip even
-Starlette's middleware and route matching (~12% of the proxy under load): the app hands
+The Responses API and Anthropic's Messages API (``/v1/responses``, ``/v1/messages``,
+``/v1/messages/count_tokens``) are served the same way; their calls are translated to chat
+(``_translated``) and every error they raise is answered in their own API's shape.
+
+The plain paths (``POST /v1/chat/completions``, ``POST /v1/completions`` and the three above)
+skip even Starlette's middleware and route matching (~12% of the proxy under load): the app hands
 them to ``serve_generation`` first (``proxy._app``), which answers errors the way the app's
 handlers do (``ProxyError`` in its own shape, anything else a logged 500).
 """
@@ -19,9 +23,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+import orjson
 from fastapi import APIRouter, Depends, Request
 from fastapi.routing import APIRoute
 from starlette.responses import Response
@@ -31,8 +36,13 @@ from proxy._deps import Services, ServicesDep, require_inference_key
 from proxy._params import ID_PATTERN, json_body
 from proxy.errors import InvalidRequest, ProxyError, UpstreamError
 from proxy.gateway._capture import Endpoint
+from proxy.gateway._dialect import Dialect
 from proxy.gateway._forward import error_response, server_error_response
 from proxy.gateway._keying import KeyHints
+from proxy.gateway._messages import MESSAGES, count_tokens_chat
+from proxy.gateway._messages_wire import CountTokensRequest, MessagesRequest
+from proxy.gateway._responses import RESPONSES, ResponsesRequest
+from proxy.gateway._translated import json_object
 from proxy.gateway._wire import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("tracetrain.proxy")
@@ -46,6 +56,14 @@ _CHAT_BODY = json_body(
     ChatCompletionRequest, {"chat": {"model": "agent", "messages": [{"role": "user", "content": "2+2?"}]}}
 )
 _COMPLETION_BODY = json_body(CompletionRequest, {"completion": {"model": "agent", "prompt": "2+2=", "max_tokens": 4}})
+_RESPONSES_BODY = json_body(ResponsesRequest, {"responses": {"model": "agent", "input": "2+2?"}})
+_MESSAGES_BODY = json_body(
+    MessagesRequest,
+    {"messages": {"model": "agent", "max_tokens": 64, "messages": [{"role": "user", "content": "2+2?"}]}},
+)
+_COUNT_BODY = json_body(
+    CountTokensRequest, {"count": {"model": "agent", "messages": [{"role": "user", "content": "2+2?"}]}}
+)
 
 
 def _checked(value: str | None, name: str) -> str | None:
@@ -66,22 +84,80 @@ def key_hints(request: Request) -> KeyHints:
     )
 
 
-async def _forward(endpoint: Endpoint, request: Request, services: Services) -> Response:
-    await require_inference_key(request, services)
-    return await services.forwarder.handle(endpoint, await request.body(), key_hints(request))
+Serve = Callable[[Request, Services], Awaitable[Response]]
+
+
+def _forwarding(endpoint: Endpoint) -> Serve:
+    async def forward(request: Request, services: Services) -> Response:
+        await require_inference_key(request, services)
+        return await services.forwarder.handle(endpoint, await request.body(), key_hints(request))
+
+    return forward
+
+
+_chat, _completions = _forwarding("chat.completions"), _forwarding("completions")
 
 
 async def chat_completions(request: Request, services: ServicesDep) -> Response:
     """OpenAI's chat completions, forwarded to the policy's newest version and captured."""
-    return await _forward("chat.completions", request, services)
+    return await _chat(request, services)
 
 
 async def completions(request: Request, services: ServicesDep) -> Response:
     """OpenAI's (legacy) text completions, forwarded and captured."""
-    return await _forward("completions", request, services)
+    return await _completions(request, services)
 
 
-_ENDPOINTS: dict[Callable[..., Any], Endpoint] = {chat_completions: "chat.completions", completions: "completions"}
+async def _translated(dialect: Dialect, request: Request, services: Services) -> Response:
+    """A call in an API the proxy translates to chat; every error in that API's own shape."""
+    try:
+        await require_inference_key(request, services)
+        return await services.forwarder.translated(dialect, await request.body(), key_hints(request))
+    except ProxyError as exc:
+        return dialect.error(exc)
+
+
+async def _count_tokens(request: Request, services: Services) -> Response:
+    try:
+        await require_inference_key(request, services)
+        chat = count_tokens_chat(json_object(await request.body()))
+        count = await services.forwarder.count_tokens(chat)
+    except ProxyError as exc:
+        return MESSAGES.error(exc)
+    return Response(orjson.dumps({"input_tokens": count}), media_type="application/json")
+
+
+async def responses(request: Request, services: ServicesDep) -> Response:
+    """OpenAI's Responses API, translated to a chat completion for the policy and captured alike."""
+    return await _translated(RESPONSES, request, services)
+
+
+async def messages(request: Request, services: ServicesDep) -> Response:
+    """Anthropic's Messages API (``x-api-key`` accepted), translated to a chat completion and captured alike."""
+    return await _translated(MESSAGES, request, services)
+
+
+async def count_tokens(request: Request, services: ServicesDep) -> Response:
+    """Anthropic's token count of a Messages request, as vLLM renders its prompt."""
+    return await _count_tokens(request, services)
+
+
+async def _responses(request: Request, services: Services) -> Response:
+    return await _translated(RESPONSES, request, services)
+
+
+async def _messages(request: Request, services: Services) -> Response:
+    return await _translated(MESSAGES, request, services)
+
+
+# What serves each documented route, without FastAPI's request handling (see the module docstring).
+_SERVE: dict[Callable[..., Any], Serve] = {
+    chat_completions: _chat,
+    completions: _completions,
+    responses: _responses,
+    messages: _messages,
+    count_tokens: _count_tokens,
+}
 
 
 class _GenerationRoute(APIRoute):
@@ -89,25 +165,31 @@ class _GenerationRoute(APIRoute):
 
     def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
         super().__init__(path, endpoint, **kwargs)
-        kind = _ENDPOINTS[endpoint]
+        serving = _SERVE[endpoint]
 
         async def serve(scope: Scope, receive: Receive, send: Send) -> None:
             services: Services = scope["app"].state.services
-            response = await _forward(kind, Request(scope, receive), services)
+            response = await serving(Request(scope, receive), services)
             await response(scope, receive, send)
 
         self.app = serve
 
 
 # The paths served before the app's middleware and routing (see the module docstring).
-GENERATION_PATHS: dict[str, Endpoint] = {"/v1/chat/completions": "chat.completions", "/v1/completions": "completions"}
+GENERATION_PATHS: dict[str, Serve] = {
+    "/v1/chat/completions": _chat,
+    "/v1/completions": _completions,
+    "/v1/responses": _responses,
+    "/v1/messages": _messages,
+    "/v1/messages/count_tokens": _count_tokens,
+}
 
 
-async def serve_generation(endpoint: Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
+async def serve_generation(serving: Serve, scope: Scope, receive: Receive, send: Send) -> None:
     """A generation call on a plain path, its errors answered as the app's handlers answer them."""
     request = Request(scope, receive)
     try:
-        response = await _forward(endpoint, request, scope["app"].state.services)
+        response = await serving(request, scope["app"].state.services)
     except ProxyError as exc:
         response = error_response(exc)
     except Exception:
@@ -134,4 +216,10 @@ for _prefix in PREFIXES:
         f"{_prefix}/v1/completions", completions, methods=["POST"], include_in_schema=not _prefix,
         openapi_extra=_COMPLETION_BODY, route_class_override=_GenerationRoute,
     )  # fmt: skip
+    for _path, _endpoint, _body in (("responses", responses, _RESPONSES_BODY), ("messages", messages, _MESSAGES_BODY),
+                                    ("messages/count_tokens", count_tokens, _COUNT_BODY)):  # fmt: skip
+        router.add_api_route(
+            f"{_prefix}/v1/{_path}", _endpoint, methods=["POST"], include_in_schema=not _prefix,
+            openapi_extra=_body, route_class_override=_GenerationRoute,
+        )  # fmt: skip
     router.add_api_route(f"{_prefix}/v1/models", list_models, methods=["GET"], include_in_schema=not _prefix)

@@ -123,6 +123,15 @@ class Upstream:
         if response.status_code != 200:
             raise UpstreamHTTPError(response.status_code, response.content)
 
+    async def count_prompt_tokens(self, chat: dict[str, Any]) -> int:
+        """vLLM's ``POST /tokenize`` of a chat request's ``messages`` (and ``tools``), rendered for generation."""
+        body = orjson.dumps({**chat, "add_generation_prompt": True})
+        async with upstream_errors(self.base_url):
+            response = await self._client.post(self.root_url + "/tokenize", content=body, headers=_JSON)
+        if response.status_code != 200:
+            raise UpstreamHTTPError(response.status_code, response.content)
+        return int(response.json()["count"])
+
     async def unload_lora(self, name: str) -> None:
         await self._lora("/unload_lora_adapter", {"lora_name": name})
 

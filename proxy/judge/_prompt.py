@@ -39,7 +39,8 @@ from typing import Annotated, Any
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from store import common_prefix, first_choice, reply_message
+from store import call_messages as request_messages
+from store import call_reply, common_prefix, first_choice
 
 DEFAULT_RUBRIC = """\
 - A trajectory that achieves the task's goal scores clearly higher than one that does not.
@@ -120,11 +121,12 @@ def call_messages(
     endpoint: str, request: dict[str, Any], response: dict[str, Any] | None, error: str | None
 ) -> list[dict[str, Any]]:
     """One captured call as chat messages: the request's messages (or prompt), then the reply."""
-    if endpoint == "chat.completions":
-        messages = [_message(m) for m in request.get("messages") or () if isinstance(m, dict)]
+    sent = request_messages(endpoint, request)  # chat, Responses and Messages calls alike
+    if sent is not None:
+        messages = [_message(m) for m in sent]
     else:
         messages = [{"role": "user", "content": _content(request.get("prompt"))}]
-    first, reply = first_choice(response), reply_message(response)
+    first, reply = first_choice(response), call_reply(endpoint, response)
     if reply is not None:
         messages.append(_message(reply))
     elif first is not None:

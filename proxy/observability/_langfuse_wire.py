@@ -28,12 +28,13 @@ from typing import Any
 import httpx
 import orjson
 
-from store import CallWrite
+from store import CallWrite, call_messages, call_reply
 
 TRACES_PATH = "/api/public/otel/v1/traces"
 SCORES_PATH = "/api/public/scores"
-# Request fields that are the prompt, who asked or the transport, not how to sample.
-_NOT_PARAMETERS = frozenset({"model", "messages", "prompt", "user", "stream"})
+# Request fields that are the prompt, who asked or the transport, not how to sample (the Responses API's
+# input and instructions, Anthropic's system are the prompt too).
+_NOT_PARAMETERS = frozenset({"model", "messages", "prompt", "user", "stream", "input", "instructions", "system"})
 
 
 def rejected_spans(response: httpx.Response) -> int:
@@ -79,7 +80,16 @@ def _otlp_value(value: str | bool | int | float) -> dict[str, Any]:
     return {"stringValue": value}
 
 
+def _input(call: Mapping[str, Any]) -> Any:
+    request = call["request"]
+    if call["endpoint"] in ("responses", "messages"):  # shown as the chat messages vLLM was sent
+        return call_messages(call["endpoint"], request)
+    return request.get("messages", request.get("prompt"))
+
+
 def _output(call: Mapping[str, Any]) -> Any:
+    if call["endpoint"] in ("responses", "messages"):
+        return call_reply(call["endpoint"], call.get("response"))
     choices = (call.get("response") or {}).get("choices") or []
     if call["endpoint"] == "chat.completions":
         outputs = [choice.get("message") for choice in choices]
@@ -115,7 +125,7 @@ def generation_span(write: CallWrite) -> dict[str, Any]:
         "langfuse.observation.usage_details": _json(
             {"input": prompt_tokens, "output": completion_tokens, "total": prompt_tokens + completion_tokens}
         ),
-        "langfuse.observation.input": _json(request.get("messages", request.get("prompt"))),
+        "langfuse.observation.input": _json(_input(call)),
         "langfuse.observation.output": _json(_output(call)),
         "langfuse.version": f"{write.policy}@{write.version}",
         "langfuse.observation.metadata.call_id": call["id"],

@@ -1,0 +1,135 @@
+"""A streamed chat completion as Anthropic's Messages events, translated chunk by chunk as it arrives.
+
+Anthropic's grammar (https://docs.anthropic.com/en/docs/build-with-claude/streaming): ``message_start``
+(the message with empty content), then per content block ``content_block_start``, its
+``content_block_delta``s (``text_delta``; ``input_json_delta`` for a tool's arguments) and
+``content_block_stop``, then ``message_delta`` (stop reason, usage) and ``message_stop``. Each goes
+out as ``event: <type>`` plus its JSON as ``data``.
+
+vLLM's chunks map onto it so: content deltas are text, a tool-call delta with an ``id`` opens a
+``tool_use`` block and its argument pieces are the block's JSON deltas; the chunks that carry only
+markup (``"delta": {}``) send nothing. Prompt tokens arrive with the last, usage-only chunk, so
+``message_start`` reports 0 input tokens and ``message_delta`` the real count (Anthropic's SDKs take
+the later value). ``message_delta`` and ``message_stop`` are held until the record is committed
+(``finish``), so the record is durable before the stream's end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+
+from proxy.gateway import _messages_out as out
+
+
+def event(kind: str, data: dict[str, Any]) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+class MessagesStream:
+    """One streamed Messages call: ``feed`` each chat chunk, ``finish`` once, ``response`` for the record."""
+
+    def __init__(self, model: str, stop_sequences: Sequence[str] | None) -> None:
+        self._model = model
+        self._stop_sequences = stop_sequences
+        self._chat_id: Any = None
+        self._started = False
+        self._blocks: list[dict[str, Any]] = []  # the content so far; tool_use inputs as their JSON text
+        self._open: int | None = None  # the block being streamed
+        self._tools: dict[int, int] = {}  # a chat tool call's index -> its block
+        self._finish_reason: Any = None
+        self._matched: Any = None  # vLLM's stop_reason: the stop string that ended the text
+        self._usage: Any = None
+
+    def feed(self, chunk: dict[str, Any]) -> list[bytes]:
+        events: list[bytes] = []
+        if not self._started:
+            self._started, self._chat_id = True, chunk.get("id")
+            opening = out.message(self._chat_id, self._model, [], (None, None), out.usage(chunk.get("usage")))
+            events.append(event("message_start", {"type": "message_start", "message": opening}))
+        if chunk.get("usage"):
+            self._usage = chunk["usage"]
+        for choice in chunk.get("choices") or ():
+            if choice.get("index", 0) != 0:
+                continue  # Messages has one answer; the proxy never asks for more
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                events += self._text(delta["content"])
+            for call in delta.get("tool_calls") or ():
+                events += self._tool_call(call)
+            if choice.get("finish_reason") is not None:
+                self._finish_reason, self._matched = choice["finish_reason"], choice.get("stop_reason")
+        return events
+
+    def _text(self, text: str) -> list[bytes]:
+        events = []
+        if self._open is None or self._blocks[self._open]["type"] != "text":
+            events = self._start({"type": "text", "text": ""})
+        assert self._open is not None
+        self._blocks[self._open]["text"] += text
+        delta = {"type": "text_delta", "text": text}
+        return [
+            *events,
+            event("content_block_delta", {"type": "content_block_delta", "index": self._open, "delta": delta}),
+        ]
+
+    def _tool_call(self, call: dict[str, Any]) -> list[bytes]:
+        index = int(call.get("index") or 0)
+        function = call.get("function") or {}
+        events = []
+        if call.get("id") or index not in self._tools:
+            name = function.get("name") or ""
+            block: dict[str, Any] = {
+                "type": "tool_use",
+                "id": out.tool_use_id(call.get("id")),
+                "name": name,
+                "input": {},
+            }
+            events = self._start(block)
+            self._tools[index] = len(self._blocks) - 1
+            self._blocks[-1]["input"] = ""
+        arguments = function.get("arguments")
+        if arguments:
+            at = self._tools[index]
+            self._blocks[at]["input"] += arguments
+            delta = {"type": "input_json_delta", "partial_json": arguments}
+            events.append(event("content_block_delta", {"type": "content_block_delta", "index": at, "delta": delta}))
+        return events
+
+    def _start(self, block: dict[str, Any]) -> list[bytes]:
+        events = self._stop()
+        self._blocks.append(block)
+        self._open = len(self._blocks) - 1
+        start = {"type": "content_block_start", "index": self._open, "content_block": block}
+        events.append(event("content_block_start", start))
+        return events
+
+    def _stop(self) -> list[bytes]:
+        if self._open is None:
+            return []
+        index, self._open = self._open, None
+        return [event("content_block_stop", {"type": "content_block_stop", "index": index})]
+
+    def _stopped(self) -> tuple[str, str | None]:
+        return out.stop(self._finish_reason, self._matched, self._stop_sequences)
+
+    def finish(self) -> list[bytes]:
+        events = self._stop()
+        reason, sequence = self._stopped()
+        delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                 "usage": out.usage(self._usage)}  # fmt: skip
+        return [*events, event("message_delta", delta), event("message_stop", {"type": "message_stop"})]
+
+    def failed(self, message: str) -> list[bytes]:
+        # Anthropic's SDKs raise an API error on this event, whatever came before it.
+        return [event("error", out.error_body(502, message))]
+
+    def response(self) -> dict[str, Any]:
+        content = [
+            {**b, "input": out.tool_input(b["input"])} if b["type"] == "tool_use" else dict(b) for b in self._blocks
+        ]
+        # A stream that broke before vLLM said why it stopped did not stop: no stop reason in its record.
+        stopped = self._stopped() if self._finish_reason is not None else (None, None)
+        return out.message(self._chat_id, self._model, content, stopped, out.usage(self._usage))
