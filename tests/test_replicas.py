@@ -190,6 +190,43 @@ async def test_an_adapter_a_dead_replica_left_loaded_is_published_by_another(
     assert await alive.policies.active_version("agent") == 1 and "agent@1" in fake.loras
 
 
+async def test_a_version_leaves_vllm_after_the_unload_grace_even_while_another_replica_still_serves_it(
+    replicas: tuple[Store, Store], fake: FakeVLLM, tmp_path: Path
+) -> None:
+    # The bound docs/SCALING.md states: in-flight calls are counted per replica, so a call another replica
+    # runs on a version that left the window is safe for --unload-grace after this replica saw it leave.
+    grace = 0.5
+    async with httpx.AsyncClient() as client:
+        registries = [PolicyRegistry("agent", fake.base_model) for _ in replicas]
+        publishers, upstreams = [], []
+        for store, registry in zip(replicas, registries, strict=True):
+            upstreams.append(Upstream(f"{fake.url}/v1", [client], timeout_s=10.0))  # type: ignore[attr-defined]
+            router = Router([upstreams[-1]])
+            await router.check_once()
+            publishers.append(Publisher(store, registry, router, keep_versions=1, unload_grace_s=grace))
+        a, b = publishers
+        await replicas[0].policies.ensure("agent", fake.base_model)
+        for version in (1, 2):
+            (tmp_path / str(version)).mkdir()
+            await replicas[0].adapters.record("agent", version, str(tmp_path / str(version)), None, {})
+            await a.sync_once()
+            await b.sync_once()
+        left = time.monotonic()  # agent@1 left the window of one version: A counts its grace from here
+        assert registries[1].active_version == 2 and set(fake.loras) == {"agent@1", "agent@2"}
+        with registries[1].serving(1):  # a long call through replica B, started on agent@1 before the flip
+            await a.sync_once()
+            await b.sync_once()
+            assert "agent@1" in fake.loras, "unloaded within the grace"
+            while "agent@1" in fake.loras and time.monotonic() - left < 10 * grace:
+                await asyncio.sleep(0.05)
+                await a.sync_once()
+            assert "agent@1" not in fake.loras, "replica A does not see B's call: it unloads after the grace"
+            assert time.monotonic() - left >= grace
+        assert (await replicas[1].adapters.get("agent", 1) or {})["state"] == "retired"
+        for upstream in upstreams:
+            upstream.close()
+
+
 async def test_only_the_claims_owner_publishes_and_the_alias_never_moves_back(
     replicas: tuple[Store, Store], tmp_path: Path
 ) -> None:
