@@ -75,31 +75,39 @@ def test_a_server_coming_back_takes_back_only_the_trajectories_that_rank_it_firs
 
 @pytest.mark.parametrize(
     ("in_flight", "servers", "bound"),
-    [(0, 2, 1), (1, 2, 2), (2, 2, 2), (3, 2, 3), (10, 4, 4), (0, 8, 1), (99, 3, 42)],
+    [(0, 2, 1), (1, 2, 2), (2, 2, 3), (3, 2, 3), (10, 4, 5), (0, 8, 1), (99, 3, 50)],
 )
-def test_the_load_bound_is_a_quarter_over_the_mean_counting_the_new_call(
-    in_flight: int, servers: int, bound: int
-) -> None:
+def test_the_load_bound_is_half_again_the_mean_counting_the_new_call(in_flight: int, servers: int, bound: int) -> None:
     assert load_bound(in_flight, servers) == bound
 
 
 def test_a_server_at_its_bound_passes_the_call_to_the_next_of_the_trajectorys_ranking() -> None:
     servers = boxes(3)
     trajectory = "run-7"
-    first, second, third = rank(trajectory, servers)
-    first.in_flight = 2  # total 2 over 3 servers: bound ceil(1.25 * 3 / 3) = 2, so the first is full
+    first, second, _ = rank(trajectory, servers)
+    first.in_flight = 2  # total 2 over 3 servers: bound ceil(1.5 * 3 / 3) = 2, so the first is full
     assert choose(trajectory, servers) is second
-    second.in_flight = 2  # total 4: bound ceil(1.25 * 5 / 3) = 3, both take calls again
+    second.in_flight = 2  # total 4: bound ceil(1.5 * 5 / 3) = 3, both take calls again
     assert choose(trajectory, servers) is first
-    first.in_flight, second.in_flight = 4, 4  # total 8: bound 4, both full; the idle third takes it
-    assert choose(trajectory, servers) is third
+    first.in_flight = 5  # total 7: bound ceil(1.5 * 8 / 3) = 4
+    assert choose(trajectory, servers) is second
+
+
+def test_with_two_servers_a_call_leaves_its_server_only_once_that_holds_half_again_the_mean() -> None:
+    servers = boxes(2)
+    trajectory = "run-8"
+    first, second = rank(trajectory, servers)
+    # Over the bound when busy >= ceil(1.5 * (busy + idle + 1) / 2).
+    for busy, idle, expected in [(1, 0, first), (2, 0, first), (3, 0, second), (5, 1, first), (6, 1, second)]:
+        first.in_flight, second.in_flight = busy, idle
+        assert choose(trajectory, servers) is expected, (busy, idle)
 
 
 def test_one_busy_call_does_not_move_a_trajectory_off_its_server() -> None:
     servers = boxes(2)
     for trajectory in IDS[:100]:
         first = rank(trajectory, servers)[0]
-        first.in_flight = 1  # bound ceil(1.25 * 2 / 2) = 2: one call in flight leaves room
+        first.in_flight = 1  # bound ceil(1.5 * 2 / 2) = 2: one call in flight leaves room
         assert choose(trajectory, servers) is first
         first.in_flight = 0
 
