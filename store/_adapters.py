@@ -83,18 +83,30 @@ class Adapters:
         job_id: int | None,
         metrics: dict[str, Any],
         files: Sequence[AdapterFile] = (),
-    ) -> None:
+        *,
+        owner: str | None = None,
+    ) -> bool:
         """A freshly trained adapter, waiting to be published; with ``files``, its files too, in one transaction.
 
         ``path`` is where the trainer wrote it; ``files`` reach a vLLM that cannot see that
-        directory (``store._adapter_files``).
+        directory (``store._adapter_files``). With ``owner`` (the worker's), only while the job is
+        still running under its claim and for the version the claim gave it: False, and nothing
+        recorded, when the claim was lost meanwhile (its lease ran out and another worker took the job).
         """
         async with self._engine.begin() as conn:
+            if owner is not None:
+                mine = (J.c.id == job_id) & (J.c.worker == owner) & (J.c.version == version)
+                claimed = await conn.execute(
+                    update(J).where(mine, J.c.state == JobState.RUNNING.value).values(progress=0.9)
+                )
+                if not claimed.rowcount:
+                    return False
             await conn.execute(
                 A.insert().values(policy=policy, version=version, path=path, job_id=job_id,
                                   state=AdapterState.TRAINED.value, metrics=metrics, created_at=time.time())
             )  # fmt: skip
             await write_files(conn, policy, version, files)
+        return True
 
     async def get(self, policy: str, version: int) -> dict[str, Any] | None:
         async with self._engine.connect() as conn:

@@ -5,6 +5,7 @@ least ``min_group_size`` of them. One transaction creates a queued job and moves
 groups to ``training``, so a group is trained once whichever replica asked. A worker
 claims the oldest queued job with a lease and renews it while it trains; a job whose
 lease ran out (the worker died) is queued again by whoever notices first, exactly once.
+One job of a policy runs at a time, and its claim decides the adapter version it records.
 
 When the worker shares its GPU with vLLM (``--share-gpu``), each step is a hand-over in the
 job's ``gpu_state`` (``store.GpuHandover``): the worker asks (``request_gpu``) and waits; the
@@ -22,10 +23,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import and_, func, insert, select, update
+from sqlalchemy import and_, case, func, insert, select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from store._lifecycle import GpuHandover, GroupState, JobState, move
+from store._tables import adapters as A
 from store._tables import calls as C
 from store._tables import groups as G
 from store._tables import training_jobs as J
@@ -105,21 +108,38 @@ class Jobs:
 
     # -- run by the trainer ------------------------------------------------------------
 
-    async def claim(self, policy: str, owner: str, lease_s: float) -> dict[str, Any] | None:
-        """Take the oldest queued job of ``policy`` under a lease; None when there is none (or another won)."""
-        async with self._engine.begin() as conn:
-            job = (
-                await conn.execute(
-                    select(J).where(J.c.policy == policy, J.c.state == JobState.QUEUED.value).order_by(J.c.id).limit(1)
-                    .with_for_update(skip_locked=True)  # Postgres: two workers claim two jobs, not one each try
-                )
-            ).first()
-            if job is None:
-                return None
-            now = time.time()
-            won = await move(conn, J, J.c.id == job.id, JobState.QUEUED, JobState.RUNNING, worker=owner,
-                             started_at=now, progress=0.05, lease_expires_at=now + lease_s)  # fmt: skip
-            return {**job._mapping, "worker": owner, "state": JobState.RUNNING.value} if won else None
+    async def claim(self, policy: str, owner: str, lease_s: float, *, first_version: int = 1) -> dict[str, Any] | None:
+        """Take the oldest queued job of ``policy`` under a lease; None when there is none, when a job of the
+        policy is running, or when another worker won.
+
+        One job of a policy runs at a time, so each step trains on top of the one before, and the claim
+        decides the version its step records: the policy's newest adapter + 1 (at least ``first_version``),
+        returned and kept in the job's ``version``. Of workers claiming together, the unique index on running
+        jobs (``ux_training_jobs_running``) lets one win; the version is computed inside the winning ``UPDATE``.
+        """
+        others = J.alias("others")
+        running = select(others.c.id).where(others.c.policy == policy, others.c.state == JobState.RUNNING.value)
+        newest = select(func.coalesce(func.max(A.c.version), 0) + 1).where(A.c.policy == policy).scalar_subquery()
+        query = (
+            select(J).where(J.c.policy == policy, J.c.state == JobState.QUEUED.value, ~running.exists())
+            .order_by(J.c.id).limit(1)
+            .with_for_update(of=J, skip_locked=True)  # Postgres: two workers claim two jobs, not one each try
+        )  # fmt: skip
+        try:
+            async with self._engine.begin() as conn:
+                job = (await conn.execute(query)).first()
+                if job is None:
+                    return None
+                now = time.time()
+                won = await move(conn, J, J.c.id == job.id, JobState.QUEUED, JobState.RUNNING, worker=owner,
+                                 started_at=now, progress=0.05, lease_expires_at=now + lease_s,
+                                 version=case((newest > first_version, newest), else_=first_version))  # fmt: skip
+                if not won:
+                    return None
+                version = (await conn.execute(select(J.c.version).where(J.c.id == job.id))).scalar_one()
+        except IntegrityError:  # another worker's claim on a job of the policy came first
+            return None
+        return {**job._mapping, "worker": owner, "state": JobState.RUNNING.value, "version": int(version)}
 
     async def renew(self, job_id: int, owner: str, lease_s: float, progress: float | None = None) -> bool:
         """Extend the lease (and report progress); False when the job is no longer this owner's."""
@@ -165,11 +185,11 @@ class Jobs:
     async def _requeue(self, where: Any) -> list[tuple[int, str | None]]:
         taken = []
         async with self._engine.begin() as conn:
-            rows = (await conn.execute(select(J.c.id, J.c.worker).where(where, J.c.state == JobState.RUNNING.value)))
+            rows = await conn.execute(select(J.c.id, J.c.worker).where(where, J.c.state == JobState.RUNNING.value))
             for job_id, worker in rows.all():
                 won = await move(
                     conn, J, (J.c.id == job_id) & where, JobState.RUNNING, JobState.QUEUED, worker=None,
-                    started_at=None, progress=0.0, lease_expires_at=None, reclaimed=J.c.reclaimed + 1,
+                    started_at=None, progress=0.0, lease_expires_at=None, reclaimed=J.c.reclaimed + 1, version=None,
                 )  # fmt: skip
                 if won:
                     taken.append((int(job_id), worker))

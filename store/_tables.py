@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from sqlalchemy import JSON, Column, Index, LargeBinary, Table, UniqueConstraint
+from sqlalchemy import JSON, Column, Index, LargeBinary, Table, UniqueConstraint, text
 from sqlmodel import Field, SQLModel
 
 KeyedBy = Literal["header", "path", "thread", "new"]
@@ -139,12 +139,17 @@ class TrainingJob(SQLModel, table=True):
     """A request for one training step over a batch of ready groups."""
 
     __tablename__ = "training_jobs"
+    # One step of a policy at a time: of workers claiming together, one wins (store._jobs.Jobs.claim).
+    __table_args__ = (
+        Index("ux_training_jobs_running", "policy", unique=True, sqlite_where=text("state = 'running'"),
+              postgresql_where=text("state = 'running'")),
+    )  # fmt: skip
 
     id: int | None = Field(default=None, primary_key=True)
     policy: str = Field(index=True)
     state: str = Field(default="queued", index=True)  # store.JobState
     group_ids: list[str] = _json(list)
-    version: int | None = None  # the adapter version the step produced
+    version: int | None = None  # the adapter version its step records: set by the claim, None if it recorded none
     metrics: dict[str, Any] = _json(dict)
     progress: float = 0.0
     error: str | None = None

@@ -31,7 +31,7 @@ from fake_vllm_text import TOKEN_ID_LIMIT
 from test_postgres import _dsn, sql
 from test_publishing import wait_for
 from test_replicas import _pg_url
-from test_router import Server
+from test_router import Server, spread
 
 GROUP_SIZE = 4
 
@@ -107,11 +107,13 @@ def upstream_states(proxy: RunningProxy) -> dict[str, str]:
     return {u["url"]: u["state"] for u in httpx.get(f"{proxy.url}/admin/overview").json()["upstreams"]}
 
 
-def play_group(proxies: list[RunningProxy], group: str, turns: int) -> list[str]:
-    """One group of GROUP_SIZE attempts, its trajectories alternating between the proxies; each of ``turns`` calls."""
+def play_group(proxies: list[RunningProxy], servers: tuple[Server, Server], group: str, turns: int) -> list[str]:
+    """One group of GROUP_SIZE attempts, its trajectories alternating between the proxies; each of ``turns`` calls.
+
+    Half of the trajectories hash to each server first (``proxy.gateway._placement``).
+    """
     ids = []
-    for i in range(GROUP_SIZE):
-        trajectory = f"{group}-t{i}"
+    for i, trajectory in enumerate(spread(f"{group}-t", servers, GROUP_SIZE // 2)):
         client = proxies[i % 2].client()
         messages: list[Any] = [{"role": "user", "content": f"{trajectory} task"}]
         for turn in range(turns):
@@ -169,7 +171,7 @@ def test_two_proxies_two_vllm_servers_and_a_trainer_on_one_postgres(
         worker = runner.run(Worker.open(settings))
         try:
             # -- step 1: traffic through both proxies, over both servers; rewards; a step; both servers load it
-            trajectories = [t for g in ("g1", "g2") for t in play_group(proxies, g, turns=2)]
+            trajectories = [t for g in ("g1", "g2") for t in play_group(proxies, servers, g, turns=2)]
             assert first.trajectories() and second.trajectories(), "one server took no traffic"
             sizes = {g["id"]: g["size"] for g in httpx.get(f"{proxies[1].v1}/groups").json()["data"]}
             assert sizes == {"g1": GROUP_SIZE, "g2": GROUP_SIZE}  # each group whole, though split over the proxies
@@ -188,17 +190,17 @@ def test_two_proxies_two_vllm_servers_and_a_trainer_on_one_postgres(
                 assert set(watched.server.fake.loras) == {"agent@1"}
             before = [len(s.fake.requests) for s in servers]
             for k, proxy in enumerate(proxies):  # both proxies serve it, from both servers
-                for i in range(4):
+                for trajectory in spread(f"after-{k}-", servers, 2):
                     raw = proxy.client().chat.completions.with_raw_response.create(
-                        model="agent", messages=[{"role": "user", "content": f"after step {k} {i}"}],
-                        extra_headers={"X-Trajectory-Id": f"after-{k}-{i}"},
+                        model="agent", messages=[{"role": "user", "content": f"after step {trajectory}"}],
+                        extra_headers={"X-Trajectory-Id": trajectory},
                     )  # fmt: skip
                     assert raw.headers["x-policy-version"] == "1" and raw.parse().model == "agent@1"
             for server, count in zip(servers, before, strict=True):
                 assert {b["model"] for b in server.fake.requests[count:]} == {"agent@1"}
 
             # -- step 2: the second server hangs on loading agent@2 and is killed there
-            trajectories = [t for g in ("g3", "g4") for t in play_group(proxies, g, turns=1)]
+            trajectories = [t for g in ("g3", "g4") for t in play_group(proxies, servers, g, turns=1)]
             on_second = sorted(second.trajectories() & set(trajectories))
             assert on_second, "no trajectory of step 2 went to the second server"
             reward(proxies, trajectories)

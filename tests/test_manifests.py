@@ -229,6 +229,56 @@ def test_the_trainer_arguments_parse_and_name_the_store_and_the_policy(overlay: 
     assert args.device == device
 
 
+def vllm_flags(argv: list[str]) -> dict[str, str]:
+    """A vLLM command line as {flag: value} ("" for a bare flag), whether written ``--a=b`` or ``--a b``."""
+    flags: dict[str, str] = {}
+    for i, arg in enumerate(argv):
+        if arg.startswith("--"):
+            name, eq, value = arg.partition("=")
+            following = argv[i + 1] if i + 1 < len(argv) else "--"
+            flags[name] = value if eq else ("" if following.startswith("--") else following)
+    return flags
+
+
+# What `tracetrain serve` decides about its vLLM that a manifest must repeat: LoRA limits, logprobs, CPU tuning.
+SERVE_FLAGS = ("--enable-lora", "--max-lora-rank", "--max-loras", "--logprobs-mode", "--no-enable-chunked-prefill",
+               "--block-size", "--enable-chunked-prefill")  # fmt: skip
+
+
+def serve_vllm_flags(device: str) -> dict[str, str]:
+    from tracetrain_cli._vllm_process import VLLMLaunch
+
+    launch = VLLMLaunch(model="/models/base", port=8000, data_dir=Path("/data"), device=device)  # type: ignore[arg-type]
+    return {k: v for k, v in vllm_flags(launch.argv()).items() if k in SERVE_FLAGS}
+
+
+def manifest_vllm_flags(variant: str) -> dict[str, str]:
+    if variant.startswith("compose"):
+        files = COMPOSE_SETS[variant.removeprefix("compose-")]
+        services: dict[str, Any] = {}
+        for name in files:  # an override's service replaces the keys it names, as compose merges them
+            for service, spec in yaml.safe_load((ROOT / "docker" / name).read_text())["services"].items():
+                services[service] = {**services.get(service, {}), **spec}
+        argv = str(services["vllm-a"]["command"]).split()
+    else:
+        argv = container(one(rendered(variant), "StatefulSet", "vllm"), "vllm")["args"]
+    return {k: v for k, v in vllm_flags(argv).items() if k in SERVE_FLAGS}
+
+
+@pytest.mark.parametrize(
+    ("variant", "device"),
+    [
+        ("compose-cpu", "cpu"),
+        ("compose-gpu", "cuda"),
+        ("base", "cpu"),
+        ("overlays/cpu", "cpu"),
+        ("overlays/gpu", "cuda"),
+    ],
+)
+def test_each_vllm_starts_with_the_flags_serve_gives_a_vllm_on_its_device(variant: str, device: str) -> None:
+    assert manifest_vllm_flags(variant) == serve_vllm_flags(device)
+
+
 def gpus(workload: dict[str, Any]) -> list[str | None]:
     return [
         c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu")

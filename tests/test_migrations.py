@@ -393,6 +393,29 @@ async def test_downgrading_the_claims_gives_back_the_35c4648_schema_and_rows(mak
         assert schema == await conn.run_sync(_schema)
 
 
+async def test_upgrading_past_0007_queues_again_every_running_job_of_a_policy_but_the_oldest(
+    make_database: MakeDatabase,
+) -> None:
+    async with opened(make_database()) as engine:
+        async with engine.begin() as conn:
+            await conn.run_sync(_to("0006_replicas"))
+            for job_id, policy in ((1, "agent"), (2, "agent"), (3, "agent"), (4, "other")):
+                await conn.execute(
+                    text("INSERT INTO training_jobs (id, policy, state, group_ids, metrics, progress, worker, "
+                         "lease_expires_at, reclaimed, created_at, started_at, gpu_state) VALUES (:id, :policy, "
+                         "'running', '[]', '{}', 0.5, :worker, 9e9, 0, 1.0, 1.0, 'none')"),
+                    {"id": job_id, "policy": policy, "worker": f"host:{job_id}"},
+                )  # fmt: skip
+        await upgrade(engine)
+        async with engine.connect() as conn:
+            rows = (
+                await conn.execute(text("SELECT id, state, worker, reclaimed FROM training_jobs ORDER BY id"))
+            ).all()
+    assert [tuple(r) for r in rows] == [
+        (1, "running", "host:1", 0), (2, "queued", None, 1), (3, "queued", None, 1), (4, "running", "host:4", 0)
+    ]  # fmt: skip
+
+
 async def test_engines_upgrading_the_same_database_together_migrate_it_once(make_database: MakeDatabase) -> None:
     url = make_database()
     async with opened(url) as first, opened(url) as second:

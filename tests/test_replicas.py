@@ -21,6 +21,8 @@ import httpx
 import pytest
 from conftest import RunningProxy
 from fake_vllm import FakeVLLM, Reply
+from sqlalchemy import insert, update
+from sqlalchemy.exc import IntegrityError
 from test_judge import fake_judge
 from test_postgres import sql
 from test_publishing import wait_for
@@ -33,6 +35,9 @@ from proxy.judge._service import JudgeService
 from proxy.training._publisher import Publisher
 from proxy.training._scheduler import JobScheduler
 from store import CallWrite, RewardIn, Store
+from store._tables import groups as G
+from store._tables import training_jobs as J
+from store._tables import trajectories as T
 
 TASK: list[Any] = [{"role": "user", "content": "What is the capital of France?"}]
 PG_ENV = "TRACETRAIN_TEST_POSTGRES_URL"
@@ -185,6 +190,43 @@ async def test_an_adapter_a_dead_replica_left_loaded_is_published_by_another(
     assert await alive.policies.active_version("agent") == 1 and "agent@1" in fake.loras
 
 
+async def test_a_version_leaves_vllm_after_the_unload_grace_even_while_another_replica_still_serves_it(
+    replicas: tuple[Store, Store], fake: FakeVLLM, tmp_path: Path
+) -> None:
+    # The bound docs/SCALING.md states: in-flight calls are counted per replica, so a call another replica
+    # runs on a version that left the window is safe for --unload-grace after this replica saw it leave.
+    grace = 0.5
+    async with httpx.AsyncClient() as client:
+        registries = [PolicyRegistry("agent", fake.base_model) for _ in replicas]
+        publishers, upstreams = [], []
+        for store, registry in zip(replicas, registries, strict=True):
+            upstreams.append(Upstream(f"{fake.url}/v1", [client], timeout_s=10.0))  # type: ignore[attr-defined]
+            router = Router([upstreams[-1]])
+            await router.check_once()
+            publishers.append(Publisher(store, registry, router, keep_versions=1, unload_grace_s=grace))
+        a, b = publishers
+        await replicas[0].policies.ensure("agent", fake.base_model)
+        for version in (1, 2):
+            (tmp_path / str(version)).mkdir()
+            await replicas[0].adapters.record("agent", version, str(tmp_path / str(version)), None, {})
+            await a.sync_once()
+            await b.sync_once()
+        left = time.monotonic()  # agent@1 left the window of one version: A counts its grace from here
+        assert registries[1].active_version == 2 and set(fake.loras) == {"agent@1", "agent@2"}
+        with registries[1].serving(1):  # a long call through replica B, started on agent@1 before the flip
+            await a.sync_once()
+            await b.sync_once()
+            assert "agent@1" in fake.loras, "unloaded within the grace"
+            while "agent@1" in fake.loras and time.monotonic() - left < 10 * grace:
+                await asyncio.sleep(0.05)
+                await a.sync_once()
+            assert "agent@1" not in fake.loras, "replica A does not see B's call: it unloads after the grace"
+            assert time.monotonic() - left >= grace
+        assert (await replicas[1].adapters.get("agent", 1) or {})["state"] == "retired"
+        for upstream in upstreams:
+            upstream.close()
+
+
 async def test_only_the_claims_owner_publishes_and_the_alias_never_moves_back(
     replicas: tuple[Store, Store], tmp_path: Path
 ) -> None:
@@ -223,6 +265,86 @@ async def test_two_replicas_scheduling_together_train_a_group_once(replicas: tup
         *(store.jobs.claim("agent", f"worker-{i}", lease_s=60) for i, store in enumerate(replicas))
     )
     assert sorted(c is None for c in claims) == [False, True]
+
+
+async def queue_jobs(store: Store, n: int) -> list[int]:
+    """``n`` queued jobs of one policy, each over a rewarded group of its own (as the scheduler makes them)."""
+    now, jobs = time.time(), []
+    for i in range(n):
+        async with store.engine.begin() as conn:
+            await conn.execute(insert(G).values(id=f"job-g{i}", policy="agent", state="open", created_at=now))
+            await conn.execute(insert(T).values(id=f"job-t{i}", group_id=f"job-g{i}", policy="agent",
+                                                keyed_by="header", created_at=now, updated_at=now, reward=1.0,
+                                                metrics={}))  # fmt: skip
+        job = await store.jobs.create("agent", [f"job-g{i}"])
+        assert job is not None
+        jobs.append(job)
+    return jobs
+
+
+async def test_two_workers_of_one_policy_train_one_step_at_a_time_each_on_the_version_its_claim_gave(
+    replicas: tuple[Store, Store], tmp_path: Path
+) -> None:
+    await queue_jobs(replicas[0], 4)
+    recorded_versions = []
+    for step in range(1, 5):  # each round: both workers claim at once; one wins, records, finishes
+        claims = await asyncio.gather(
+            *(store.jobs.claim("agent", f"worker-{i}", lease_s=60) for i, store in enumerate(replicas))
+        )
+        (won,) = [c for c in claims if c is not None]
+        assert won["version"] == step, "the claim gives the version after the newest adapter"
+        assert await replicas[0].jobs.claim("agent", "worker-late", lease_s=60) is None, "a second step ran at once"
+        store = replicas[int(won["worker"][-1])]
+        assert await store.adapters.record("agent", won["version"], str(tmp_path), won["id"], {}, owner=won["worker"])
+        assert await store.jobs.finish(won["id"], won["worker"], ok=True, metrics={}, version=won["version"],
+                                       error=None)  # fmt: skip
+        recorded_versions.append(won["version"])
+    assert recorded_versions == [1, 2, 3, 4]
+    assert await replicas[1].jobs.claim("agent", "worker-1", lease_s=60) is None  # none left
+
+
+async def test_the_store_refuses_a_second_running_job_of_a_policy_whoever_writes_it(
+    replicas: tuple[Store, Store],
+) -> None:
+    first, second = await queue_jobs(replicas[0], 2)
+    assert (await replicas[0].jobs.claim("agent", "worker-a", lease_s=60) or {}).get("id") == first
+    async with replicas[1].engine.connect() as conn:  # a writer that skips the claim's check: the index decides
+        with pytest.raises(IntegrityError):
+            await conn.execute(update(J).where(J.c.id == second).values(state="running", worker="worker-b"))
+            await conn.commit()
+
+
+async def test_a_worker_whose_claim_was_lost_records_nothing_and_its_successor_records_that_version(
+    replicas: tuple[Store, Store], tmp_path: Path
+) -> None:
+    slow, fresh = replicas
+    await queue_jobs(slow, 1)
+    stalled = await slow.jobs.claim("agent", "slow-host:1", lease_s=0.01)
+    assert stalled is not None and stalled["version"] == 1
+    await asyncio.sleep(0.05)
+    assert [job for job, _ in await fresh.jobs.reclaim_expired()] == [stalled["id"]]
+    taken = await fresh.jobs.claim("agent", "fresh-host:2", lease_s=60)
+    assert taken is not None and (taken["id"], taken["version"]) == (stalled["id"], 1)
+    assert not await slow.adapters.record("agent", 1, str(tmp_path / "slow"), stalled["id"], {}, owner="slow-host:1")
+    assert await slow.adapters.get("agent", 1) is None
+    assert await fresh.adapters.record("agent", 1, str(tmp_path / "fresh"), taken["id"], {}, owner="fresh-host:2")
+    assert (await fresh.adapters.get("agent", 1) or {})["path"] == str(tmp_path / "fresh")
+
+
+async def test_a_step_that_recorded_nothing_leaves_no_gap_in_the_versions(replicas: tuple[Store, Store]) -> None:
+    await queue_jobs(replicas[0], 2)
+    skipped = await replicas[0].jobs.claim("agent", "worker-a", lease_s=60, first_version=1)
+    assert skipped is not None and skipped["version"] == 1
+    assert await replicas[0].jobs.finish(skipped["id"], "worker-a", ok=True, metrics={}, version=None, error=None)
+    following = await replicas[1].jobs.claim("agent", "worker-b", lease_s=60)
+    assert following is not None and following["version"] == 1
+    await replicas[1].jobs.finish(following["id"], "worker-b", ok=True, metrics={}, version=None, error=None)
+
+
+async def test_the_claim_skips_versions_a_workers_disk_already_holds(replicas: tuple[Store, Store]) -> None:
+    await queue_jobs(replicas[0], 1)
+    claimed = await replicas[0].jobs.claim("agent", "worker-a", lease_s=60, first_version=6)
+    assert claimed is not None and claimed["version"] == 6
 
 
 # -- two real proxies on one PostgreSQL -----------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Several vLLM servers behind one proxy: stickiness, least in flight, failover, restore, data parallel.
+"""Several vLLM servers behind one proxy: stickiness by hash, the load bound, failover, restore, data parallel.
 
 Two fake vLLM servers on loopback; the real proxy routes over both (``proxy.gateway._router``).
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from fake_vllm import FakeVLLM, serve_in_thread
 from test_publishing import adapters, record_trained_adapter, wait_for
 
 from proxy import Settings
+from proxy.gateway._placement import score, server_salt
 
 
 class Server:
@@ -80,41 +81,69 @@ def states(proxy: RunningProxy) -> dict[str, str]:
     return {u["url"]: u["state"] for u in httpx.get(f"{proxy.url}/admin/overview").json()["upstreams"]}
 
 
-def test_calls_of_one_trajectory_stay_on_the_server_of_its_first_call(
+def ranked(trajectory: str, servers: Sequence[Server]) -> list[Server]:
+    """The servers in the trajectory's own order (``proxy.gateway._placement``: its hash, load aside)."""
+    return sorted(servers, key=lambda s: score(trajectory, server_salt(s.v1)), reverse=True)
+
+
+def spread(prefix: str, servers: Sequence[Server], each: int) -> list[str]:
+    """Trajectory ids, ``each`` of them ranking each server first (ports are random: the hash is not)."""
+    ids = (f"{prefix}{i}" for i in range(10_000))
+    by_server: dict[int, list[str]] = {id(s): [] for s in servers}
+    for trajectory in ids:
+        mine = by_server[id(ranked(trajectory, servers)[0])]
+        if len(mine) < each:
+            mine.append(trajectory)
+        if all(len(found) == each for found in by_server.values()):
+            break
+    return [t for pair in zip(*by_server.values(), strict=True) for t in pair]
+
+
+def test_calls_of_one_trajectory_stay_on_the_first_server_of_its_ranking(
     two: RunningProxy, servers: tuple[Server, Server]
 ) -> None:
-    trajectories = [f"t{i}" for i in range(6)]
+    trajectories = [f"t{i}" for i in range(20)]
     for turn in range(3):
         for trajectory in trajectories:
             call(two, trajectory, turn)
-    a, b = (server.trajectories() for server in servers)
-    assert a | b == set(trajectories) and not a & b, "a trajectory's calls were split over both servers"
-    assert a and b, "idle servers take new trajectories in turn"
-    assert len(servers[0].fake.requests) + len(servers[1].fake.requests) == 18
+    for server in servers:
+        assert server.trajectories() == {t for t in trajectories if ranked(t, servers)[0] is server}
+    assert all(server.trajectories() for server in servers), "the hash spreads new trajectories over both"
+    assert len(servers[0].fake.requests) + len(servers[1].fake.requests) == 60
 
 
-def test_a_new_trajectory_goes_to_the_server_with_fewest_calls_in_flight(
+def test_a_new_trajectory_whose_server_is_over_its_load_bound_goes_to_the_next_of_its_ranking(
     two: RunningProxy, servers: tuple[Server, Server]
 ) -> None:
+    busy, idle = servers
     for server in servers:
         server.fake.token_delay_s = 0.1
-    long = two.client().chat.completions.create(
-        model="agent",
-        messages=[{"role": "user", "content": "slow " + "word " * 30}],
-        extra_headers={"X-Trajectory-Id": "slow"},
-        stream=True,
-    )
-    busy = wait_for(lambda: [s for s in servers if "slow" in s.trajectories()])[0]
-    idle = next(s for s in servers if s is not busy)
-    for trajectory in ("n1", "n2", "n3"):
+    slow = [t for t in (f"slow{i}" for i in range(60)) if ranked(t, servers)[0] is busy][:3]
+    # Three calls in flight on one server, none on the other: the bound is ceil(1.5 * (3 + 1) / 2) = 3.
+    streams = [
+        two.client().chat.completions.create(
+            model="agent",
+            messages=[{"role": "user", "content": f"{t} " + "word " * 30}],
+            extra_headers={"X-Trajectory-Id": t},
+            stream=True,
+        )
+        for t in slow
+    ]
+    wait_for(lambda: set(slow) <= busy.trajectories())
+    new = [t for t in (f"n{i}" for i in range(40)) if ranked(t, servers)[0] is busy][:3]
+    for trajectory in new:
         call(two, trajectory)
-    assert {"n1", "n2", "n3"} <= idle.trajectories() and not {"n1", "n2", "n3"} & busy.trajectories()
+    assert set(new) <= idle.trajectories() and not set(new) & busy.trajectories()
     in_flight = {u["url"]: u["in_flight"] for u in httpx.get(f"{two.url}/admin/overview").json()["upstreams"]}
-    assert in_flight == {busy.v1: 1, idle.v1: 0}
-    assert "".join(chunk.choices[0].delta.content or "" for chunk in long if chunk.choices)
+    assert in_flight == {busy.v1: 3, idle.v1: 0}
+    for stream in streams:
+        assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     assert wait_for(
         lambda: all(u["in_flight"] == 0 for u in httpx.get(f"{two.url}/admin/overview").json()["upstreams"])
     )
+    busy.fake.token_delay_s = 0.0
+    call(two, new[0], 1)  # the load is gone: the trajectory's calls go to its own server again
+    assert new[0] in busy.trajectories()
 
 
 def test_calls_for_a_killed_server_go_to_the_other_with_no_client_failure(
@@ -122,12 +151,12 @@ def test_calls_for_a_killed_server_go_to_the_other_with_no_client_failure(
 ) -> None:
     # No health check after the first: the refused connections alone take the server out.
     proxy = start_proxy(upstreams=(servers[0].v1, servers[1].v1), health_check_s=3600)
-    trajectories = [f"k{i}" for i in range(6)]
+    trajectories = spread("k", servers, 3)
     for trajectory in trajectories:
         call(proxy, trajectory)
     dead, alive = servers
     moved = dead.trajectories()
-    assert moved
+    assert len(moved) == 3
     dead.kill()
     before = len(alive.fake.requests)
     for trajectory in trajectories:  # every one answered, those of the dead server by the other
@@ -171,8 +200,8 @@ def test_a_server_back_gets_every_published_adapter_before_it_takes_traffic(
     second.start(restarted)
     wait_for(lambda: states(two)[second.v1] == "serving")
     assert set(restarted.loras) == {"agent@1", "agent@2"}
-    for i in range(8):
-        call(two, f"r{i}")
+    for trajectory in spread("r", servers, 4):
+        call(two, trajectory)
     assert seen, "the server back in rotation took no traffic"
     assert all(model in loaded for model, loaded in seen), seen
     views = {u["url"]: u["versions"] for u in httpx.get(f"{two.url}/admin/overview").json()["upstreams"]}

@@ -49,9 +49,9 @@ def add_serve_parser(sub: Any) -> None:
         metavar="URL",
         help="use an OpenAI-compatible server you run instead of starting vLLM, e.g. http://127.0.0.1:8000/v1 "
         "(vLLM started with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True); repeat it for several "
-        "vLLM servers: the calls of one trajectory stay on one server, new trajectories go to the least busy, "
-        "every server loads every adapter (env TRACETRAIN_UPSTREAMS, comma-separated). The trainer still needs "
-        "--model to be its base model",
+        "vLLM servers: the calls of one trajectory go to one server (by a hash of its id, the same on every proxy "
+        "replica given the same URLs, unless that server is overloaded), every server loads every adapter "
+        "(env TRACETRAIN_UPSTREAMS, comma-separated). The trainer still needs --model to be its base model",
     )
     p.add_argument(
         "--served-model",

@@ -133,8 +133,14 @@ class Worker:
             done += 1
 
     async def claim(self) -> dict[str, Any] | None:
-        """Take the oldest queued job of the policy under a lease; None when there is none."""
-        return await self._store.jobs.claim(self.settings.policy, self._name, self.settings.lease_s)
+        """Take the oldest queued job of the policy under a lease; None when there is none (or one runs).
+
+        The claim gives the job the version its step records (``job["version"]``): past every adapter
+        of the store, and past every step directory on this disk (a store reset leaves them there).
+        """
+        on_disk = [int(p.name) for p in self.settings.adapters_dir.glob("*") if p.name.isdigit()]
+        return await self._store.jobs.claim(self.settings.policy, self._name, self.settings.lease_s,
+                                            first_version=max(on_disk, default=0) + 1)  # fmt: skip
 
     async def run_job(self, job: dict[str, Any]) -> None:
         renewing = asyncio.create_task(self._renew_lease(job["id"]), name=f"lease-{job['id']}")
@@ -189,18 +195,27 @@ class Worker:
             with stop_when_revoked(learner, grant):
                 result = await asyncio.to_thread(learner.step, items)
             self._held.version = -1  # the weights moved: no version until they are saved as one
-            version = await self._next_version()
+            version = int(job["version"])  # decided by the claim: no other worker records it
             metrics = {**batch.metrics, **result.to_dict(), "version": version, "trained_from": base}
+            # A lost claim's job is another worker's now, with this version: never write over its directory.
+            if not await self._store.jobs.renew(job["id"], self._name, self.settings.lease_s, progress=0.8):
+                return self._dropped(job, version, metrics)
             out_dir = self.settings.adapters_dir / str(version)
             await asyncio.to_thread(learner.save, out_dir, metrics)
             self._held.version = version
             # The files go with the record: a vLLM that cannot see this disk fetches them through the proxy.
             files = await asyncio.to_thread(files_for_store, out_dir)
-            await self._store.adapters.record(self.settings.policy, version, str(out_dir.resolve()), job["id"],
-                                              metrics, files)  # fmt: skip
+            if not await self._store.adapters.record(self.settings.policy, version, str(out_dir.resolve()),
+                                                     job["id"], metrics, files, owner=self._name):  # fmt: skip
+                return self._dropped(job, version, metrics)
         log.info("job %s: trained %s@%d (loss %.4f, reward mean %.3f, %.1f s)", job["id"], self.settings.policy,
                  version, result.loss, batch.metrics["reward_mean"], result.seconds)  # fmt: skip
         return metrics, version
+
+    def _dropped(self, job: dict[str, Any], version: int, metrics: dict[str, Any]) -> tuple[dict[str, Any], None]:
+        log.warning("job %s: the claim was lost before %s@%d was recorded; the step is dropped", job["id"],
+                    self.settings.policy, version)  # fmt: skip
+        return {**metrics, "dropped": "the claim was lost"}, None
 
     def _tell(self, word: Word) -> None:
         if self._group is not None:
@@ -217,10 +232,6 @@ class Worker:
 
     async def _version_to_train_on(self) -> int:
         return await self._store.adapters.version_to_train_on(self.settings.policy)
-
-    async def _next_version(self) -> int:
-        on_disk = [int(p.name) for p in self.settings.adapters_dir.glob("*") if p.name.isdigit()]
-        return max([await self._store.adapters.newest_version(self.settings.policy), *on_disk]) + 1
 
 
 class HeldLearner:
