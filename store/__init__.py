@@ -8,6 +8,7 @@ the proxy, and the proxy never loads torch. ``Store.open(url)`` is the way in.
 from store._adapter_files import FILE_NAME_PATTERN, AdapterFile, AdapterFiles, FileEntry
 from store._adapters import ADAPTER_FIELDS, Adapters, Policies
 from store._advantages import GroupAdvantages, group_advantages
+from store._compact import COMPACT_COLUMNS
 from store._conversation import canonical_message, common_prefix, first_choice, reply_message, same_message
 from store._engine import connect
 from store._errors import SchemaTooNew, StoreError, StoreUnavailable, TransitionRefused, UnknownTrajectories
@@ -25,6 +26,7 @@ from store._writer import CallWrite
 
 __all__ = [
     "ADAPTER_FIELDS",
+    "COMPACT_COLUMNS",
     "FILE_NAME_PATTERN",
     "GROUP_VIEW_STATES",
     "JOB_FIELDS",

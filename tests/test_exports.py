@@ -50,8 +50,8 @@ def test_store_public_names() -> None:
     import store
 
     assert sorted(store.__all__) == [
-        "ADAPTER_FIELDS", "AdapterFile", "AdapterFiles", "AdapterState", "Adapters", "Call", "CallWrite", "DueRule",
-        "ExportFilter", "ExportPage", "ExportReads", "FILE_NAME_PATTERN", "FileEntry", "GROUP_VIEW_STATES",
+        "ADAPTER_FIELDS", "AdapterFile", "AdapterFiles", "AdapterState", "Adapters", "COMPACT_COLUMNS", "Call",
+        "CallWrite", "DueRule", "ExportFilter", "ExportPage", "ExportReads", "FILE_NAME_PATTERN", "FileEntry", "GROUP_VIEW_STATES",
         "GpuHandover", "GroupAdvantages", "GroupCalls", "GroupChanged", "GroupRecord", "GroupState", "Guards",
         "JOB_FIELDS", "JUDGEMENT_STATES", "JobState", "Jobs", "Judgements", "MOVES", "Policies", "Reads", "RewardIn",
         "RewardSummary", "RewardTimeouts", "RewardedTrajectory", "SchemaTooNew", "Store", "StoreError",
