@@ -121,8 +121,9 @@ def add_serve_parser(sub: Any) -> None:
     p.add_argument(
         "--keep-versions",
         type=int,
-        help="adapter versions kept loaded in vLLM; older ones stay on disk for rollback"
-        + setting_default("keep_versions"),
+        help="adapter versions kept loaded in vLLM, and kept on disk by retention (also the served one, every "
+        "published one and the regression guard's last kept one); older versions are pruned: files deleted, rows "
+        "and metrics kept" + setting_default("keep_versions"),
     )
     p.add_argument("--replica", action="append", metavar="URL", help=argparse.SUPPRESS)  # removed: see settings_from
     p.add_argument(
@@ -353,6 +354,7 @@ def _with_adapter_resolver(settings: Any, launch: Any) -> tuple[Any, Any]:
         launch,
         adapters_url=f"http://{url_host(settings.host)}:{settings.port}",
         adapters_key=settings.adapter_keys[0].get_secret_value(),
+        adapters_keep=settings.keep_versions,
     )
     return settings, launch
 
