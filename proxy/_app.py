@@ -37,6 +37,7 @@ from proxy.gateway._router import Router
 from proxy.gateway._upstream import Upstream
 from proxy.judge import _routes as _judge_routes
 from proxy.judge._service import JudgeService
+from proxy.observability._disk import DiskWatch
 from proxy.observability._langfuse import start_langfuse
 from proxy.observability._metrics import Metrics
 from proxy.training import _adapter_routes
@@ -136,6 +137,9 @@ def create_app(
         if settings.reward_timeout_s is not None:
             timeouts = RewardTimeout(settings, store, judging, metrics)
             background.append(asyncio.create_task(timeouts.run(), name="tracetrain-reward-timeout"))
+        disk = DiskWatch(store, metrics, settings.data_dir, min_free_bytes=settings.min_free_disk_mb * 2**20,
+                         keep_trajectories_days=settings.keep_trajectories_days)  # fmt: skip
+        background.append(asyncio.create_task(disk.run(), name="tracetrain-disk"))
         app.state.services = Services(
             settings,
             store,
@@ -152,6 +156,7 @@ def create_app(
             report_rewards,
             langfuse=langfuse,
             handover=handover,
+            disk=disk,
         )
         try:
             yield
@@ -216,7 +221,11 @@ def _add_health_routes(app: FastAPI) -> None:
         if not services.router.serving():
             return error_response(UpstreamNotReady(services.router.why_none()))
         services.registry.base_model = services.registry.base_model or model
-        return Response(orjson.dumps({"status": "ready", "base_model": model}), media_type="application/json")
+        body: dict[str, Any] = {"status": "ready", "base_model": model}
+        usage = services.disk.latest if services.disk is not None else None
+        if usage is not None and usage.low:  # still ready: a full disk stops capture, not serving
+            body["warnings"] = [usage.warning()]
+        return Response(orjson.dumps(body), media_type="application/json")
 
 
 class _App(FastAPI):

@@ -11,13 +11,22 @@ from store._advantages import GroupAdvantages, group_advantages
 from store._compact import COMPACT_COLUMNS
 from store._conversation import canonical_message, common_prefix, first_choice, reply_message, same_message
 from store._engine import connect
-from store._errors import SchemaTooNew, StoreError, StoreUnavailable, TransitionRefused, UnknownTrajectories
+from store._errors import (
+    SchemaTooNew,
+    StoreError,
+    StoreFull,
+    StoreUnavailable,
+    TransitionRefused,
+    UnknownTrajectories,
+    is_disk_full,
+)
 from store._export import ExportFilter, ExportPage, ExportReads, RewardSummary
 from store._guard import TRAINING_FIELDS, Guards
 from store._jobs import JOB_FIELDS, Jobs, RewardedTrajectory, StoredCall
 from store._judgements import JUDGEMENT_STATES, DueRule, GroupCalls, GroupChanged, Judgements
 from store._lifecycle import MOVES, AdapterState, GpuHandover, GroupState, JobState, TrainingState, allowed
 from store._reads import GROUP_VIEW_STATES, GroupRecord, Reads, TrajectoryFilter, TrajectoryRecord
+from store._retention import PruneReport, PruneRule
 from store._rewards import RewardIn
 from store._store import Store
 from store._tables import Call
@@ -55,6 +64,8 @@ __all__ = [
     "Jobs",
     "Judgements",
     "Policies",
+    "PruneReport",
+    "PruneRule",
     "Reads",
     "RewardIn",
     "RewardSummary",
@@ -63,6 +74,7 @@ __all__ = [
     "SchemaTooNew",
     "Store",
     "StoreError",
+    "StoreFull",
     "StoreUnavailable",
     "StoredCall",
     "TrainingState",
@@ -76,6 +88,7 @@ __all__ = [
     "connect",
     "first_choice",
     "group_advantages",
+    "is_disk_full",
     "reply_message",
     "same_message",
 ]

@@ -10,11 +10,11 @@ rebuild the rest (``calls.prefix_of``, ``prefix_tokens``, ``prefix_messages``).
 
 Writing: ``Chains`` holds, in the process's memory, the last recorded call of each trajectory
 (its id, its ids as 4-byte integers, its messages), bounded in tokens and trajectories, least
-recently used first out. Nothing is read from the store for it, so the request path gains no
+recently used first out, none older than an hour. Nothing is read from the store for it, so the request path gains no
 query. A call whose trajectory it does not hold (recorded by another replica, before a restart,
 or evicted) is stored whole, as before. Only a committed call becomes a reference, so a row
-never names one that was not written; calls are deleted with their whole trajectory only
-(``store._retention``), so a reference never dangles.
+never names one that was not written; calls are deleted with their whole trajectory only, and
+never a trajectory touched within two hours (``store._retention``), so a reference never dangles.
 
 Reading: ``expand`` rebuilds every compact row of a read from the rows it refers to, which the
 read holds because every read of calls takes whole trajectories. Readers (the data API, the
@@ -24,6 +24,7 @@ columns are dropped from what they get.
 
 from __future__ import annotations
 
+import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -38,6 +39,9 @@ _ITEM = 4  # bytes per id in a sequence held in memory
 # What the writer's memory of recent calls may hold: ids of all trajectories together, and trajectories.
 MAX_TOKENS = 4_000_000  # 16 MB of ids
 MAX_TRAJECTORIES = 20_000
+# A call older than this is no reference: retention never deletes a trajectory touched more recently than
+# twice this (store._retention.MIN_AGE_S), so a reference always names a row that is still there.
+MAX_REFERENCE_AGE_S = 3600.0
 
 
 @dataclass(slots=True)
@@ -47,6 +51,7 @@ class _Last:
     call_id: str
     sequence: bytes  # its prompt + completion ids, 4-byte integers
     messages: list[Any] | None  # its request's messages as the client sent them
+    at: float  # when it was recorded (time.monotonic())
 
 
 class Chains:
@@ -67,7 +72,7 @@ class Chains:
         ``call`` itself is left as it is (the metrics and exporters read it after the record).
         """
         last = self._last.get(trajectory_id)
-        if last is None:
+        if last is None or time.monotonic() - last.at > MAX_REFERENCE_AGE_S:
             return call | _WHOLE
         prompt = call.get("prompt_token_ids") or []
         tokens = _shared_prefix(_pack(prompt), last.sequence) if prompt else 0
@@ -94,7 +99,9 @@ class Chains:
         previous = self._last.pop(trajectory_id, None)
         if previous is not None:
             self._bytes -= len(previous.sequence)
-        self._last[trajectory_id] = _Last(call["id"], sequence, messages if isinstance(messages, list) else None)
+        self._last[trajectory_id] = _Last(
+            call["id"], sequence, messages if isinstance(messages, list) else None, time.monotonic()
+        )
         self._bytes += len(sequence)
         while self._last and (self._bytes > self._max_bytes or len(self._last) > self._max_trajectories):
             _, evicted = self._last.popitem(last=False)

@@ -38,11 +38,13 @@ from store._guard import Guards
 from store._jobs import Jobs
 from store._judgements import Judgements
 from store._reads import Reads
+from store._retention import PruneReport, PruneRule, prune_trajectories, vacuum
 from store._rewards import RewardIn, add_rewards
 from store._tables import adapters as A
 from store._tables import policies as P
 from store._tables import trajectories as T
 from store._timeouts import RewardTimeouts
+from store._usage import store_bytes
 from store._writer import CallWrite, GroupCommitWriter
 
 _R = TypeVar("_R")
@@ -143,6 +145,22 @@ class Store:
 
     def _stored(self, write: CallWrite) -> CallWrite:
         return dataclasses.replace(write, call=self.chains.stored_row(write.trajectory_id, write.call))
+
+    # -- retention and disk -------------------------------------------------------------
+
+    async def prune_trajectories(self, rule: PruneRule, *, dry_run: bool = False, batch: int = 200) -> PruneReport:
+        """Delete old trajectories in batches (``store._retention``); this process's memory of them goes too."""
+        report = await prune_trajectories(self.engine, rule, batch=batch, dry_run=dry_run)
+        if not dry_run:
+            self.chains.forget(report.trajectory_ids)
+        return report
+
+    async def vacuum(self) -> None:
+        await vacuum(self.engine)
+
+    async def disk_bytes(self) -> dict[str, int]:
+        """Bytes of the store by part: calls, adapter_files, database (``store._usage``)."""
+        return await store_bytes(self.engine)
 
     async def add_rewards(self, rewards: Iterable[RewardIn]) -> list[dict[str, Any]]:
         return await add_rewards(self.engine, rewards)

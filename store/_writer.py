@@ -38,7 +38,7 @@ from tenacity import Retrying, before_sleep_log, stop_after_attempt, wait_expone
 
 from store._derived import Seat, seat_all_sqlite, seat_one_sqlite
 from store._engine import dumps, insert_ignore
-from store._errors import StoreUnavailable
+from store._errors import StoreFull, StoreUnavailable, is_disk_full
 from store._lifecycle import GroupState
 from store._tables import calls as C
 from store._tables import groups as G
@@ -207,6 +207,8 @@ def _settle(done: asyncio.Future[Any], result: Any, error: Exception | None) -> 
         return
     if error is None:
         done.set_result(result)
+    elif is_disk_full(error):
+        done.set_exception(StoreFull(f"could not write to the store, its disk is full: {error}"))
     else:
         done.set_exception(StoreUnavailable(f"could not write to the store: {error}"))
 

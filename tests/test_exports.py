@@ -51,14 +51,14 @@ def test_store_public_names() -> None:
 
     assert sorted(store.__all__) == [
         "ADAPTER_FIELDS", "AdapterFile", "AdapterFiles", "AdapterState", "Adapters", "COMPACT_COLUMNS", "Call",
-        "CallWrite", "DueRule", "ExportFilter", "ExportPage", "ExportReads", "FILE_NAME_PATTERN", "FileEntry", "GROUP_VIEW_STATES",
-        "GpuHandover", "GroupAdvantages", "GroupCalls", "GroupChanged", "GroupRecord", "GroupState", "Guards",
-        "JOB_FIELDS", "JUDGEMENT_STATES", "JobState", "Jobs", "Judgements", "MOVES", "Policies", "Reads", "RewardIn",
-        "RewardSummary", "RewardTimeouts", "RewardedTrajectory", "SchemaTooNew", "Store", "StoreError",
-        "StoreUnavailable", "StoredCall", "TRAINING_FIELDS", "TrainingState", "TrajectoryFilter", "TrajectoryRecord",
-        "TransitionRefused",
+        "CallWrite", "DueRule", "ExportFilter", "ExportPage", "ExportReads", "FILE_NAME_PATTERN", "FileEntry",
+        "GROUP_VIEW_STATES", "GpuHandover", "GroupAdvantages", "GroupCalls", "GroupChanged", "GroupRecord",
+        "GroupState", "Guards", "JOB_FIELDS", "JUDGEMENT_STATES", "JobState", "Jobs", "Judgements", "MOVES",
+        "Policies", "PruneReport", "PruneRule", "Reads", "RewardIn", "RewardSummary", "RewardTimeouts",
+        "RewardedTrajectory", "SchemaTooNew", "Store", "StoreError", "StoreFull", "StoreUnavailable", "StoredCall",
+        "TRAINING_FIELDS", "TrainingState", "TrajectoryFilter", "TrajectoryRecord", "TransitionRefused",
         "UnknownTrajectories", "allowed", "canonical_message", "common_prefix", "connect", "first_choice",
-        "group_advantages", "reply_message", "same_message",
+        "group_advantages", "is_disk_full", "reply_message", "same_message",
     ]  # fmt: skip
 
 

@@ -191,6 +191,21 @@ def add_serve_parser(sub: Any) -> None:
         + setting_default("regression_groups"),
     )
     p.add_argument(
+        "--keep-trajectories",
+        type=float,
+        metavar="DAYS",
+        help="delete trajectories (their calls, rewards, judgements) whose last call is older than DAYS, in small "
+        "batches every minute; never one whose group is open or training. Export first to archive "
+        "(tracetrain export; docs/OPERATIONS.md) (default: keep everything)",
+    )
+    p.add_argument(
+        "--min-free-disk",
+        type=int,
+        metavar="MB",
+        help="warn in the log and on /readyz while the data directory's disk has less free space than this"
+        + setting_default("min_free_disk_mb"),
+    )
+    p.add_argument(
         "--reward-timeout",
         type=float,
         metavar="SECONDS",
@@ -261,6 +276,8 @@ def settings_from(args: argparse.Namespace) -> Any:
         "regression_alpha": args.regression_alpha,
         "regression_groups": args.regression_groups,
         "reward_timeout_s": args.reward_timeout,
+        "keep_trajectories_days": args.keep_trajectories,
+        "min_free_disk_mb": args.min_free_disk,
     }
     try:
         return Settings(**{k: v for k, v in flags.items() if v is not None})
