@@ -34,7 +34,7 @@ from typing import Any
 
 from sqlalchemy import JSON, Connection, Engine, Executable, bindparam, insert, update
 from sqlalchemy.ext.asyncio import AsyncEngine
-from tenacity import Retrying, before_sleep_log, stop_after_attempt, wait_exponential
+from tenacity import Retrying, before_sleep_log, retry_if_exception, stop_after_attempt, wait_exponential
 
 from store._derived import Seat, seat_all_sqlite, seat_one_sqlite
 from store._engine import dumps, insert_ignore
@@ -202,6 +202,11 @@ def _by_id(row: Mapping[str, Any]) -> str:
     return str(row["id"])
 
 
+def _transient(error: BaseException) -> bool:
+    """Worth retrying at once: anything but a full disk, which stays full longer than a retry waits."""
+    return not is_disk_full(error)
+
+
 def _settle(done: asyncio.Future[Any], result: Any, error: Exception | None) -> None:
     if done.done():
         return
@@ -224,6 +229,7 @@ class GroupCommitWriter:
         self._pending: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
         # The database may be briefly down or locked: retry, then fail the callers.
         self._retrying = Retrying(
+            retry=retry_if_exception(_transient),
             stop=stop_after_attempt(_WRITE_ATTEMPTS),
             wait=wait_exponential(multiplier=0.05),
             before_sleep=before_sleep_log(log, logging.WARNING),
