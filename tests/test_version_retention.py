@@ -88,6 +88,8 @@ def test_activating_a_pruned_version_is_a_409_that_says_why(start_proxy: Callabl
 
     assert answer.status_code == 409
     assert "pruned" in answer.json()["error"]["message"] and answer.json()["error"]["param"] == "version"
+    page = httpx.get(f"{proxy.url}/admin/ui/adapters").text
+    assert page.count("files pruned") == 2 and "adapters/1/activate" not in page and "adapters/3/activate" in page
 
 
 async def _pruned(url: str) -> None:
