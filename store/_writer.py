@@ -314,16 +314,21 @@ class GroupCommitWriter:
             try:
                 batch, closing = self._next_batch(first)
                 seats = [item for item in batch if isinstance(item[0], Seat)]
-                if seats:  # first: their callers wait to send upstream, the calls' callers only to answer
-                    self._write(self._seat_sqlite, seats)
                 calls = [item for item in batch if isinstance(item[0], CallWrite)]
+                if seats:  # first: their callers wait to send upstream, the calls' callers only to answer
+                    self._write(self._seat_sqlite, seats, last=not calls)
                 if calls:
-                    self._write(self._commit_sqlite if self._sync is not None else self._commit_on_loop, calls)
+                    commit = self._commit_sqlite if self._sync is not None else self._commit_on_loop
+                    self._write(commit, calls, last=True)
             finally:
                 self._busy = False
 
-    def _write(self, commit: Callable[[list[Any]], list[Any] | None], batch: list[_Pending]) -> None:
-        """``commit`` the batch's items, retried if the database is briefly down or locked; then answer."""
+    def _write(self, commit: Callable[[list[Any]], list[Any] | None], batch: list[_Pending], *, last: bool) -> None:
+        """``commit`` the batch's items, retried if the database is briefly down or locked; then answer.
+
+        ``last``: the thread writes nothing more of this batch, so it is idle before its callers are told:
+        a caller's next lone call then finds it idle (``_here``) instead of racing it.
+        """
         results: list[Any] | None = None
         error: Exception | None = None
         try:
@@ -333,6 +338,8 @@ class GroupCommitWriter:
         except Exception as exc:
             log.error("could not write %d items to the store: %s", len(batch), exc)
             error = exc
+        if last:
+            self._busy = False
         for i, (_, done) in enumerate(batch):
             if done is not None:
                 self._loop.call_soon_threadsafe(_settle, done, results[i] if results else None, error)
