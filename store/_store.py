@@ -13,7 +13,9 @@ load (docs/BENCHMARKS.md). Each statement is stepped to its end, so no read pins
 The one write on that path, a new trajectory's seat in its derived group, goes through the
 group-commit writer's thread on SQLite (``store._derived``), or, for the only call in flight,
 is committed on the event loop's thread (``store._writer``).
-Nothing of the store is cached in the process: every replica keys from what the store holds.
+Nothing of the store is cached in the process: every replica keys from what the store holds. The
+one thing held in memory is the last call each recent trajectory recorded here (``chains``): what
+its next call is stored against (``store._compact``); a call it does not know is stored whole.
 """
 
 from __future__ import annotations

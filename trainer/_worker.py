@@ -203,7 +203,7 @@ class Worker:
                 files = await asyncio.to_thread(files_for_store, out_dir) if self.settings.adapter_files else []
                 await self._store.adapters.record(self.settings.policy, version, str(out_dir.resolve()), job["id"],
                                                   metrics, files)  # fmt: skip
-            except BaseException:  # a version not on record is no version: nothing half-done stays (a full disk)
+            except Exception:  # a version not on record is no version: nothing half-done stays (a full disk)
                 await asyncio.to_thread(shutil.rmtree, out_dir, True)
                 raise
         await self._retain()
