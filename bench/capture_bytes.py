@@ -6,7 +6,8 @@ to ``--max-prompt`` tokens (a system prompt, then per turn a user message and a 
 "whole" is the same code with its memory of previous calls turned off (``Chains(max_tokens=0)``):
 every row stores its whole prompt ids and messages, as before revision 0007.
 
-Printed side by side, with the ratio whole / compact:
+Each side runs in a fresh process, twice, alternating; printed side by side (the median of the two),
+with the ratio whole / compact:
 - bytes per call of the ``calls`` table (SQLite's pages, ``dbstat``) and of the database file;
 - the time to record a call;
 - the time to read a trajectory (``Reads.trajectory``, what the data API and the dashboard call);
@@ -21,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import sqlite3
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -137,15 +140,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--turns", type=int, default=20)
     p.add_argument("--max-prompt", type=int, default=4096, help="tokens of the last call's prompt (default 4096)")
     p.add_argument("--reads", type=int, default=100, help="trajectory reads timed (default 100)")
+    p.add_argument("--only", choices=["whole", "compact"], help=argparse.SUPPRESS)  # one side, in a child process
     args = p.parse_args(argv)
     rng = random.Random(0)
     traces = [trace(rng, args.turns, args.max_prompt) for _ in range(args.trajectories)]
+    if args.only is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            result = asyncio.run(run_one(Path(tmp) / "store.db", traces, compact=args.only == "compact",
+                                         reads=args.reads))  # fmt: skip
+        print(json.dumps(result))
+        return
     last = traces[0][-1][1]
     print(f"{args.trajectories} trajectories x {args.turns} turns, prompts {len(traces[0][0][1])} -> {len(last)} tokens")
-    with tempfile.TemporaryDirectory() as tmp:
-        results = {}
-        for name, compact in (("whole", False), ("compact", True)):  # the same process, one after the other
-            results[name] = asyncio.run(run_one(Path(tmp) / f"{name}.db", traces, compact=compact, reads=args.reads))
+    # Each side in a fresh process of its own (a second run in one process measured 2x slower reads, whichever
+    # encoding it was: the first one's heap), twice in alternation; the median of the two is printed.
+    runs: dict[str, list[dict[str, float]]] = {"whole": [], "compact": []}
+    for name in ("whole", "compact", "compact", "whole"):
+        child = [sys.executable, __file__, "--only", name, *(argv if argv is not None else sys.argv[1:])]
+        runs[name].append(json.loads(subprocess.run(child, check=True, capture_output=True, text=True).stdout))
+    results = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
     print(f"{'':36} {'whole':>12} {'compact':>12} {'whole/compact':>14}")
     for key in results["whole"]:
         whole, compact = results["whole"][key], results["compact"][key]
