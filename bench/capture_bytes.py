@@ -36,13 +36,12 @@ from typing import Any
 
 import orjson
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from store import CallWrite, RewardIn, Store
+from store._compact import Chains
+from trainer._samples import CapturedCall, build_samples
 
-from store import CallWrite, RewardIn, Store  # noqa: E402
-from store._compact import Chains  # noqa: E402
-from trainer._samples import CapturedCall, build_samples  # noqa: E402
-
-_WORDS = "the of and to in is was for on that with as by at from it be this are or an".split()
+_WORDS = ("the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from",
+          "it", "be", "this", "are", "or", "an")  # fmt: skip
 
 
 def _text(rng: random.Random, tokens: int) -> str:
@@ -66,7 +65,9 @@ def trace(rng: random.Random, turns: int, max_prompt: int) -> list[tuple[list[di
     return calls
 
 
-def write(trajectory_id: str, k: int, messages: list[dict[str, Any]], prompt: list[int], completion: list[int]) -> CallWrite:
+def write(
+    trajectory_id: str, k: int, messages: list[dict[str, Any]], prompt: list[int], completion: list[int]
+) -> CallWrite:
     now = time.time()
     row = {
         "id": f"{trajectory_id}-{k}", "trajectory_id": trajectory_id, "group_id": "g-" + trajectory_id,
@@ -75,7 +76,8 @@ def write(trajectory_id: str, k: int, messages: list[dict[str, Any]], prompt: li
         "response": {"id": "chatcmpl-x", "choices": [{"index": 0, "message": {"role": "assistant", "content": "..."},
                                                       "finish_reason": "stop"}]},
         "prompt_token_ids": prompt, "completion_token_ids": completion,
-        "logprobs": [-((i * 7919) % 1000) / 997.0 for i in completion], "other_choices": [],  # full-length floats "finish_reason": "stop",
+        "logprobs": [-((i * 7919) % 1000) / 997.0 for i in completion],  # full-length floats, as vLLM's
+        "other_choices": [], "finish_reason": "stop",
         "prompt_tokens": len(prompt), "completion_tokens": len(completion), "status_code": 200, "error": None,
         "latency_ms": 12.5, "ttft_ms": None, "started_at": now + k * 1e-3,
     }  # fmt: skip
@@ -151,7 +153,9 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(result))
         return
     last = traces[0][-1][1]
-    print(f"{args.trajectories} trajectories x {args.turns} turns, prompts {len(traces[0][0][1])} -> {len(last)} tokens")
+    print(
+        f"{args.trajectories} trajectories x {args.turns} turns, prompts {len(traces[0][0][1])} -> {len(last)} tokens"
+    )
     # Each side in a fresh process of its own (a second run in one process measured 2x slower reads, whichever
     # encoding it was: the first one's heap), twice in alternation; the median of the two is printed.
     runs: dict[str, list[dict[str, float]]] = {"whole": [], "compact": []}

@@ -30,15 +30,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from store import CallWrite, RewardIn, Store  # noqa: E402
-from trainer._adapters import files_for_store  # noqa: E402
-from trainer._config import TrainConfig  # noqa: E402
-from trainer._learner import Learner, TrainItem  # noqa: E402
-from trainer._retention import retain  # noqa: E402
-from trainer._samples import CapturedCall, build_samples  # noqa: E402
+from store import CallWrite, RewardIn, Store
+from trainer._adapters import files_for_store
+from trainer._config import TrainConfig
+from trainer._learner import Learner, TrainItem
+from trainer._retention import retain
+from trainer._samples import CapturedCall, build_samples
 
 CONFIG = TrainConfig(lora_r=16, lora_alpha=32, dtype="float32", micro_batch_tokens=512)
 
@@ -136,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--keep-versions", type=int, default=3)
     p.add_argument("--every", type=int, default=100)
     args = p.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the tests' tiny model
     from tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -19,7 +19,9 @@ from store import AdapterFile, PruneRule, Store
 
 
 def test_a_multi_turn_trajectory_is_stored_compactly_and_read_whole_on_postgres(
-    start_proxy: Callable[..., RunningProxy], fake: FakeVLLM, pg_url: str  # noqa: F811
+    start_proxy: Callable[..., RunningProxy],
+    fake: FakeVLLM,
+    pg_url: str,  # noqa: F811
 ) -> None:
     proxy = start_proxy(database_url=pg_url)
     sent = converse(proxy, "multi", 4)
@@ -32,7 +34,9 @@ def test_a_multi_turn_trajectory_is_stored_compactly_and_read_whole_on_postgres(
 
 
 def test_pruning_trajectories_and_versions_and_measuring_the_store_on_postgres(
-    start_proxy: Callable[..., RunningProxy], fake: FakeVLLM, pg_url: str  # noqa: F811
+    start_proxy: Callable[..., RunningProxy],
+    fake: FakeVLLM,
+    pg_url: str,  # noqa: F811
 ) -> None:
     proxy = start_proxy(database_url=pg_url)
     converse(proxy, "old", 2)
