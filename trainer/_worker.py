@@ -122,6 +122,9 @@ class Worker:
                 job = await self.claim()
             except Exception:  # the store is down or refuses writes (a full disk): wait, never exit
                 log.exception("claiming a job failed; trying again in %.0f s", self.settings.poll_s)
+                if once:
+                    self._tell(Stop())
+                    return done
                 await asyncio.sleep(self.settings.poll_s)
                 continue
             if job is None:
