@@ -174,3 +174,28 @@ async def _publish(url: str, version: int) -> None:
         await store.policies.flip("agent", version)
     finally:
         await store.close()
+
+
+def test_serve_passes_retention_to_its_trainer_and_vllm_and_reads_the_disk_flags(tmp_path: Path) -> None:
+    import argparse
+
+    from tracetrain_cli._serve import trainer_argv
+    from tracetrain_cli._serve_command import _with_adapter_resolver, add_serve_parser, settings_from
+    from tracetrain_cli._vllm_process import VLLMLaunch
+    from trainer.__main__ import parse_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+    flags = ["--keep-versions", "5", "--keep-trajectories", "30", "--min-free-disk", "2048", "--data-dir", str(tmp_path)]
+    settings = settings_from(parser.parse_args(["serve", *flags]))
+    assert (settings.keep_versions, settings.keep_trajectories_days, settings.min_free_disk_mb) == (5, 30.0, 2048)
+
+    by_path = parse_args(trainer_argv(settings, tmp_path, "cpu", [])[3:])
+    assert (by_path.keep_versions, by_path.adapter_files) == (5, False)  # vLLM loads the directory: no blobs
+    resolver = settings.model_copy(update={"adapter_delivery": "resolver"})
+    assert parse_args(trainer_argv(resolver, tmp_path, "cpu", [])[3:]).adapter_files is True
+    overridden = parse_args(trainer_argv(settings, tmp_path, "cpu", ["--keep-versions", "2"])[3:])
+    assert overridden.keep_versions == 2  # --trainer-arg wins
+
+    _, launch = _with_adapter_resolver(settings, VLLMLaunch(model="m", port=8001, data_dir=tmp_path))
+    assert launch.env()["TRACETRAIN_ADAPTERS_KEEP"] == "5"
