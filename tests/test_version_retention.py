@@ -186,7 +186,16 @@ def test_serve_passes_retention_to_its_trainer_and_vllm_and_reads_the_disk_flags
 
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers())
-    flags = ["--keep-versions", "5", "--keep-trajectories", "30", "--min-free-disk", "2048", "--data-dir", str(tmp_path)]
+    flags = [
+        "--keep-versions",
+        "5",
+        "--keep-trajectories",
+        "30",
+        "--min-free-disk",
+        "2048",
+        "--data-dir",
+        str(tmp_path),
+    ]
     settings = settings_from(parser.parse_args(["serve", *flags]))
     assert (settings.keep_versions, settings.keep_trajectories_days, settings.min_free_disk_mb) == (5, 30.0, 2048)
 
