@@ -37,6 +37,7 @@ from proxy.gateway._router import Router
 from proxy.gateway._upstream import Upstream
 from proxy.judge import _routes as _judge_routes
 from proxy.judge._service import JudgeService
+from proxy.observability._disk import DiskWatch
 from proxy.observability._langfuse import start_langfuse
 from proxy.observability._metrics import Metrics
 from proxy.training import _adapter_routes
@@ -136,6 +137,9 @@ def create_app(
         if settings.reward_timeout_s is not None:
             timeouts = RewardTimeout(settings, store, judging, metrics)
             background.append(asyncio.create_task(timeouts.run(), name="tracetrain-reward-timeout"))
+        disk = DiskWatch(store, metrics, settings.data_dir, min_free_bytes=settings.min_free_disk_mb * 2**20,
+                         keep_trajectories_days=settings.keep_trajectories_days)  # fmt: skip
+        background.append(asyncio.create_task(disk.run(), name="tracetrain-disk"))
         app.state.services = Services(
             settings,
             store,
@@ -152,6 +156,7 @@ def create_app(
             report_rewards,
             langfuse=langfuse,
             handover=handover,
+            disk=disk,
         )
         try:
             yield
@@ -219,6 +224,9 @@ def _add_health_routes(app: FastAPI) -> None:
         ready: dict[str, Any] = {"status": "ready", "base_model": model}
         if services.handover is not None and services.handover.gave_up is not None:
             ready["training"] = f"stopped: {services.handover.gave_up}"  # serving is fine; training is not
+        usage = services.disk.latest if services.disk is not None else None
+        if usage is not None and usage.low:  # still ready: a full disk stops capture, not serving
+            ready["warnings"] = [usage.warning()]
         return Response(orjson.dumps(ready), media_type="application/json")
 
 

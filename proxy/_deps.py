@@ -23,6 +23,7 @@ from proxy.gateway._policies import PolicyRegistry
 from proxy.gateway._router import Router
 from proxy.gateway._upstream import Upstream
 from proxy.judge._service import JudgeService
+from proxy.observability._disk import DiskWatch
 from proxy.observability._langfuse import LangfuseExporter
 from proxy.observability._metrics import Metrics
 from proxy.training._handover import HandoverCoordinator
@@ -49,6 +50,7 @@ class Services:
     report_rewards: Callable[[list[dict[str, Any]]], None]
     langfuse: LangfuseExporter | None = None  # with --langfuse
     handover: HandoverCoordinator | None = None  # with --share-gpu
+    disk: DiskWatch | None = None  # disk usage, free space, retention of data
 
 
 async def get_services(request: Request) -> Services:

@@ -67,7 +67,7 @@ class Settings(BaseSettings):
     thread_ttl_s: float = Field(default=1800.0, gt=0)
 
     # Training: a job is created when this many groups are ready; adapters beyond the newest
-    # keep_versions are unloaded from vLLM (they stay on disk for a rollback).
+    # keep_versions are unloaded from vLLM, and the trainer prunes their files (retention, docs/OPERATIONS.md).
     batch_groups: int = Field(default=4, ge=1)
     keep_versions: int = Field(default=3, ge=1)
     # A version that left the window stays loaded this long: other proxy replicas may still
@@ -79,6 +79,11 @@ class Settings(BaseSettings):
     # "resolver" asks vLLM for `policy@N` by name and its tracetrain resolver fetches the files from
     # GET /v1/adapters/... (a trainer on another machine); "auto": by path when the directory is here.
     adapter_delivery: Literal["auto", "path", "resolver"] = "auto"
+
+    # Disk (proxy.observability._disk): a warning in the log and on /readyz while free space is under this
+    # many MiB; trajectories whose last call is older than keep_trajectories_days are deleted (unset: kept).
+    min_free_disk_mb: int = Field(default=1024, ge=0)
+    keep_trajectories_days: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
     # One GPU for vLLM and the trainer (proxy.training._handover): around each training step new calls wait
     # in the proxy, vLLM finishes what runs, sleeps, the trainer steps, vLLM wakes with the new adapter.

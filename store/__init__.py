@@ -9,6 +9,7 @@ from store._adapter_files import FILE_NAME_PATTERN, AdapterFile, AdapterFiles, F
 from store._adapters import ADAPTER_FIELDS, Adapters, Policies
 from store._advantages import GroupAdvantages, group_advantages
 from store._anthropic import anthropic_chat_messages, anthropic_reply
+from store._compact import COMPACT_COLUMNS
 from store._conversation import (
     call_messages,
     call_reply,
@@ -20,7 +21,15 @@ from store._conversation import (
     same_message,
 )
 from store._engine import connect
-from store._errors import SchemaTooNew, StoreError, StoreUnavailable, TransitionRefused, UnknownTrajectories
+from store._errors import (
+    SchemaTooNew,
+    StoreError,
+    StoreFull,
+    StoreUnavailable,
+    TransitionRefused,
+    UnknownTrajectories,
+    is_disk_full,
+)
 from store._export import ExportFilter, ExportPage, ExportReads, RewardSummary
 from store._guard import TRAINING_FIELDS, Guards
 from store._jobs import JOB_FIELDS, Jobs, RewardedTrajectory, StoredCall
@@ -28,6 +37,7 @@ from store._judgements import JUDGEMENT_STATES, DueRule, GroupCalls, GroupChange
 from store._lifecycle import MOVES, AdapterState, GpuHandover, GroupState, JobState, TrainingState, allowed
 from store._reads import GROUP_VIEW_STATES, GroupRecord, Reads, TrajectoryFilter, TrajectoryRecord
 from store._responses_api import responses_chat_messages, responses_reply
+from store._retention import PruneReport, PruneRule
 from store._rewards import RewardIn
 from store._store import Store
 from store._tables import Call
@@ -36,6 +46,7 @@ from store._writer import CallWrite
 
 __all__ = [
     "ADAPTER_FIELDS",
+    "COMPACT_COLUMNS",
     "FILE_NAME_PATTERN",
     "GROUP_VIEW_STATES",
     "JOB_FIELDS",
@@ -64,6 +75,8 @@ __all__ = [
     "Jobs",
     "Judgements",
     "Policies",
+    "PruneReport",
+    "PruneRule",
     "Reads",
     "RewardIn",
     "RewardSummary",
@@ -72,6 +85,7 @@ __all__ = [
     "SchemaTooNew",
     "Store",
     "StoreError",
+    "StoreFull",
     "StoreUnavailable",
     "StoredCall",
     "TrainingState",
@@ -90,6 +104,7 @@ __all__ = [
     "connect",
     "first_choice",
     "group_advantages",
+    "is_disk_full",
     "reply_message",
     "responses_chat_messages",
     "responses_reply",

@@ -28,6 +28,7 @@ from store._lifecycle import AdapterState, JobState, move
 from store._tables import adapters as A
 from store._tables import policies as P
 from store._tables import training_jobs as J
+from store._version_retention import Pruned, prune_versions, pruned_versions
 
 ADAPTER_FIELDS = ("policy", "version", "path", "job_id", "state", "error", "metrics", "created_at", "published_at",
                   "lease_owner", "lease_expires_at", "reclaimed", "guard")  # fmt: skip
@@ -229,3 +230,10 @@ class Adapters:
     async def count(self, policy: str) -> int:
         async with self._engine.connect() as conn:
             return int((await conn.execute(select(func.count()).where(A.c.policy == policy))).scalar_one())
+
+    async def prune(self, policy: str, keep: int) -> list[Pruned]:
+        """Retention: versions not kept lose their stored files and become ``pruned`` (``store._version_retention``)."""
+        return await prune_versions(self._engine, policy, keep)
+
+    async def pruned_versions(self, policy: str) -> set[int]:
+        return await pruned_versions(self._engine, policy)

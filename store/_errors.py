@@ -2,6 +2,7 @@
 
     StoreError
     ├── StoreUnavailable        the database did not take a write (after retries)
+    │   └── StoreFull           ... because its disk is full (ENOSPC, SQLITE_FULL, PostgreSQL class 53)
     ├── UnknownTrajectories     a write named trajectories the store does not hold; nothing was written
     ├── SchemaTooNew            the database was migrated by a newer tracetrain than this one
     └── TransitionRefused       a life-cycle move not in the table (a bug, never a race)
@@ -9,6 +10,8 @@
 
 from __future__ import annotations
 
+import errno
+import sqlite3
 from collections.abc import Sequence
 
 
@@ -18,6 +21,33 @@ class StoreError(Exception):
 
 class StoreUnavailable(StoreError):
     pass
+
+
+class StoreFull(StoreUnavailable):
+    """The write failed for want of space: it will succeed once space is freed."""
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it wraps: SQLAlchemy's ``orig``, a cause) says the disk or database is full."""
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [exc]
+    while stack:
+        error = stack.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+            return True
+        if getattr(error, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+            return True
+        # PostgreSQL's class 53, insufficient resources: 53100 disk_full, 53200 out of memory, ...
+        if str(getattr(error, "sqlstate", None) or getattr(error, "pgcode", None) or "").startswith("53"):
+            return True
+        if "database or disk is full" in str(error) or "No space left on device" in str(error):
+            return True
+        orig = getattr(error, "orig", None)
+        stack += [error.__cause__, error.__context__, orig if isinstance(orig, BaseException) else None]
+    return False
 
 
 class UnknownTrajectories(StoreError):

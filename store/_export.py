@@ -14,6 +14,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from store._compact import expand
 from store._tables import calls as C
 from store._tables import trajectories as T
 
@@ -109,5 +110,7 @@ class ExportReads:
             calls_of: dict[str, list[dict[str, Any]]] = {trajectory_id: [] for trajectory_id in ids}
             for call in calls:
                 calls_of[call.trajectory_id].append(dict(call._mapping))
+            for rows in calls_of.values():
+                expand(rows)
             yield ExportPage([dict(t._mapping) for t in trajectories], calls_of)
             after = trajectories[-1].pk

@@ -27,6 +27,7 @@ from sqlalchemy import and_, case, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from store._compact import expand
 from store._lifecycle import GpuHandover, GroupState, JobState, move
 from store._tables import adapters as A
 from store._tables import calls as C
@@ -268,15 +269,17 @@ class Jobs:
             calls = (
                 await conn.execute(
                     select(C.c.trajectory_id, C.c.prompt_token_ids, C.c.completion_token_ids, C.c.logprobs,
-                           C.c.status_code, C.c.version, *(C.c.request[name] for name in _SAMPLING))
+                           C.c.status_code, C.c.version, *(C.c.request[name].label(name) for name in _SAMPLING),
+                           C.c.id, C.c.prefix_of, C.c.prefix_tokens)
                     .where(C.c.trajectory_id.in_(ids))
                     .order_by(C.c.started_at, C.c.pk)
                 )
             ).all()  # fmt: skip
         by_trajectory: dict[str, list[StoredCall]] = {i: [] for i in ids}
-        for call in calls:
-            fixed, sampling = call[: -len(_SAMPLING)], call[-len(_SAMPLING) :]
-            by_trajectory[call.trajectory_id].append(StoredCall(*fixed, *(_number(v) for v in sampling)))
+        for row in expand([dict(call._mapping) for call in calls]):  # compact prompts rebuilt (store._compact)
+            del row["id"]
+            sampling = [_number(row.pop(name)) for name in _SAMPLING]
+            by_trajectory[row["trajectory_id"]].append(StoredCall(*row.values(), *sampling))
         return [RewardedTrajectory(t.id, t.group_id, float(t.reward), by_trajectory[t.id]) for t in trajectories]
 
     # -- read by the dashboard and /metrics --------------------------------------------

@@ -21,6 +21,7 @@ from typing import Any
 from sqlalchemy import and_, bindparam, func, insert, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from store._compact import expand
 from store._errors import StoreError
 from store._lifecycle import GroupState
 from store._tables import calls as C
@@ -72,15 +73,16 @@ class Judgements:
             ).all()
             calls = (
                 await conn.execute(
-                    select(C.c.trajectory_id, C.c.endpoint, C.c.request, C.c.response, C.c.error)
+                    select(C.c.trajectory_id, C.c.endpoint, C.c.request, C.c.response, C.c.error, C.c.id,
+                           C.c.prefix_of, C.c.prefix_messages)
                     .where(C.c.group_id == group_id)
                     .order_by(C.c.started_at, C.c.pk)
                 )
-            ).all()
+            ).all()  # fmt: skip
         by_trajectory: dict[str, list[dict[str, Any]]] = {row.id: [] for row in trajectories}
-        for call in calls:
-            if call.trajectory_id in by_trajectory:
-                by_trajectory[call.trajectory_id].append(dict(call._mapping))
+        for row in expand([dict(call._mapping) for call in calls]):
+            if row.pop("id") and row["trajectory_id"] in by_trajectory:
+                by_trajectory[row["trajectory_id"]].append(row)
         return GroupCalls(str(group.state), by_trajectory)
 
     async def cached_scores(self, cache_key: str) -> list[dict[str, Any]] | None:

@@ -13,6 +13,7 @@
                  │ └──────────▶ discarded       (trained while paused, or from a version rolled back)
                  └──lease expired────┘          (its proxy died while publishing)
               published ──the regression guard──▶ rolled_back ──activated by an admin──▶ published
+              retired | failed | rolled_back | discarded ──retention deleted its files──▶ pruned   (for good)
     training: active ──the regression guard rolled a version back──▶ paused ──an admin resumes──▶ active
               (a policy's ``training`` column: paused, no job is created and no adapter published)
     gpu:      none ──asked──▶ requested ──vLLM asleep──▶ granted ──adapter recorded──▶ released
@@ -65,6 +66,7 @@ class AdapterState(enum.StrEnum):
     RETIRED = "retired"
     ROLLED_BACK = "rolled_back"  # served worse than the version before it (proxy.training._guard)
     DISCARDED = "discarded"  # never published: trained while paused, or continued from a version rolled back
+    PRUNED = "pruned"  # its files were deleted by retention (store.Adapters.prune); its row and metrics stay
 
 
 class TrainingState(enum.StrEnum):
@@ -111,6 +113,11 @@ MOVES: frozenset[tuple[State, State]] = frozenset(
         (AdapterState.TRAINED, AdapterState.DISCARDED),
         (AdapterState.PUBLISHED, AdapterState.ROLLED_BACK),  # the regression guard
         (AdapterState.ROLLED_BACK, AdapterState.PUBLISHED),  # an admin activates it anyway
+        # Retention: a version neither served nor among those kept loses its files (store.Adapters.prune).
+        (AdapterState.RETIRED, AdapterState.PRUNED),
+        (AdapterState.FAILED, AdapterState.PRUNED),
+        (AdapterState.ROLLED_BACK, AdapterState.PRUNED),
+        (AdapterState.DISCARDED, AdapterState.PRUNED),
         (TrainingState.ACTIVE, TrainingState.PAUSED),
         (TrainingState.PAUSED, TrainingState.ACTIVE),
         (GpuHandover.NONE, GpuHandover.REQUESTED),

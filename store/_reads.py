@@ -14,6 +14,7 @@ from typing import Any
 from sqlalchemy import and_, case, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from store._compact import expand
 from store._conversation import call_reply
 from store._jobs import ready_condition
 from store._lifecycle import GroupState
@@ -84,7 +85,9 @@ class Reads:
             )
             rewards = await conn.execute(select(R).where(R.c.trajectory_id == trajectory_id).order_by(R.c.pk))
             return TrajectoryRecord(
-                dict(row._mapping), [dict(c._mapping) for c in calls.all()], [dict(r._mapping) for r in rewards.all()]
+                dict(row._mapping),
+                expand([dict(c._mapping) for c in calls.all()]),
+                [dict(r._mapping) for r in rewards.all()],
             )
 
     async def groups(

@@ -13,12 +13,15 @@ load (docs/BENCHMARKS.md). Each statement is stepped to its end, so no read pins
 The one write on that path, a new trajectory's seat in its derived group, goes through the
 group-commit writer's thread on SQLite (``store._derived``), or, for the only call in flight,
 is committed on the event loop's thread (``store._writer``).
-Nothing of the store is cached in the process: every replica keys from what the store holds.
+Nothing of the store is cached in the process: every replica keys from what the store holds. The
+one thing held in memory is the last call each recent trajectory recorded here (``chains``): what
+its next call is stored against (``store._compact``); a call it does not know is stored whole.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sqlite3
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -29,6 +32,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from store._adapter_files import AdapterFiles
 from store._adapters import Adapters, Policies
+from store._compact import Chains
 from store._derived import Seat, join_task_group
 from store._engine import connect, sqlite_sync_engine
 from store._export import ExportReads
@@ -36,11 +40,13 @@ from store._guard import Guards
 from store._jobs import Jobs
 from store._judgements import Judgements
 from store._reads import Reads
+from store._retention import PruneReport, PruneRule, prune_trajectories, vacuum
 from store._rewards import RewardIn, add_rewards
 from store._tables import adapters as A
 from store._tables import policies as P
 from store._tables import trajectories as T
 from store._timeouts import RewardTimeouts
+from store._usage import store_bytes
 from store._writer import CallWrite, GroupCommitWriter
 
 _R = TypeVar("_R")
@@ -77,6 +83,8 @@ class Store:
         self._held = sync_engine.raw_connection() if sync_engine is not None else None
         self._reader: sqlite3.Connection | None = self._held.driver_connection if self._held is not None else None
         self._writer: GroupCommitWriter | None = None
+        # The last recorded call of recent trajectories: new calls of theirs are stored compactly (store._compact).
+        self.chains = Chains()
         self.policies = Policies(engine)
         self.adapters = Adapters(engine)
         self.adapter_files = AdapterFiles(engine)
@@ -123,15 +131,38 @@ class Store:
         ``alone``: the only call in flight in this process; on SQLite it is then committed on the
         event loop's thread when the writer is idle, sparing it the trip to the writer's thread.
         A write with ``seat_in`` seats its trajectory in the same transaction and carries its
-        ``group_id`` afterwards.
+        ``group_id`` afterwards. Stored compactly when it continues its trajectory's last recorded
+        call (``store._compact``); ``write.call`` stays whole.
         """
         assert self._writer is not None, "Store.open(capture=True) records calls"
-        await self._writer.record(write, alone=alone)
+        stored = self._stored(write)
+        await self._writer.record(stored, alone=alone)
+        write.group_id = write.call["group_id"] = stored.group_id
+        self.chains.remember(write.trajectory_id, write.call)
 
     def record_call_nowait(self, write: CallWrite) -> None:
         """Queue a call without waiting (its client is gone; nobody waits for the answer)."""
         assert self._writer is not None, "Store.open(capture=True) records calls"
-        self._writer.record_nowait(write)
+        self._writer.record_nowait(self._stored(write))
+
+    def _stored(self, write: CallWrite) -> CallWrite:
+        return dataclasses.replace(write, call=self.chains.stored_row(write.trajectory_id, write.call))
+
+    # -- retention and disk -------------------------------------------------------------
+
+    async def prune_trajectories(self, rule: PruneRule, *, dry_run: bool = False, batch: int = 200) -> PruneReport:
+        """Delete old trajectories in batches (``store._retention``); this process's memory of them goes too."""
+        report = await prune_trajectories(self.engine, rule, batch=batch, dry_run=dry_run)
+        if not dry_run:
+            self.chains.forget(report.trajectory_ids)
+        return report
+
+    async def vacuum(self) -> None:
+        await vacuum(self.engine)
+
+    async def disk_bytes(self) -> dict[str, int]:
+        """Bytes of the store by part: calls, adapter_files, database (``store._usage``)."""
+        return await store_bytes(self.engine)
 
     async def add_rewards(self, rewards: Iterable[RewardIn]) -> list[dict[str, Any]]:
         return await add_rewards(self.engine, rewards)

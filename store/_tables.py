@@ -2,7 +2,8 @@
 
 One row per captured call, trajectory, group, reward, training job and adapter
 version. Times are unix seconds (float). Token ids and logprobs are JSON arrays so a
-call can be read back exactly as vLLM sampled it. Group readiness is derived, never
+call can be read back exactly as vLLM sampled it (a call that continues an earlier one of
+its trajectory stores only what is new: ``store._compact``). Group readiness is derived, never
 stored: a group in state ``open`` whose trajectories are all rewarded and that has at
 least the policy's minimum size is *ready* (see ``store._store``).
 
@@ -118,6 +119,12 @@ class Call(SQLModel, table=True):
     latency_ms: float
     ttft_ms: float | None = None
     started_at: float
+    # Compact capture (store._compact): this call's prompt ids continue the first ``prefix_tokens`` ids of
+    # call ``prefix_of``'s prompt + completion, and its request's messages the first ``prefix_messages`` of
+    # that call's; only the rest is stored here. NULL: stored whole (every row before revision 0007).
+    prefix_of: str | None = None
+    prefix_tokens: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
+    prefix_messages: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
 
 
 class Reward(SQLModel, table=True):

@@ -34,11 +34,11 @@ from typing import Any
 
 from sqlalchemy import JSON, Connection, Engine, Executable, bindparam, insert, update
 from sqlalchemy.ext.asyncio import AsyncEngine
-from tenacity import Retrying, before_sleep_log, stop_after_attempt, wait_exponential
+from tenacity import Retrying, before_sleep_log, retry_if_exception, stop_after_attempt, wait_exponential
 
 from store._derived import Seat, seat_all_sqlite, seat_one_sqlite
 from store._engine import dumps, insert_ignore
-from store._errors import StoreUnavailable
+from store._errors import StoreFull, StoreUnavailable, is_disk_full
 from store._lifecycle import GroupState
 from store._tables import calls as C
 from store._tables import groups as G
@@ -202,11 +202,18 @@ def _by_id(row: Mapping[str, Any]) -> str:
     return str(row["id"])
 
 
+def _transient(error: BaseException) -> bool:
+    """Worth retrying at once: anything but a full disk, which stays full longer than a retry waits."""
+    return not is_disk_full(error)
+
+
 def _settle(done: asyncio.Future[Any], result: Any, error: Exception | None) -> None:
     if done.done():
         return
     if error is None:
         done.set_result(result)
+    elif is_disk_full(error):
+        done.set_exception(StoreFull(f"could not write to the store, its disk is full: {error}"))
     else:
         done.set_exception(StoreUnavailable(f"could not write to the store: {error}"))
 
@@ -222,6 +229,7 @@ class GroupCommitWriter:
         self._pending: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
         # The database may be briefly down or locked: retry, then fail the callers.
         self._retrying = Retrying(
+            retry=retry_if_exception(_transient),
             stop=stop_after_attempt(_WRITE_ATTEMPTS),
             wait=wait_exponential(multiplier=0.05),
             before_sleep=before_sleep_log(log, logging.WARNING),
@@ -306,16 +314,21 @@ class GroupCommitWriter:
             try:
                 batch, closing = self._next_batch(first)
                 seats = [item for item in batch if isinstance(item[0], Seat)]
-                if seats:  # first: their callers wait to send upstream, the calls' callers only to answer
-                    self._write(self._seat_sqlite, seats)
                 calls = [item for item in batch if isinstance(item[0], CallWrite)]
+                if seats:  # first: their callers wait to send upstream, the calls' callers only to answer
+                    self._write(self._seat_sqlite, seats, last=not calls)
                 if calls:
-                    self._write(self._commit_sqlite if self._sync is not None else self._commit_on_loop, calls)
+                    commit = self._commit_sqlite if self._sync is not None else self._commit_on_loop
+                    self._write(commit, calls, last=True)
             finally:
                 self._busy = False
 
-    def _write(self, commit: Callable[[list[Any]], list[Any] | None], batch: list[_Pending]) -> None:
-        """``commit`` the batch's items, retried if the database is briefly down or locked; then answer."""
+    def _write(self, commit: Callable[[list[Any]], list[Any] | None], batch: list[_Pending], *, last: bool) -> None:
+        """``commit`` the batch's items, retried if the database is briefly down or locked; then answer.
+
+        ``last``: the thread writes nothing more of this batch, so it is idle before its callers are told:
+        a caller's next lone call then finds it idle (``_here``) instead of racing it.
+        """
         results: list[Any] | None = None
         error: Exception | None = None
         try:
@@ -325,6 +338,8 @@ class GroupCommitWriter:
         except Exception as exc:
             log.error("could not write %d items to the store: %s", len(batch), exc)
             error = exc
+        if last:
+            self._busy = False
         for i, (_, done) in enumerate(batch):
             if done is not None:
                 self._loop.call_soon_threadsafe(_settle, done, results[i] if results else None, error)

@@ -79,6 +79,20 @@ def captured(start_proxy: Callable[..., RunningProxy], fake: FakeVLLM) -> Runnin
     return proxy
 
 
+def whole_prompts(calls: list[dict[str, Any]]) -> dict[str, list[int]]:
+    """Each stored call's whole prompt: a compact row's ids follow ``prefix_tokens`` of its reference's
+    prompt + completion (store._compact), rebuilt here from the raw rows, in the order they were made."""
+    whole: dict[str, list[int]] = {}
+    for call in calls:
+        own = json.loads(call["prompt_token_ids"])
+        ref = call["prefix_of"]
+        if ref is not None:
+            earlier = next(c for c in calls if c["id"] == ref)
+            own = (whole[ref] + json.loads(earlier["completion_token_ids"]))[: call["prefix_tokens"]] + own
+        whole[call["id"]] = own
+    return whole
+
+
 def export(proxy: RunningProxy, out: Path, *flags: str) -> int:
     return main(["export", "--data-dir", str(proxy.settings.data_dir), "--output", str(out), *flags])
 
@@ -107,9 +121,10 @@ def test_an_export_loads_with_datasets_and_keeps_every_token_exact(
         assert row["reward_source"] == (None if value is None else "external")
         calls = captured.rows("SELECT * FROM calls WHERE trajectory_id = ? ORDER BY started_at, pk", trajectory_id)
         assert row["n_calls"] == len(row["calls"]) == len(calls) > 0
+        prompts = whole_prompts(calls)
         for exported, call in zip(row["calls"], calls, strict=True):
             assert exported["id"] == call["id"] and exported["version"] == call["version"] == 0
-            assert exported["prompt_token_ids"] == json.loads(call["prompt_token_ids"])
+            assert exported["prompt_token_ids"] == prompts[call["id"]]
             assert exported["completion_token_ids"] == json.loads(call["completion_token_ids"])
             assert exported["logprobs"] == json.loads(call["logprobs"])  # floats bit-exact
             assert exported["finish_reason"] == call["finish_reason"]

@@ -50,16 +50,17 @@ def test_store_public_names() -> None:
     import store
 
     assert sorted(store.__all__) == [
-        "ADAPTER_FIELDS", "AdapterFile", "AdapterFiles", "AdapterState", "Adapters", "Call", "CallWrite", "DueRule",
-        "ExportFilter", "ExportPage", "ExportReads", "FILE_NAME_PATTERN", "FileEntry", "GROUP_VIEW_STATES",
-        "GpuHandover", "GroupAdvantages", "GroupCalls", "GroupChanged", "GroupRecord", "GroupState", "Guards",
-        "JOB_FIELDS", "JUDGEMENT_STATES", "JobState", "Jobs", "Judgements", "MOVES", "Policies", "Reads", "RewardIn",
-        "RewardSummary", "RewardTimeouts", "RewardedTrajectory", "SchemaTooNew", "Store", "StoreError",
-        "StoreUnavailable", "StoredCall", "TRAINING_FIELDS", "TrainingState", "TrajectoryFilter", "TrajectoryRecord",
-        "TransitionRefused",
-        "UnknownTrajectories", "allowed", "anthropic_chat_messages", "anthropic_reply", "call_messages", "call_reply",
-        "call_tools", "canonical_message", "common_prefix", "connect", "first_choice", "group_advantages",
-        "reply_message", "responses_chat_messages", "responses_reply", "same_message",
+        "ADAPTER_FIELDS", "AdapterFile", "AdapterFiles", "AdapterState", "Adapters", "COMPACT_COLUMNS", "Call",
+        "CallWrite", "DueRule", "ExportFilter", "ExportPage", "ExportReads", "FILE_NAME_PATTERN", "FileEntry",
+        "GROUP_VIEW_STATES", "GpuHandover", "GroupAdvantages", "GroupCalls", "GroupChanged", "GroupRecord",
+        "GroupState", "Guards", "JOB_FIELDS", "JUDGEMENT_STATES", "JobState", "Jobs", "Judgements", "MOVES",
+        "Policies", "PruneReport", "PruneRule", "Reads", "RewardIn", "RewardSummary", "RewardTimeouts",
+        "RewardedTrajectory", "SchemaTooNew", "Store", "StoreError", "StoreFull", "StoreUnavailable", "StoredCall",
+        "TRAINING_FIELDS", "TrainingState", "TrajectoryFilter", "TrajectoryRecord", "TransitionRefused",
+        "UnknownTrajectories", "allowed", "anthropic_chat_messages", "anthropic_reply", "call_messages",
+        "call_reply", "call_tools", "canonical_message", "common_prefix", "connect", "first_choice",
+        "group_advantages", "is_disk_full", "reply_message", "responses_chat_messages", "responses_reply",
+        "same_message",
     ]  # fmt: skip
 
 

@@ -42,6 +42,7 @@ NEW_COLUMNS: dict[str, dict[str, Any]] = {
     "adapters": {"lease_owner": None, "lease_expires_at": None, "reclaimed": 0, "guard": None},
     "policies": {"training": "active", "training_reason": None, "paused_at": None, "rolled_back_at": None},
     "groups": {"judge_owner": None, "judge_lease_expires_at": None},
+    "calls": {"prefix_of": None, "prefix_tokens": 0, "prefix_messages": 0},  # 0007: every old row is whole
 }
 # Columns a revision fills from the rows already there: derived groups numbered within their task, seats taken.
 BACKFILLED: dict[str, dict[str, dict[str, Any]]] = {

@@ -1,7 +1,10 @@
-"""``tracetrain db current`` and ``tracetrain db upgrade``: the store's schema revision, and bringing it to head.
+"""``tracetrain db current``, ``db upgrade`` and ``db prune``: the store's schema revision, bringing it to
+head, and deleting old trajectories on demand.
 
 ``tracetrain serve`` and the trainer worker upgrade the store themselves when they open it;
 these commands look first, or upgrade ahead of time (before rolling out several replicas).
+``db prune`` does what ``serve --keep-trajectories`` does every minute (``store._retention``),
+once, or only counts it (``--dry-run``); ``--vacuum`` then gives SQLite's freed pages back.
 
 Exit status: 0 done; 1 the store could not be opened; 2 the store cannot be used by this
 tracetrain (a newer one migrated it), the message says what to do.
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -62,7 +66,54 @@ def add_db_parser(sub: Any) -> argparse.ArgumentParser:
         ),
     )
     add_store_flags(upgrade_parser)
+    _add_prune_parser(db_sub)
     return db
+
+
+def _add_prune_parser(db_sub: Any) -> None:
+    prune = db_sub.add_parser(
+        "prune",
+        help="delete old trajectories with their calls, rewards and judgements (--dry-run counts them)",
+        description=(
+            "Delete the trajectories whose last call is older than --keep-trajectories DAYS, or all but the newest "
+            "--keep-last N, with their calls, rewards, and the groups and judgements left empty, in small "
+            "transactions (a running proxy goes on capturing). A trajectory whose group is open or training, or "
+            "that was touched in the last two hours, is never deleted. Archive first with tracetrain export. "
+            "SQLite keeps the freed pages for new rows: --vacuum gives them back to the filesystem (it rewrites "
+            "the file and needs as much free space as it takes). PostgreSQL's autovacuum reuses the space."
+        ),
+    )
+    add_store_flags(prune)
+    which = prune.add_mutually_exclusive_group(required=True)
+    which.add_argument("--keep-trajectories", type=_positive, metavar="DAYS", help="keep the last DAYS days")
+    which.add_argument("--keep-last", type=int, metavar="N", help="keep the newest N trajectories")
+    prune.add_argument("--policy", metavar="NAME", help="only trajectories of this policy (default: every policy)")
+    prune.add_argument("--dry-run", action="store_true", help="count what would be deleted; delete nothing")
+    prune.add_argument("--vacuum", action="store_true", help="then VACUUM the database (SQLite: shrink the file)")
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"a number of days above 0, got {text}")
+    return value
+
+
+async def _prune(url: str, args: argparse.Namespace) -> str:
+    from store import PruneRule, Store
+
+    before = None if args.keep_trajectories is None else time.time() - args.keep_trajectories * 86_400
+    rule = PruneRule(before=before, keep_last=args.keep_last, policy=args.policy)
+    store = await Store.open(url, capture=False)
+    try:
+        report = await store.prune_trajectories(rule, dry_run=args.dry_run)
+        if args.vacuum and not args.dry_run:
+            await store.vacuum()
+    finally:
+        await store.close()
+    verb = "would delete" if args.dry_run else "deleted"
+    said = f"{verb} {report.trajectories} trajectories ({report.calls} calls, {report.rewards} rewards"
+    return said + ("" if args.dry_run else f", {report.groups} groups, {report.judgements} judgements") + ")"
 
 
 def run_db(args: argparse.Namespace) -> int:
@@ -72,6 +123,12 @@ def run_db(args: argparse.Namespace) -> int:
     try:
         if args.db_command == "current":
             return _print_current(shown, asyncio.run(_with_engine(url, current_revision)))
+        if args.db_command == "prune":
+            if args.keep_last is not None and args.keep_last < 0:
+                print(f"tracetrain {command}: --keep-last must be 0 or more", file=sys.stderr)
+                return 2
+            print(f"{shown}: {asyncio.run(_prune(url, args))}")
+            return 0
         done = asyncio.run(_with_engine(url, upgrade))
     except StoreError as exc:
         print(f"tracetrain {command}: {shown}: {exc}", file=sys.stderr)

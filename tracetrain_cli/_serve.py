@@ -122,6 +122,9 @@ def trainer_argv(
         *(["--procs", str(procs)] if procs > 1 else []),
         *(["--shard"] if shard and procs > 1 else []),
         *(["--share-gpu"] if settings.share_gpu else []),
+        "--keep-versions", str(settings.keep_versions),
+        # Adapters go by path to a vLLM this supervisor starts: blobs in the store would only fill the disk.
+        *([] if settings.adapter_delivery == "resolver" else ["--no-adapter-files"]),
         *extra,
     ]  # fmt: skip
 

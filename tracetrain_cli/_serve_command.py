@@ -121,8 +121,9 @@ def add_serve_parser(sub: Any) -> None:
     p.add_argument(
         "--keep-versions",
         type=int,
-        help="adapter versions kept loaded in vLLM; older ones stay on disk for rollback"
-        + setting_default("keep_versions"),
+        help="adapter versions kept loaded in vLLM, and kept on disk by retention (also the served one, every "
+        "published one and the regression guard's last kept one); older versions are pruned: files deleted, rows "
+        "and metrics kept" + setting_default("keep_versions"),
     )
     p.add_argument("--replica", action="append", metavar="URL", help=argparse.SUPPRESS)  # removed: see settings_from
     p.add_argument(
@@ -188,6 +189,21 @@ def add_serve_parser(sub: Any) -> None:
         metavar="N",
         help="the guard decides within this many rewarded groups of a new version"
         + setting_default("regression_groups"),
+    )
+    p.add_argument(
+        "--keep-trajectories",
+        type=float,
+        metavar="DAYS",
+        help="delete trajectories (their calls, rewards, judgements) whose last call is older than DAYS, in small "
+        "batches every minute; never one whose group is open or training. Export first to archive "
+        "(tracetrain export; docs/OPERATIONS.md) (default: keep everything)",
+    )
+    p.add_argument(
+        "--min-free-disk",
+        type=int,
+        metavar="MB",
+        help="warn in the log and on /readyz while the data directory's disk has less free space than this"
+        + setting_default("min_free_disk_mb"),
     )
     p.add_argument(
         "--reward-timeout",
@@ -260,6 +276,8 @@ def settings_from(args: argparse.Namespace) -> Any:
         "regression_alpha": args.regression_alpha,
         "regression_groups": args.regression_groups,
         "reward_timeout_s": args.reward_timeout,
+        "keep_trajectories_days": args.keep_trajectories,
+        "min_free_disk_mb": args.min_free_disk,
     }
     try:
         return Settings(**{k: v for k, v in flags.items() if v is not None})
@@ -354,6 +372,7 @@ def _with_adapter_resolver(settings: Any, launch: Any) -> tuple[Any, Any]:
         launch,
         adapters_url=f"http://{url_host(settings.host)}:{settings.port}",
         adapters_key=settings.adapter_keys[0].get_secret_value(),
+        adapters_keep=settings.keep_versions,
     )
     return settings, launch
 

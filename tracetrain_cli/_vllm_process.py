@@ -112,6 +112,7 @@ class VLLMLaunch:
     extra_args: tuple[str, ...] = ()
     adapters_url: str | None = None  # a proxy's root URL: adapters are fetched from it by name
     adapters_key: str | None = field(default=None, repr=False)  # an adapter key of that proxy
+    adapters_keep: int = 3  # versions the resolver's download cache keeps (retention's --keep-versions)
 
     def __post_init__(self) -> None:
         if self.device not in get_args(Device):
@@ -207,6 +208,7 @@ class VLLMLaunch:
             env["TRACETRAIN_ADAPTERS_URL"] = self.adapters_url
             if self.adapters_key is not None:
                 env["TRACETRAIN_ADAPTERS_KEY"] = self.adapters_key
+            env["TRACETRAIN_ADAPTERS_KEEP"] = str(self.adapters_keep)
         return env
 
 

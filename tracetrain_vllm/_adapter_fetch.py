@@ -51,6 +51,7 @@ class AdapterFetcher:
     cache_dir: Path
     timeout_s: float = 120.0
     attempts: int = 3
+    keep: int = 3  # versions of a policy kept in the cache: the newest, and always the one just fetched
 
     async def fetch(self, policy: str, version: int) -> Path:
         """The local directory holding ``policy@version``, downloaded unless already cached.
@@ -60,7 +61,7 @@ class AdapterFetcher:
         if not _POLICY.match(policy) or version < 1:
             raise ValueError(f"not an adapter version: {policy}@{version}")
         try:
-            return await self._fetch(policy, version)
+            path = await self._fetch(policy, version)
         except httpx.HTTPStatusError as exc:
             status = exc.response.status_code
             raise AdapterFetchError(
@@ -68,6 +69,8 @@ class AdapterFetcher:
             ) from exc
         except httpx.HTTPError as exc:
             raise AdapterFetchError(f"{self.url} could not be reached for {policy}@{version}: {exc!r}") from exc
+        prune_cache(self.cache_dir / policy, self.keep, path)
+        return path
 
     async def _fetch(self, policy: str, version: int) -> Path:
         headers = {"authorization": f"Bearer {self.key}"} if self.key else {}
@@ -112,6 +115,23 @@ class AdapterFetcher:
 
     def __repr__(self) -> str:  # the key never shows in a log line
         return f"AdapterFetcher(url={self.url!r}, cache_dir={str(self.cache_dir)!r})"
+
+
+def prune_cache(policy_dir: Path, keep: int, fetched: Path) -> None:
+    """Delete the downloads of all but the newest ``keep`` versions in ``policy_dir`` (never ``fetched``).
+
+    vLLM holds a loaded adapter's weights in memory; the proxy keeps loaded at most its window
+    of versions, the same number, so a deleted download is never needed to serve.
+    """
+    versions: dict[int, list[Path]] = {}
+    for entry in policy_dir.iterdir():
+        number = entry.name.partition("-")[0]
+        if entry.is_dir() and number.isdecimal():
+            versions.setdefault(int(number), []).append(entry)
+    for version in sorted(versions)[:-keep]:
+        for entry in versions[version]:
+            if entry != fetched:
+                shutil.rmtree(entry, ignore_errors=True)
 
 
 def _checked_manifest(body: Any, what: str) -> list[dict[str, Any]]:

@@ -15,6 +15,8 @@ Configured from the environment of the vLLM process (``register`` in ``tracetrai
     TRACETRAIN_ADAPTERS_KEY     an adapter key of that proxy (--adapter-key), or its admin token
     TRACETRAIN_ADAPTERS_CACHE   where downloads go (default $VLLM_CACHE_ROOT/tracetrain-adapters,
                                 else ~/.cache/vllm/tracetrain-adapters)
+    TRACETRAIN_ADAPTERS_KEEP    versions of a policy the cache keeps, the newest (default 3, as the
+                                proxy's --keep-versions); older downloads are deleted after each fetch
 """
 
 from __future__ import annotations
@@ -66,7 +68,10 @@ def fetcher_from_env(env: dict[str, str] | None = None) -> AdapterFetcher | None
         env.get("VLLM_CACHE_ROOT") or os.path.expanduser("~/.cache/vllm"), "tracetrain-adapters"
     )
     key = env.get("TRACETRAIN_ADAPTERS_KEY") or None
-    return AdapterFetcher(url.removesuffix("/v1").rstrip("/"), key, Path(cache))
+    keep = env.get("TRACETRAIN_ADAPTERS_KEEP", "3").strip()
+    if not keep.isdecimal() or int(keep) < 1:
+        raise ValueError(f"TRACETRAIN_ADAPTERS_KEEP must be a whole number of versions, 1 or more, got {keep!r}")
+    return AdapterFetcher(url.removesuffix("/v1").rstrip("/"), key, Path(cache), keep=int(keep))
 
 
 def register_resolver() -> bool:

@@ -93,6 +93,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="the GPU is vLLM's too: each step waits until the proxy (tracetrain serve --share-gpu) has put vLLM to "
         "sleep, and gives the GPU back after recording its adapter",
     )
+    p.add_argument(
+        "--keep-versions",
+        type=_at_least_one,
+        default=3,
+        metavar="K",
+        help="keep the files of the newest K versions (plus the served one, every published one and the regression "
+        "guard's last kept one); older versions are pruned: their directories and stored files deleted, their rows "
+        "and metrics kept. optimizer.pt is kept for the newest version only (default 3)",
+    )
+    p.add_argument(
+        "--adapter-files",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="record each adapter's files in the store, for a vLLM that cannot see this disk (tracetrain_vllm's "
+        "resolver); --no-adapter-files when vLLM loads adapters by path (default: record them)",
+    )
     p.add_argument("--once", action="store_true", help="run the queued jobs, then exit")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default info)")
     return p.parse_args(argv)
@@ -132,6 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         database_url=args.database_url, data_dir=args.data_dir, policy=args.policy, base_model=args.base_model,
         config=config, init_adapter=args.init_adapter, device=device, share_gpu=args.share_gpu,
         shard=args.shard, attn_implementation=args.attn_implementation, collective_timeout_s=args.collective_timeout,
+        keep_versions=args.keep_versions, adapter_files=args.adapter_files,
     )  # fmt: skip
     try:
         if group is not None and not group.leads:
@@ -141,6 +158,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         _distributed.finish()
     return 0
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("keep at least the newest version (1 or more)")
+    return value
 
 
 def _lead(settings: WorkerSettings, group: Ranks | None, *, once: bool) -> None:

@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,7 @@ from trainer._distributed import Idle, Load, Ranks, Step, StepFailed, Stop, Word
 from trainer._handover import Grant, gpu_handed_over, stop_when_revoked
 from trainer._learner import Learner, TrainItem
 from trainer._memory import release_learner_memory, release_step_memory
+from trainer._retention import retain
 from trainer._sampling import SamplingDefaults
 
 log = logging.getLogger("tracetrain.trainer")
@@ -71,6 +73,8 @@ class WorkerSettings:
     shard: bool = False  # under torchrun: the base and the LoRA split over the ranks (FSDP2), not replicated
     attn_implementation: str = "auto"  # trainer._attention.choose_attention's choice, or a name that forces one
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S  # under torchrun: the process group's timeout
+    keep_versions: int = 3  # retention: the newest versions that keep their files (trainer._retention)
+    adapter_files: bool = True  # record each adapter's files in the store (a vLLM that cannot see this disk)
 
     @property
     def adapters_dir(self) -> Path:
@@ -121,7 +125,15 @@ class Worker:
         """Run jobs until cancelled (or, with ``once``, until no job is queued); returns jobs run."""
         done = 0
         while True:
-            job = await self.claim()
+            try:
+                job = await self.claim()
+            except Exception:  # the store is down or refuses writes (a full disk): wait, never exit
+                log.exception("claiming a job failed; trying again in %.0f s", self.settings.poll_s)
+                if once:
+                    self._tell(Stop())
+                    return done
+                await asyncio.sleep(self.settings.poll_s)
+                continue
             if job is None:
                 if once:
                     self._tell(Stop())
@@ -157,8 +169,12 @@ class Worker:
             renewing.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await renewing
-        finished = await self._store.jobs.finish(job["id"], self._name, ok=ok, metrics=metrics, version=version,
-                                                 error=error)  # fmt: skip
+        try:
+            finished = await self._store.jobs.finish(job["id"], self._name, ok=ok, metrics=metrics, version=version,
+                                                     error=error)  # fmt: skip
+        except Exception:  # the store refuses writes (a full disk): the lease runs out and the job is queued again
+            log.exception("job %s: its end could not be recorded; it runs again once its lease expires", job["id"])
+            return
         if not finished:
             log.warning("job %s: its lease ran out and another worker took it; this result is dropped", job["id"])
 
@@ -204,10 +220,16 @@ class Worker:
             await asyncio.to_thread(learner.save, out_dir, metrics)
             self._held.version = version
             # The files go with the record: a vLLM that cannot see this disk fetches them through the proxy.
-            files = await asyncio.to_thread(files_for_store, out_dir)
-            if not await self._store.adapters.record(self.settings.policy, version, str(out_dir.resolve()),
-                                                     job["id"], metrics, files, owner=self._name):  # fmt: skip
+            try:
+                files = await asyncio.to_thread(files_for_store, out_dir) if self.settings.adapter_files else []
+                recorded = await self._store.adapters.record(self.settings.policy, version, str(out_dir.resolve()),
+                                                             job["id"], metrics, files, owner=self._name)  # fmt: skip
+            except Exception:  # a version not on record is no version: nothing half-done stays (a full disk)
+                await asyncio.to_thread(shutil.rmtree, out_dir, True)
+                raise
+            if not recorded:  # the claim was lost: the directory is the new claimant's to write
                 return self._dropped(job, version, metrics)
+        await self._retain()
         log.info("job %s: trained %s@%d (loss %.4f, reward mean %.3f, %.1f s)", job["id"], self.settings.policy,
                  version, result.loss, batch.metrics["reward_mean"], result.seconds)  # fmt: skip
         return metrics, version
@@ -216,6 +238,13 @@ class Worker:
         log.warning("job %s: the claim was lost before %s@%d was recorded; the step is dropped", job["id"],
                     self.settings.policy, version)  # fmt: skip
         return {**metrics, "dropped": "the claim was lost"}, None
+
+    async def _retain(self) -> None:
+        """Retention after a version is recorded; its failure is logged, never the step's."""
+        try:
+            await retain(self._store, self.settings.policy, self.settings.adapters_dir, self.settings.keep_versions)
+        except Exception:
+            log.exception("retention of %s's versions failed; the next step tries again", self.settings.policy)
 
     def _tell(self, word: Word) -> None:
         if self._group is not None:

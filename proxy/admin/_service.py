@@ -65,7 +65,14 @@ async def overview(services: Services) -> dict[str, Any]:
         "upstreams": await _upstreams(services),
         "training": await training_state(services),
         "groups_unrewarded": await store.reward_timeouts.unrewarded(services.settings.policy),
+        "disk": _disk(services),
     }
+
+
+def _disk(services: Services) -> dict[str, Any] | None:
+    """Bytes per part and free space, as last measured (every minute); calls the store could not record."""
+    usage = services.disk.latest if services.disk is not None else None
+    return None if usage is None else {**usage.view(), "capture_failures": dict(services.metrics.failed_captures)}
 
 
 async def training_state(services: Services) -> dict[str, Any]:

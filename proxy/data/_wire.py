@@ -8,7 +8,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat
 
 from proxy._params import Id
-from store import Call
+from store import COMPACT_COLUMNS, Call
 
 # A JSON number that is finite and not a boolean or a string.
 Finite = Annotated[StrictFloat, Field(allow_inf_nan=False)]
@@ -55,7 +55,8 @@ _TRAJECTORY_FIELDS = (
     "metrics",
     "rewarded_at",
 )
-_CALL_FIELDS = tuple(name for name in Call.model_fields if name != "pk")
+# A call as readers see it: whole (store._compact rebuilt it), so the columns saying how are left out.
+_CALL_FIELDS = tuple(name for name in Call.model_fields if name != "pk" and name not in COMPACT_COLUMNS)
 _GROUP_FIELDS = ("id", "policy", "created_at")
 
 

@@ -14,6 +14,7 @@ trip to the writer's thread pays off only under load.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -40,7 +41,7 @@ from proxy.gateway._capture import (
 )
 from proxy.gateway._dialect import Dialect, StreamTranslator
 from proxy.gateway._gate import Gate
-from proxy.gateway._keying import Conversation, Key, Keyer, KeyHints
+from proxy.gateway._keying import Conversation, Key, Keyer, KeyHints, new_trajectory_id
 from proxy.gateway._policies import PolicyRegistry, Route
 from proxy.gateway._relay import Relay, RelayResponse, close_unused
 from proxy.gateway._router import Router
@@ -48,7 +49,7 @@ from proxy.gateway._upstream import Upstream, UpstreamStream
 from proxy.gateway._wire import ChatCompletionRequest, CompletionRequest
 from proxy.observability._langfuse import LangfuseExporter
 from proxy.observability._metrics import Metrics
-from store import CallWrite, Store, StoreError
+from store import CallWrite, Store, StoreError, StoreFull
 
 _PATHS: dict[Endpoint, str] = {"chat.completions": "/chat/completions", "completions": "/completions"}
 _MODELS: dict[Endpoint, type[BaseModel]] = {"chat.completions": ChatCompletionRequest, "completions": CompletionRequest}
@@ -111,16 +112,25 @@ class Forwarder:
         """The call asking is the only one in flight."""
         return self._in_flight == 1
 
-    async def record(self, write: CallWrite) -> None:
-        """Commit a call's record (see ``Store.record_call``) and count it."""
+    async def record(self, write: CallWrite) -> bool:
+        """Commit a call's record (see ``Store.record_call``) and count it; False when the store's disk is full.
+
+        A full disk stops capture, not serving: the call is answered and counted unrecorded
+        (``tracetrain_capture_failures{reason="disk_full"}``); capture resumes once space is freed.
+        Any other store failure is a 503: the store may be back in a moment, and the client retries.
+        """
         try:
             await self._store.record_call(write, alone=self._alone)
+        except StoreFull:
+            self._metrics.call_unrecorded(write.call)
+            return False
         except StoreError as exc:
             self._metrics.call_not_recorded(write.call)
             raise from_store_error(exc) from exc
         self._metrics.call_recorded(write.call)
         if self._langfuse is not None:
             self._langfuse.call_recorded(write)
+        return True
 
     def record_nowait(self, write: CallWrite) -> None:
         self._store.record_call_nowait(write)
@@ -161,12 +171,17 @@ class Forwarder:
         """The call's key; a lone call's new trajectory is seated later (``Keyer.resolve``'s ``defer_seat``)."""
         try:
             return await self._keyer.resolve(policy, hints, conversation, alone=self._alone, defer_seat=True)
+        except StoreFull:  # no seat can be written: the call is served, unrecorded (``record``)
+            trajectory_id = hints.header_trajectory or hints.path_trajectory or new_trajectory_id()
+            return Key(trajectory_id, hints.header_group or hints.path_group or "", "new", None)
         except StoreError as exc:  # the call cannot be keyed, so it is not answered: a 503 in OpenAI's shape
             raise from_store_error(exc) from exc
 
     async def _seat(self, call: Call) -> None:
         try:
             call.key = await self._keyer.seat(call.route.policy, call.key, alone=self._alone)
+        except StoreFull:
+            call.key = dataclasses.replace(call.key, seat_in=0)  # served unseated; its record will fail too
         except StoreError as exc:
             raise from_store_error(exc) from exc
 
@@ -196,8 +211,7 @@ class Forwarder:
 
     async def _record_answer(self, call: Call, write: CallWrite) -> None:
         """Record a non-streamed call; a seat left to its record gives the call its group (``Keyer.resolve``)."""
-        await self.record(write)
-        if call.key.seat_in:
+        if await self.record(write) and call.key.seat_in:
             call.key = self._keyer.seated(call.key, write.group_id)
 
     async def _stream(

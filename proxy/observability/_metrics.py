@@ -46,8 +46,18 @@ class Metrics:
         self.tokens = Counter("tracetrain_tokens", "Tokens through the proxy.", ["kind"], registry=r)
         self.captures = Counter("tracetrain_captured_calls", "Calls committed to the store.", registry=r)
         self.capture_failures = Counter(
-            "tracetrain_capture_failures", "Calls the store could not record (answered 503).", registry=r
-        )
+            "tracetrain_capture_failures", "Calls the store could not record, by reason: store_unavailable (answered "
+            "503), disk_full (answered, not recorded: capture resumes once space is freed).", ["reason"], registry=r,
+        )  # fmt: skip
+        # Disk usage (proxy.observability._disk), measured every minute in the background.
+        self.disk_bytes = Gauge(
+            "tracetrain_disk_bytes", "Bytes on disk by part: calls, adapter_files (the store's tables), database "
+            "(the whole store), adapters (DATA_DIR/adapters), logs (DATA_DIR/logs).", ["part"], registry=r,
+        )  # fmt: skip
+        self.disk_free = Gauge("tracetrain_disk_free_bytes", "Free bytes on the data directory's filesystem.",
+                               registry=r)  # fmt: skip
+        self.disk_low = Gauge("tracetrain_disk_low", "1 while free space is under --min-free-disk.", registry=r)
+        self.failed_captures = {"store_unavailable": 0, "disk_full": 0}  # the counter's values, for the dashboard
         self.rewards = Counter("tracetrain_rewards", "Rewards recorded, by source.", ["source"], registry=r)
         self.jobs = Gauge("tracetrain_training_jobs", "Training jobs in the store, by state.", ["state"], registry=r)
         self.steps = Gauge(
@@ -131,6 +141,10 @@ class Metrics:
         )  # fmt: skip
 
     def call_recorded(self, call: dict[str, Any]) -> None:
+        self._answered(call)
+        self.captures.inc()
+
+    def _answered(self, call: dict[str, Any]) -> None:
         endpoint = str(call["endpoint"])
         requests, latency, ttft = self._children(endpoint, int(call["status_code"]))
         requests.inc()
@@ -139,7 +153,6 @@ class Metrics:
             ttft.observe(float(call["ttft_ms"]) / 1000)
         self._prompt_tokens.inc(int(call["prompt_tokens"]))
         self._completion_tokens.inc(int(call["completion_tokens"]))
-        self.captures.inc()
 
     @functools.cached_property
     def _prompt_tokens(self) -> Any:
@@ -156,7 +169,14 @@ class Metrics:
 
     def call_not_recorded(self, call: dict[str, Any]) -> None:
         self.requests.labels(str(call["endpoint"]), "503").inc()
-        self.capture_failures.inc()
+        self.capture_failures.labels("store_unavailable").inc()
+        self.failed_captures["store_unavailable"] += 1
+
+    def call_unrecorded(self, call: dict[str, Any]) -> None:
+        """A call answered that the store could not record: its disk is full."""
+        self._answered(call)
+        self.capture_failures.labels("disk_full").inc()
+        self.failed_captures["disk_full"] += 1
 
     def rewards_recorded(self, sources: list[str]) -> None:
         for source in sources:

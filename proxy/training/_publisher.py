@@ -49,12 +49,12 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Literal
 
-from proxy.errors import NotFound, ProxyError, UpstreamUnreachable
+from proxy.errors import Conflict, NotFound, ProxyError, UpstreamUnreachable
 from proxy.gateway._policies import PolicyRegistry
 from proxy.gateway._router import Router, Server
 from proxy.gateway._upstream import Upstream
 from proxy.training._regression import watch_record
-from store import Store, TrainingState
+from store import AdapterState, Store, TrainingState
 
 log = logging.getLogger("tracetrain.publisher")
 
@@ -179,6 +179,9 @@ class Publisher:
             policy = self._registry.policy
             if version != 0 and version not in self._registry.loaded_versions:
                 row = await self._store.adapters.get(policy, version)
+                if row is not None and row["state"] == AdapterState.PRUNED:
+                    raise Conflict(f"{policy}@{version} was pruned by retention (--keep-versions): its metrics are "
+                                   "kept, its files are gone.", param="version")  # fmt: skip
                 if row is None or not await self._loadable(version, row["path"]):
                     raise NotFound(f"No adapter {policy}@{version} on disk or in the store.", param="version")
                 await self._load_everywhere(version, row["path"])

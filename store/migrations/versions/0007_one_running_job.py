@@ -7,7 +7,7 @@ others' claim fails on the index and they wait), and the claim writes the versio
 record into the job's ``version``. Before the index is made, running jobs beyond the oldest of
 each policy are queued again (their workers' results are then refused, as for a lost lease).
 
-Revision ID: 0007_26_one_running_job
+Revision ID: 0007_one_running_job
 Revises: 0006_replicas
 Create Date: 2026-11-26
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0007_26_one_running_job"
+revision = "0007_one_running_job"
 down_revision = "0006_replicas"
 branch_labels = None
 depends_on = None

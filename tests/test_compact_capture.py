@@ -1,0 +1,142 @@
+"""Compact capture (store._compact): a call that continues its trajectory stores only what is new,
+and every reader still sees the whole prompt ids and messages."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import openai
+from conftest import RunningProxy
+from fake_vllm import FakeVLLM, Reply
+
+from store import ExportFilter, RewardIn, Store
+from store._compact import Chains, expand
+
+SYSTEM = {"role": "system", "content": "You answer briefly. " * 20}
+
+
+def converse(proxy: RunningProxy, trajectory_id: str, turns: int) -> list[list[dict[str, Any]]]:
+    """A multi-turn conversation keyed by header; returns the messages each call sent."""
+    client = proxy.client(default_headers={"X-Trajectory-Id": trajectory_id})
+    messages: list[dict[str, Any]] = [SYSTEM]
+    sent = []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"Question number {turn}: what comes next?"})
+        sent.append(list(messages))
+        reply = client.chat.completions.create(model="agent", messages=messages)
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+    return sent
+
+
+def test_a_multi_turn_trajectory_stores_each_prompt_once_and_reads_back_whole(
+    proxy: RunningProxy, fake: FakeVLLM
+) -> None:
+    fake.script(*(Reply(content=f"Answer {i} is here.") for i in range(6)))
+    sent = converse(proxy, "multi", 6)
+
+    stored = proxy.rows("SELECT * FROM calls WHERE trajectory_id = 'multi' ORDER BY pk")
+    got = httpx.get(f"{proxy.v1}/trajectories/multi").json()["calls"]
+    for i, (call, messages, row) in enumerate(zip(got, sent, stored, strict=True)):
+        assert call["prompt_token_ids"] == fake.tokenize(fake.render_chat(messages, None))
+        assert call["request"]["messages"] == messages
+        assert not {"prefix_of", "prefix_tokens", "prefix_messages"} & call.keys()
+        if i == 0:
+            assert row["prefix_of"] is None
+            continue
+        # The row holds only the ids after the previous call's prompt + completion, and the new messages.
+        previous = got[i - 1]
+        whole = previous["prompt_token_ids"] + previous["completion_token_ids"]
+        assert row["prefix_of"] == previous["id"] and row["prefix_tokens"] == len(whole)
+        assert json.loads(row["prompt_token_ids"]) == call["prompt_token_ids"][len(whole) :]
+        assert row["prefix_messages"] == len(sent[i - 1])
+        assert json.loads(row["request"])["messages"] == messages[len(sent[i - 1]) :]
+    stored_ids = sum(len(json.loads(row["prompt_token_ids"])) for row in stored)
+    whole_ids = sum(len(call["prompt_token_ids"]) for call in got)
+    assert stored_ids * 3 < whole_ids
+
+
+def test_an_edited_history_is_stored_against_the_prefix_it_still_shares(proxy: RunningProxy, fake: FakeVLLM) -> None:
+    client = proxy.client(default_headers={"X-Trajectory-Id": "edited"})
+    first = [SYSTEM, {"role": "user", "content": "Tell me a story about a cat."}]
+    client.chat.completions.create(model="agent", messages=first)
+    # The agent drops its last turn and asks something else: only the system message is shared.
+    second = [SYSTEM, {"role": "user", "content": "Rather a story about a dog."}]
+    client.chat.completions.create(model="agent", messages=second)
+
+    row = proxy.rows("SELECT * FROM calls WHERE trajectory_id = 'edited' ORDER BY pk")[1]
+    whole = fake.tokenize(fake.render_chat(second, None))
+    assert row["prefix_messages"] == 1 and 0 < row["prefix_tokens"] < len(whole)
+    got = httpx.get(f"{proxy.v1}/trajectories/edited").json()["calls"][1]
+    assert got["prompt_token_ids"] == whole and got["request"]["messages"] == second
+
+
+def test_a_failed_call_is_never_a_reference(proxy: RunningProxy, fake: FakeVLLM) -> None:
+    fake.script(Reply(content="One."), Reply(status=500, error_message="engine died"), Reply(content="Three."))
+    client = proxy.client(default_headers={"X-Trajectory-Id": "failing"})
+    messages = [SYSTEM, {"role": "user", "content": "Count with me."}]
+    client.chat.completions.create(model="agent", messages=messages)
+    messages += [{"role": "assistant", "content": "One."}, {"role": "user", "content": "Go on."}]
+    with contextlib.suppress(openai.APIStatusError):  # the upstream's 500 reaches the client as an error
+        client.chat.completions.create(model="agent", messages=messages)
+    client.chat.completions.create(model="agent", messages=messages)
+
+    first, failed, third = proxy.rows("SELECT id, prefix_of, status_code FROM calls ORDER BY pk")
+    assert failed["status_code"] != 200 and third["prefix_of"] == first["id"]
+    calls = httpx.get(f"{proxy.v1}/trajectories/failing").json()["calls"]
+    assert calls[2]["prompt_token_ids"] == fake.tokenize(fake.render_chat(messages, None))
+
+
+def test_the_trainer_and_export_read_the_whole_prompts(
+    start_proxy: Callable[..., RunningProxy], fake: FakeVLLM
+) -> None:
+    proxy = start_proxy()
+    sent = converse(proxy, "for-training", 4)
+    proxy.stop()
+
+    async def read() -> tuple[list[Any], list[Any]]:
+        store = await Store.open(f"sqlite+aiosqlite:///{proxy.db_path}", capture=False)
+        try:
+            (group,) = {row["group_id"] for row in proxy.rows("SELECT group_id FROM calls")}
+            await store.add_rewards([RewardIn("for-training", 1.0)])
+            (trajectory,) = await store.jobs.rewarded_trajectories([group])
+            exported = [page async for page in store.export.pages(ExportFilter(), 10**9, 10)]
+            return trajectory.calls, exported[0].calls["for-training"]
+        finally:
+            await store.close()
+
+    trained, exported = asyncio.run(read())
+    expected = [fake.tokenize(fake.render_chat(messages, None)) for messages in sent]
+    assert [c.prompt_token_ids for c in trained] == expected
+    assert [c["prompt_token_ids"] for c in exported] == expected
+    assert [c["request"]["messages"] for c in exported] == sent
+
+
+def test_chains_forget_the_least_recently_used_trajectory_past_their_budget() -> None:
+    chains = Chains(max_tokens=10, max_trajectories=100)
+    call = {"id": "c-a", "status_code": 200, "prompt_token_ids": [1, 2, 3, 4], "completion_token_ids": [5],
+            "request": {"messages": []}}  # fmt: skip
+    chains.remember("a", call)
+    chains.remember("b", call | {"id": "c-b"})
+    chains.remember("c", call | {"id": "c-c"})  # 15 ids held: "a" goes
+    assert len(chains) == 2
+    assert chains.stored_row("a", call)["prefix_of"] is None
+    assert chains.stored_row("c", call | {"prompt_token_ids": [1, 2, 3, 4, 5, 6]})["prefix_tokens"] == 5
+
+
+def test_expand_rebuilds_a_chain_read_in_any_order() -> None:
+    rows = [
+        {"id": "c3", "prefix_of": "c2", "prefix_tokens": 4, "prefix_messages": 0, "prompt_token_ids": [9],
+         "completion_token_ids": []},
+        {"id": "c1", "prefix_of": None, "prefix_tokens": 0, "prefix_messages": 0, "prompt_token_ids": [1, 2],
+         "completion_token_ids": [3]},
+        {"id": "c2", "prefix_of": "c1", "prefix_tokens": 2, "prefix_messages": 0, "prompt_token_ids": [7],
+         "completion_token_ids": [8]},
+    ]  # fmt: skip
+    expand(rows)
+    assert [row["prompt_token_ids"] for row in rows] == [[1, 2, 7, 8, 9], [1, 2], [1, 2, 7]]
+    assert all("prefix_of" not in row for row in rows)
