@@ -64,7 +64,7 @@ class Relay:
         self._counted = True  # in the forwarder's calls in flight, until its record is written
 
     async def events(self) -> AsyncIterator[bytes]:
-        """Forward each SSE event as it arrives; commit the record before ``[DONE]``."""
+        """Forward each SSE event as it arrives; commit the record before the closing event (chat: ``[DONE]``)."""
         call = self._call
         finished = False
         decoder = SSEDecoder()
@@ -77,26 +77,45 @@ class Relay:
                         finished = True
                         break
                     chunk = self._assembler.add(orjson.loads(event.data))
-                    if chunk is not None:
-                        yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+                    if chunk is not None and (out := self._emit(chunk)):
+                        yield out
             if not finished:
                 raise UpstreamError("the upstream closed the stream before it finished")
         except (UpstreamError, orjson.JSONDecodeError) as exc:
             message = exc.message if isinstance(exc, ProxyError) else f"the upstream stream broke: {exc!r}"
             self._recorded = True
+            closing, response = self._failed(message)
             try:
-                await self._forwarder.record(self._record(502, message))
+                await self._forwarder.record(self._record(502, message, response))
             finally:
                 self._uncount()
-            yield b"data: " + orjson.dumps(error_body(message, "upstream_error", None, 502)) + b"\n\n"
+            yield closing
             return
         self._recorded = True
         try:
-            await self._forwarder.record(self._record(200, None, self._assembler.capture.as_response()))
+            await self._forwarder.record(self._record(200, None, self._response()))
         finally:
-            self._uncount()  # before [DONE]: the client's next call may arrive before close() runs
+            self._uncount()  # before the closing event: the client's next call may arrive before close() runs
         self._done = True
-        yield _DONE
+        yield self._closing()
+
+    # What the client is sent: chat's own events. A translated API's relay (``proxy.gateway._translated``)
+    # overrides these four with its translator's.
+
+    def _emit(self, chunk: dict[str, Any]) -> bytes:
+        """The bytes to send now for one chunk (token fields already stripped)."""
+        return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+    def _failed(self, message: str) -> tuple[bytes, dict[str, Any] | None]:
+        """The upstream broke: the closing event, and the response to record (none: chat records no body)."""
+        return b"data: " + orjson.dumps(error_body(message, "upstream_error", None, 502)) + b"\n\n", None
+
+    def _response(self) -> dict[str, Any]:
+        """The whole response as the client saw it, for the record."""
+        return self._assembler.capture.as_response()
+
+    def _closing(self) -> bytes:
+        return _DONE
 
     def _uncount(self) -> None:
         if self._counted:

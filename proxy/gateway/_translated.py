@@ -13,19 +13,17 @@ The plain chat path does none of this (``Forwarder.handle``): its speed is left 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import orjson
 from starlette.responses import Response
 
-from proxy.errors import InvalidRequest, ProxyError, UpstreamError, UpstreamHTTPError
+from proxy.errors import InvalidRequest, ProxyError, UpstreamHTTPError
 from proxy.gateway._call import Call, call_write
 from proxy.gateway._capture import Asked, capture_response, prepare_upstream_body, without_token_fields
 from proxy.gateway._dialect import Dialect, StreamTranslator
 from proxy.gateway._keying import Conversation, KeyHints
 from proxy.gateway._relay import Relay
-from proxy.gateway._sse import SSEDecoder
 
 if TYPE_CHECKING:
     from proxy.gateway._forward import Forwarder
@@ -98,39 +96,15 @@ class TranslatedRelay(Relay):
         super().__init__(forwarder, forwarder._registry, call, upstream, on_close)
         self._translator = translator
 
-    async def events(self) -> AsyncIterator[bytes]:
-        """The translator's events for each chunk as it arrives; its closing events once the record committed."""
-        translator = self._translator
-        finished = False
-        decoder = SSEDecoder()
-        try:
-            while not finished and (received := await self._upstream.next_chunk()):
-                for event in decoder.feed(received):
-                    if self._ttft is None:
-                        self._ttft = (time.perf_counter() - self._call.t0) * 1000
-                    if event.data == b"[DONE]":
-                        finished = True
-                        break
-                    chunk = self._assembler.add(orjson.loads(event.data))
-                    out = b"".join(translator.feed(chunk)) if chunk is not None else b""
-                    if out:
-                        yield out
-            if not finished:
-                raise UpstreamError("the upstream closed the stream before it finished")
-        except (UpstreamError, orjson.JSONDecodeError) as exc:
-            message = exc.message if isinstance(exc, ProxyError) else f"the upstream stream broke: {exc!r}"
-            self._recorded = True
-            closing = b"".join(translator.failed(message))  # the response is now a failed one, as recorded
-            try:
-                await self._forwarder.record(self._record(502, message, translator.response()))
-            finally:
-                self._uncount()
-            yield closing
-            return
-        self._recorded = True
-        try:
-            await self._forwarder.record(self._record(200, None, translator.response()))
-        finally:
-            self._uncount()
-        self._done = True
-        yield b"".join(translator.finish())
+    def _emit(self, chunk: dict[str, Any]) -> bytes:
+        return b"".join(self._translator.feed(chunk))
+
+    def _failed(self, message: str) -> tuple[bytes, dict[str, Any] | None]:
+        closing = b"".join(self._translator.failed(message))  # the response is now a failed one, as recorded
+        return closing, self._translator.response()
+
+    def _response(self) -> dict[str, Any]:
+        return self._translator.response()
+
+    def _closing(self) -> bytes:
+        return b"".join(self._translator.finish())
