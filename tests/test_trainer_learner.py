@@ -17,9 +17,10 @@ from transformers import AutoModelForCausalLM
 
 from trainer._adapters import newest_adapter
 from trainer._config import TrainConfig
-from trainer._learner import Learner, StepResult, TrainItem
+from trainer._learner import Learner
 from trainer._logprobs import chunked_logprobs, hidden_states, pack_row
 from trainer._samples import Sample
+from trainer._step import StepResult, TrainItem
 
 VOCAB = 1000  # the tiny model has 1026 tokens; random ids stay below the special ones
 
