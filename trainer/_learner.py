@@ -104,8 +104,7 @@ class Learner:
         weights_dtype, self._autocast = _precision(cfg.dtype, self.device)
         float32 = weights_dtype == torch.float32 and not self._autocast
         self.correction = cfg.resolved_correction(learner_float32=float32, cuda=self.device.type == "cuda")
-        # Saved beside each adapter: what the loss did, not "auto".
-        self.cfg = cfg.model_copy(update={"sampler_correction": self.correction})
+        self.cfg = cfg  # saved as given; what "auto" resolved to is in each step's metrics (sampler_correction)
         self.attention = choose_attention(attn_implementation or "auto", self.device, weights_dtype)
         rank, world = rank_and_world()
         self.sharded = shard and world > 1
