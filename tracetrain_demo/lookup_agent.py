@@ -1,6 +1,8 @@
 """The tool task's agent: the openai SDK's plain tool loop, knowing nothing of tracetrain.
 
-It sends the request with the ``find_hotel`` function tool; while the model answers with tool
+It sends the request with the ``find_hotel`` function tool, the first call with ``tool_choice``
+"required" (the agent's first step is a lookup: vLLM then constrains the output to a well-formed
+call, and the model still chooses the arguments), later ones "auto"; while the model answers with tool
 calls, it runs each (``lookup.find_hotel``), appends the result as a ``tool`` message and asks
 again, up to ``max_calls`` calls; the first answer without a tool call is the reply. Every call
 carries the attempt's trajectory and group headers, so one attempt is one trajectory of several
@@ -28,7 +30,7 @@ def attempt(client: openai.OpenAI, model: str, scenario: Scenario, trajectory_id
     while calls < max_calls:
         completion = client.chat.completions.create(
             model=model, messages=messages, tools=TOOLS, temperature=temperature,  # type: ignore[arg-type]
-            max_tokens=max_tokens, extra_headers=headers,
+            tool_choice="required" if calls == 0 else "auto", max_tokens=max_tokens, extra_headers=headers,
         )  # fmt: skip
         calls += 1
         message, served_by = completion.choices[0].message, completion.model
