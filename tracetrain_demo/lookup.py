@@ -1,7 +1,7 @@
 """The demo's tool task (``tracetrain demo --task lookup``): look a booking up with a function tool, then answer.
 
-Success: the final reply is exactly one JSON object naming the hotel that ``find_hotel`` returns for the
-traveller's destination.
+Success: the final reply holds a JSON object naming the hotel that ``find_hotel`` returns for the traveller's
+destination.
 
 A scenario is one travel request; the agent is given one function tool, ``find_hotel(city)``, which
 returns the hotel booked in that city (or that nothing is booked there). An episode takes at least
@@ -18,7 +18,8 @@ held-out requests name only cities (origins and destinations) no training reques
 gives partial credit for each step on the way, since GRPO learns only from differences in a group:
 
     0.1  called find_hotel (a call vLLM's parser read)      +0.2  ...with the destination
-    0.2  the final reply is exactly one JSON object with a "hotel" string
+    0.2  the final reply holds a JSON object with a "hotel" string (prose around it is allowed: the
+         skill taught here is the lookup, and the city task already teaches a bare JSON reply)
     0.1  the booked hotel's name appears in the final reply
     1.0  success (the line above)
 """
@@ -135,17 +136,18 @@ def by_prompt() -> dict[str, Scenario]:
 
 
 def json_hotel(reply: str) -> str | None:
-    """The "hotel" of a reply that is exactly one JSON object (code fences allowed); else None."""
-    text = reply.strip()
-    if text.startswith("```"):
-        text = text.strip("`").removeprefix("json").strip()
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(value, dict) or not isinstance(value.get("hotel"), str):
-        return None
-    return str(value["hotel"])
+    """The "hotel" of the first JSON object in the reply that has a "hotel" string (prose around it allowed)."""
+    decoder = json.JSONDecoder()
+    start = reply.find("{")
+    while start != -1:
+        try:
+            value, _ = decoder.raw_decode(reply, start)
+        except ValueError:
+            value = None
+        if isinstance(value, dict) and isinstance(value.get("hotel"), str):
+            return str(value["hotel"])
+        start = reply.find("{", start + 1)
+    return None
 
 
 def score(scenario: Scenario, tool_cities: list[object], reply: str) -> Score:
