@@ -93,3 +93,20 @@ def test_one_tool_episode_is_one_trajectory_of_two_calls_that_merge_and_is_rewar
     samples, stats = build_samples(calls)
     assert (len(samples), stats.merged, stats.mismatched) == (1, 1, 0)  # the fake's template re-renders exactly
     sdk.close()
+
+
+def test_the_summary_says_how_calls_became_samples_and_why_they_split() -> None:
+    from tracetrain_demo.report import Step, turns
+
+    metrics = {"reward_mean": 0.3, "loss": 0.1, "seconds": 4.0, "samples": 48, "samples_trajectories": 32,
+               "samples_calls": 64, "samples_merged": 16, "samples_split_rerendered": 16,
+               "samples_split_not_extended": 0, "trained_tokens": 900, "samples_completion_tokens": 1000,
+               "samples_tokens": 9000, "samples_call_tokens": 12000, "logprob_mismatch_mean": 0.05,
+               "logprob_mismatch_on_policy": 0.04, "sampler_correction": "tis"}  # fmt: skip
+    lines = turns([Step.of(1, metrics, 10.0), Step.of(2, metrics, 10.0)])
+    assert lines[0].startswith("turns: 2.00 calls and 1.50 samples per trajectory (32 calls merged")
+    assert "split: 32 because the prompt re-rendered the previous turn, 0 because it did not extend it" in lines[0]
+    assert lines[1].startswith("tokens: 1800 trained of 2000 sampled (90%); training forwarded 18000 of the 24000")
+    assert lines[2] == ("sampler/learner gap: 0.0500 nats per token on average over the steps (0.0400 on-policy); "
+                        "correction: tis")  # fmt: skip
+    assert turns([Step(1, 0.3, 0.1, 4.0, 10.0)]) == []  # steps from before the accounting: nothing to say

@@ -41,7 +41,8 @@ def test_a_gap_stays_high_only_when_every_one_of_the_last_steps_is_high() -> Non
     assert stays_high([0.05, 0.05, 0.05], 0.01, 3)
     assert not stays_high([0.05, 0.05], 0.01, 3)  # not enough steps yet
     assert not stays_high([0.05, 0.001, 0.05], 0.01, 3)
-    assert not stays_high([0.05, None, 0.05], 0.01, 3)  # a step with nothing on-policy says nothing
+    assert not stays_high([0.05, None, 0.05], 0.01, 3)  # a step with nothing on-policy measures nothing...
+    assert stays_high([0.05, None, 0.05, 0.05], 0.01, 3)  # ...and does not break a run
 
 
 async def test_the_proxy_warns_once_when_the_gap_stays_high_and_says_when_it_falls(
@@ -49,14 +50,14 @@ async def test_the_proxy_warns_once_when_the_gap_stays_high_and_says_when_it_fal
 ) -> None:
     watch = StepWatch(store, threshold=0.01, steps=3)
     caplog.set_level(logging.INFO, logger="tracetrain.training")
-    for version, gap in enumerate([0.002, 0.05, 0.04, 0.06, 0.07], start=1):
+    for version, gap in enumerate([0.002, 0.05, None, 0.04, 0.06, 0.07], start=1):
         await finish_step(store, version, {"logprob_mismatch_on_policy": gap, "sampler_correction": "none"})
         await watch.check_once()
         await watch.check_once()  # the same step read twice counts once
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "differ by 0.06 nats" in warnings[0].getMessage()
-    assert "version 4" in warnings[0].getMessage()
-    await finish_step(store, 6, {"logprob_mismatch_on_policy": 0.001})
+    assert "version 5" in warnings[0].getMessage()
+    await finish_step(store, 7, {"logprob_mismatch_on_policy": 0.001})
     await watch.check_once()
     assert not watch.warned and "back under" in caplog.records[-1].getMessage()
 

@@ -12,7 +12,7 @@ calls, and the proxy merges them into one training sample where each prompt exte
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 import openai
 
@@ -29,7 +29,7 @@ def attempt(client: openai.OpenAI, model: str, scenario: Scenario, trajectory_id
     reply, served_by, calls = "", "", 0
     while calls < max_calls:
         completion = client.chat.completions.create(
-            model=model, messages=messages, tools=TOOLS, temperature=temperature,  # type: ignore[arg-type]
+            model=model, messages=cast(Any, messages), tools=cast(Any, TOOLS), temperature=temperature,
             tool_choice="required" if calls == 0 else "auto", max_tokens=max_tokens, extra_headers=headers,
         )  # fmt: skip
         calls += 1

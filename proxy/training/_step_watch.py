@@ -24,13 +24,16 @@ MISMATCH_STEPS = 3
 
 
 def stays_high(gaps: Iterable[float | None], threshold: float, steps: int) -> bool:
-    """Whether the last ``steps`` gaps were all above ``threshold`` (a step without on-policy tokens breaks a run).
+    """Whether the last ``steps`` measured gaps were all above ``threshold``.
 
-    >>> stays_high([0.002, 0.05, 0.06, 0.04], 0.01, 3), stays_high([0.05, None, 0.06, 0.04], 0.01, 3)
+    A step without on-policy tokens (None: everything it trained was sampled by an older version,
+    as when sampling runs ahead of training) measures nothing and is skipped.
+
+    >>> stays_high([0.002, 0.05, None, 0.06, 0.04], 0.01, 3), stays_high([0.05, 0.002, 0.06, 0.04], 0.01, 3)
     (True, False)
     """
-    last = list(gaps)[-steps:]
-    return len(last) == steps and all(g is not None and g > threshold for g in last)
+    measured = [g for g in gaps if g is not None][-steps:]
+    return len(measured) == steps and all(g > threshold for g in measured)
 
 
 class StepWatch:
@@ -39,7 +42,7 @@ class StepWatch:
     def __init__(self, store: Store, *, threshold: float = MISMATCH_THRESHOLD, steps: int = MISMATCH_STEPS,
                  poll_s: float = 5.0) -> None:  # fmt: skip
         self._store, self._threshold, self._steps, self._poll_s = store, threshold, steps, poll_s
-        self._gaps: deque[float | None] = deque(maxlen=steps)  # bounded: the last `steps` steps seen
+        self._gaps: deque[float] = deque(maxlen=steps)  # bounded: the last `steps` measured steps
         self._seen: int | None = None
         self.warned = False
 
@@ -57,8 +60,9 @@ class StepWatch:
             return
         self._seen = job["id"]
         gap = job["metrics"].get("logprob_mismatch_on_policy")
-        self._gaps.append(float(gap) if isinstance(gap, int | float) else None)
-        last = self._gaps[-1]
+        if not isinstance(gap, int | float):
+            return  # nothing on-policy in this step: it measures nothing
+        self._gaps.append(last := float(gap))
         if not self.warned and stays_high(self._gaps, self._threshold, self._steps):
             self.warned = True
             correction = job["metrics"].get("sampler_correction", "unknown")
@@ -68,6 +72,6 @@ class StepWatch:
                 "which slows learning. On a CPU run both in float32 (tracetrain serve --dtype float32, the "
                 "default); see docs/TRAINING.md", last, self._threshold, self._steps, job["version"], correction,
             )  # fmt: skip
-        elif self.warned and last is not None and last <= self._threshold:
+        elif self.warned and last <= self._threshold:
             self.warned = False
             log.info("the sampler/learner log-prob gap is back under %.2g nats per token", self._threshold)
