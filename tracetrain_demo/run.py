@@ -121,14 +121,14 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--sampler-dtype",
         choices=["float32", "bfloat16"],
-        help="force vLLM's dtype (serve "
-        "--sampler-dtype; default: the trainer's, float32), e.g. to measure the sampler correction",
+        help="force vLLM's dtype (serve --sampler-dtype; default: the trainer's, float32), e.g. to measure the "
+        "sampler correction",
     )
     p.add_argument(
         "--sampler-correction",
         choices=["auto", "none", "tis", "mis"],
-        default="auto",
-        help="the trainer's correction for a sampler/learner gap (default auto: tis where they differ)",
+        help="the trainer's correction for a sampler/learner gap (default: the task's; city: auto, tis where the "
+        "dtypes differ; lookup: tis, as its first call is constrained)",
     )
     return p.parse_args(argv)
 
@@ -144,7 +144,8 @@ def _start_serve(args: argparse.Namespace, data_dir: Path, run_dir: Path, childr
     run_dir.mkdir(parents=True, exist_ok=True)
     config = run_dir / "train-config.json"
     config.write_text(json.dumps({**_TRAIN_CONFIG, "learning_rate": args.learning_rate,
-                                  "sampler_correction": args.sampler_correction}))  # fmt: skip
+                                  "sampler_correction": args.sampler_correction
+                                  or TASKS[args.task].sampler_correction}))  # fmt: skip
     command = [
         sys.executable, "-m", "tracetrain_cli", "serve", "--model", str(model_dir), "--data-dir", str(run_dir),
         "--port", str(args.port), "--group-size", str(args.attempts), "--min-group-size", str(args.attempts),

@@ -3,8 +3,10 @@
 The trainer records every step's metrics with its job (``logprob_mismatch_on_policy``: the mean
 |learner - sampler| log-prob over the tokens the trained version sampled itself, in nats). With
 vLLM and the trainer computing alike that is rounding (~1e-3 and below); a dtype or kernel gap
-makes it ~0.05 (bf16 sampling against an fp32 learner, docs/BENCHMARKS.md), and RL then learns
-slower unless the loss corrects for it. ``StepWatch`` warns once when the gap stayed above
+makes it ~0.05 (bf16 sampling against an fp32 learner, docs/BENCHMARKS.md), and so does constrained
+sampling (vLLM's logprobs are then renormalized over what the constraint allowed: ~0.27 on the demo's
+tool task, whose first call is `tool_choice="required"`); RL then learns slower unless the loss
+corrects for it. ``StepWatch`` warns once when the gap stayed above
 ``threshold`` for ``steps`` steps in a row, and says so again when it falls back.
 """
 
@@ -68,9 +70,12 @@ class StepWatch:
             correction = job["metrics"].get("sampler_correction", "unknown")
             log.warning(
                 "the sampler's and the learner's log-probs differ by %.3g nats per token (above %.2g for %d steps "
-                "in a row, up to version %s; sampler correction: %s): vLLM and the trainer do not compute alike, "
-                "which slows learning. On a CPU run both in float32 (tracetrain serve --dtype float32, the "
-                "default); see docs/TRAINING.md", last, self._threshold, self._steps, job["version"], correction,
+                "in a row, up to version %s; sampler correction: %s): vLLM and the trainer do not compute alike "
+                "(dtype, kernels), or vLLM constrained what it sampled (tool_choice required, a JSON schema, "
+                "top-p), which slows learning unless the loss corrects for it. On a CPU run both in float32 "
+                "(tracetrain serve --dtype float32, the default), and set the trainer's sampler_correction to tis "
+                "for constrained sampling; see docs/TRAINING.md", last, self._threshold, self._steps,
+                job["version"], correction,
             )  # fmt: skip
         elif self.warned and last <= self._threshold:
             self.warned = False
