@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tracetrain_demo.task import _CITIES, _DAYS, _NAMES, _normal
+from tracetrain_demo.task import CITIES, DAYS, NAMES, normal
 
 TEMPLATE = Path(__file__).with_name("tool_template.jinja")
 TOOL_NAME = "find_hotel"
@@ -94,25 +94,25 @@ class Score:
 
 def hotel_in(city: str) -> str:
     """The hotel booked in ``city``: a fixed hash of its name, so it cannot be guessed."""
-    digest = hashlib.sha256(_normal(city).encode()).digest()
+    digest = hashlib.sha256(normal(city).encode()).digest()
     return f"Hotel {_FIRST[digest[0] % len(_FIRST)]} {_SECOND[digest[1] % len(_SECOND)]}"
 
 
 def find_hotel(city: object) -> dict[str, str]:
     """The tool: what the agent sends back for a call ``find_hotel(city=...)``."""
-    if not isinstance(city, str) or _normal(city) not in _KNOWN:
+    if not isinstance(city, str) or normal(city) not in _KNOWN:
         return {"error": f"no booking found in {city!r}"}
-    return {"city": _KNOWN[_normal(city)], "hotel": hotel_in(city)}
+    return {"city": _KNOWN[normal(city)], "hotel": hotel_in(city)}
 
 
-_KNOWN = {_normal(c): c for c in _CITIES}
+_KNOWN = {normal(c): c for c in CITIES}
 
 
 @functools.cache
 def scenarios() -> tuple[list[Scenario], list[Scenario]]:
     """(train, held_out): held-out requests name only cities no training request names."""
     rng = random.Random(SPLIT_SEED)
-    cities = list(_CITIES)
+    cities = list(CITIES)
     rng.shuffle(cities)
     held_out_cities, train_cities = cities[:HELD_OUT_CITIES], cities[HELD_OUT_CITIES:]
     return _requests(rng, train_cities, TRAIN_SCENARIOS), _requests(rng, held_out_cities, HELD_OUT_SCENARIOS)
@@ -122,8 +122,8 @@ def _requests(rng: random.Random, cities: list[str], count: int) -> list[Scenari
     made: dict[str, Scenario] = {}
     while len(made) < count:
         origin, destination = rng.sample(cities, 2)
-        name = rng.choice(_NAMES)
-        request = rng.choice(_REQUESTS).format(n=name, a=origin, b=destination, d=rng.choice(_DAYS))
+        name = rng.choice(NAMES)
+        request = rng.choice(_REQUESTS).format(n=name, a=origin, b=destination, d=rng.choice(DAYS))
         prompt = f"{request} {QUESTION.format(n=name)}"
         made.setdefault(prompt, Scenario(name, origin, destination, prompt))
     return list(made.values())
@@ -155,10 +155,10 @@ def score(scenario: Scenario, tool_cities: list[object], reply: str) -> Score:
     booked = hotel_in(scenario.destination)
     hotel = json_hotel(reply)
     called = bool(tool_cities)
-    to_destination = any(isinstance(c, str) and _normal(c) == _normal(scenario.destination) for c in tool_cities)
+    to_destination = any(isinstance(c, str) and normal(c) == normal(scenario.destination) for c in tool_cities)
     valid = hotel is not None
-    success = valid and _normal(hotel or "") == _normal(booked)
-    mentions = f" {_normal(booked)} " in f" {_normal(reply)} "
+    success = valid and normal(hotel or "") == normal(booked)
+    mentions = f" {normal(booked)} " in f" {normal(reply)} "
     reward = 1.0 if success else 0.1 * called + 0.2 * to_destination + 0.2 * valid + 0.1 * mentions
     return Score(round(reward, 6), success, called, to_destination, valid)
 
