@@ -290,8 +290,10 @@ def _train(url: str, run_dir: Path, rewards_port: int, args: argparse.Namespace,
             periodic = args.eval_every > 0 and args.eval_attempts > 0
             if periodic and time.monotonic() >= next_eval and report.steps and not evaluations:
                 next_eval = time.monotonic() + args.eval_every * 60
-                evaluations.append(_Evaluation(url, run_dir, report.steps[-1].version, args.eval_attempts, args,
-                                               children))  # fmt: skip
+                # The version serving now, not the newest trained: that one may not be published yet, or at all
+                # (the regression guard may have rolled it back).
+                evaluations.append(_Evaluation(url, run_dir, _active_version(url, args.admin_token),
+                                               args.eval_attempts, args, children))  # fmt: skip
             time.sleep(1.0)
     if agent is not None:
         agent.stop()
