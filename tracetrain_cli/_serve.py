@@ -177,10 +177,8 @@ async def serve(plan: ServePlan) -> None:
             settings.host, settings.port, settings.policy,
         )  # fmt: skip
         token_file = settings.data_dir / "admin-token"
-        from_file = (
-            settings.admin_token is not None
-            and token_file.is_file()
-            and (token_file.read_text().strip() == settings.admin_token.get_secret_value())
+        from_file = settings.admin_token is not None and token_file.is_file() and (
+            token_file.read_text().strip() == settings.admin_token.get_secret_value()
         )
         log.info(
             "dashboard: http://%s:%d/admin (log in with the admin token %s)", settings.host, settings.port,
