@@ -16,6 +16,14 @@ requests) measures, for every minute mark, the newest adapter each side had by t
 table and one plot with both curves go to OUT (results.json, learning.png).
 
     .venv/bin/python bench/learning.py --minutes 6 --out .tracetrain/bench-learning
+    .venv/bin/python bench/learning.py --task lookup --minutes 15 --out .tracetrain/bench-learning-lookup
+
+``--task lookup`` races on the tool task (tracetrain_demo/lookup.py): tracetrain's agent is the
+openai SDK's tool loop through the proxy (its first call with ``tool_choice="required"``, which vLLM
+turns into a constrained, well-formed call); TRL runs ``GRPOTrainer(tools=[find_hotel])``, its
+multi-turn tool mode (TRL 1.16: generate, parse the tool calls with the template's response parser,
+run the tool, append the result, generate again, up to ``max_tool_calling_iterations``), with the
+same chat template. TRL generates with transformers and cannot constrain the first call.
 """
 
 from __future__ import annotations
@@ -45,6 +53,9 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=REPO / ".tracetrain" / "bench-learning", help="results and plot")
     p.add_argument("--eval-attempts", type=int, default=2, help="attempts per held-out request (default 2)")
     p.add_argument("--reuse", action="store_true", help="skip a side whose adapters are already in OUT")
+    p.add_argument("--task", choices=["city", "lookup"], default="city",
+                   help="the demo's task (default city); lookup: a function tool over two calls or more, TRL in its "
+                   "tools= mode")  # fmt: skip
     args = p.parse_args()
     args.out = args.out.resolve()  # adapter paths go to vLLM, whose working directory may differ
     args.out.mkdir(parents=True, exist_ok=True)
@@ -59,7 +70,7 @@ def main() -> int:
         trl.mkdir(parents=True, exist_ok=True)
         with (trl / "trl.log").open("w") as log:
             subprocess.run([sys.executable, str(REPO / "bench" / "_learn" / "trl_loop.py"), "--model-dir",
-                            str(model_dir), "--out", str(trl), "--minutes", str(args.minutes)],
+                            str(model_dir), "--out", str(trl), "--minutes", str(args.minutes), "--task", args.task],
                            stdout=log, stderr=subprocess.STDOUT, check=True)  # fmt: skip
 
     marks = [float(m) for m in range(int(args.minutes) + 1)]
@@ -68,7 +79,7 @@ def main() -> int:
     sides = {"tracetrain": _steps(ours), "trl": _steps(trl)}
     rows = []
     _say(f"measuring held-out success at minutes {', '.join(f'{m:g}' for m in marks)} (a fresh vLLM)")
-    with Judge(model_dir, args.out / "judge", args.eval_attempts) as judge:
+    with Judge(model_dir, args.out / "judge", args.eval_attempts, args.task) as judge:
         base = judge.success("base", None)
         for mark in marks:
             row: dict[str, float | int | None] = {"minute": mark}
@@ -82,7 +93,7 @@ def main() -> int:
                  f"TRL {row['trl']:.0%} (step {row['trl_steps']})")  # fmt: skip
     (args.out / "results.json").write_text(json.dumps({"rows": rows, "sides": sides}, indent=2))
     _table(rows)
-    _say(f"plot: {_plot(rows, args.out / 'learning.png', args.eval_attempts)}")
+    _say(f"plot: {_plot(rows, args.out / 'learning.png', args.eval_attempts, args.task)}")
     return 0
 
 
@@ -92,7 +103,7 @@ def _run_ours(args: argparse.Namespace, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with (out / "demo.log").open("w") as log:
         subprocess.run([sys.executable, "-m", "tracetrain_cli", "demo", "--data-dir", str(args.data_dir),
-                        "--minutes", str(args.minutes), "--eval-attempts", "0"],
+                        "--minutes", str(args.minutes), "--eval-attempts", "0", "--task", args.task],
                        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)  # fmt: skip
     run = args.data_dir / "demo"
     began = json.loads((run / "results.json").read_text())["training_began"]
@@ -119,7 +130,7 @@ def _table(rows: list[dict[str, float | int | None]]) -> None:
               f"{r['trl_steps']:>5} {ahead:>+7.0f}p")  # fmt: skip
 
 
-def _plot(rows: list[dict[str, float | int | None]], path: Path, attempts: int) -> Path:
+def _plot(rows: list[dict[str, float | int | None]], path: Path, attempts: int, task: str) -> Path:
     fig, ax = success_axes()
     minutes = [r["minute"] for r in rows]
     for side, label in (("tracetrain", "tracetrain (vLLM samples while the trainer trains)"),
@@ -127,7 +138,7 @@ def _plot(rows: list[dict[str, float | int | None]], path: Path, attempts: int) 
         ax.plot(minutes, [r[side] for r in rows], marker="o", label=label)
     ax.set_xlabel("minutes of training (same machine, 2 CPU cores)")
     ax.set_ylabel(f"held-out success (100 requests x {attempts})")
-    ax.set_title("The demo's task on SmolLM2-135M + LoRA: held-out success")
+    ax.set_title(f"The demo's {task} task on SmolLM2-135M + LoRA: held-out success")
     return save_success_plot(fig, ax, path)
 
 

@@ -47,6 +47,7 @@ from proxy.training._publisher import Publisher
 from proxy.training._regression import GuardConfig
 from proxy.training._reward_timeout import RewardTimeout
 from proxy.training._scheduler import JobScheduler
+from proxy.training._step_watch import StepWatch
 from store import Store
 
 log = logging.getLogger("tracetrain.proxy")
@@ -114,6 +115,7 @@ def create_app(
             asyncio.create_task(publisher.run(), name="tracetrain-publisher"),
             asyncio.create_task(router.run(publisher.restore), name="tracetrain-upstream-health"),
         ]
+        background.append(asyncio.create_task(StepWatch(store).run(), name="tracetrain-step-watch"))
         if settings.regression_guard:
             cfg = GuardConfig(margin=settings.regression_margin, alpha=settings.regression_alpha,
                               max_groups=settings.regression_groups)  # fmt: skip

@@ -27,8 +27,9 @@ from safetensors.torch import save_file
 from trainer import _distributed
 from trainer._config import TrainConfig
 from trainer._distributed import Ranks
-from trainer._learner import Learner, TrainItem
+from trainer._learner import Learner
 from trainer._samples import Sample
+from trainer._step import TrainItem
 
 # Small micro-batches over groups that share their prompt: 7 micro-batches, so one rank gets 4, the other 3.
 CONFIG = TrainConfig(lora_r=8, lora_alpha=16, learning_rate=1e-3, dtype="float32", micro_batch_tokens=32, seed=3)

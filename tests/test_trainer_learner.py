@@ -17,9 +17,10 @@ from transformers import AutoModelForCausalLM
 
 from trainer._adapters import newest_adapter
 from trainer._config import TrainConfig
-from trainer._learner import Learner, StepResult, TrainItem
+from trainer._learner import Learner
 from trainer._logprobs import chunked_logprobs, hidden_states, pack_row
 from trainer._samples import Sample
+from trainer._step import StepResult, TrainItem
 
 VOCAB = 1000  # the tiny model has 1026 tokens; random ids stay below the special ones
 
@@ -456,3 +457,31 @@ def test_newest_adapter_is_the_highest_complete_step_directory(tmp_path: Path) -
     (root / "13").write_text("not a directory")
 
     assert newest_adapter(root) == (10, root / "10")
+
+
+def test_a_learner_told_the_sampler_computes_in_bf16_corrects_with_tis_and_still_trains(tiny_model_dir: Path) -> None:
+    learner = Learner(tiny_model_dir, TrainConfig(sampler_dtype="bfloat16"))
+    assert learner.correction == "tis" and learner.cfg.sampler_correction == "auto"  # saved as given
+    items = batch(learner, [1.0, -1.0])
+    # The sampler's log-probs 0.5 nats above the learner's on one sample: a ratio of e^-0.5 there, 1 elsewhere.
+    shifted = items[0].sample
+    items[0] = TrainItem(Sample(shifted.token_ids, shifted.loss_mask,
+                                [v + 0.5 if m else v for v, m in zip(shifted.old_logprobs, shifted.loss_mask,
+                                                                     strict=True)], 1, 0),
+                         items[0].advantage, on_policy=False)  # fmt: skip
+    before, base = lora_state(learner), base_state(learner)
+    result = learner.step(items)
+    n0, total = shifted.loss_tokens, sum(i.sample.loss_tokens for i in items)
+    assert result.sampler_correction == "tis"
+    assert result.sampler_weight_mean == pytest.approx((n0 * math.exp(-0.5) + total - n0) / total, rel=1e-4)
+    assert result.ratio_mean == pytest.approx(1.0, abs=1e-6)  # the PPO ratio is to the learner itself
+    assert result.logprob_mismatch_on_policy is not None and result.logprob_mismatch_on_policy < 1e-5
+    assert result.logprob_mismatch_mean > 0.5 * n0 / total * 0.99
+    assert any(not torch.equal(before[k], v) for k, v in lora_state(learner).items())
+    assert all(torch.equal(base[k], v) for k, v in base_state(learner).items())
+
+
+def test_float32_on_both_sides_needs_no_correction(tiny_model_dir: Path) -> None:
+    learner = Learner(tiny_model_dir, TrainConfig(sampler_dtype="float32"))
+    result = learner.step(batch(learner))
+    assert (learner.correction, result.sampler_correction, result.sampler_weight_mean) == ("none", "none", 1.0)

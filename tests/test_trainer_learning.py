@@ -19,8 +19,9 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from trainer._advantages import group_advantages
 from trainer._config import TrainConfig
-from trainer._learner import Learner, TrainItem
+from trainer._learner import Learner
 from trainer._samples import Sample
+from trainer._step import TrainItem
 
 PROMPTS = (
     "What is the capital of France?",

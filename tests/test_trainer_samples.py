@@ -233,3 +233,57 @@ def test_pack_of_nothing_is_no_micro_batches_and_a_zero_budget_is_an_error() -> 
     assert pack([], 8) == []
     with pytest.raises(ValueError, match="max_tokens"):
         pack([sample_of(1)], 0)
+
+
+# --- multi-turn accounting ------------------------------------------------------------------
+
+
+def test_a_template_that_re_renders_every_turn_splits_every_call_and_the_counts_say_so() -> None:
+    # Each turn the agent sends its previous tool call back spelled differently (the template re-serializes
+    # it): no call extends the sample before it, so four calls give four samples, each forwarding the
+    # conversation again.
+    prompt = turn(USER, 21) + header(ASSISTANT)
+    calls = [call(prompt, [30, 31, IM_END])]
+    for k in range(3):
+        prompt = [*prompt, 35 + k, IM_END, NL, *turn(TOOL, 40 + k), *header(ASSISTANT)]
+        calls.append(call(prompt, [30, 31, IM_END]))
+    samples, stats = build_samples(calls)
+    assert len(samples) == 4
+    assert (stats.calls, stats.merged, stats.mismatched, stats.split_rerendered, stats.split_not_extended) == (
+        4, 0, 3, 3, 0)  # fmt: skip
+    assert stats.completion_tokens == stats.loss_tokens == 12
+    assert stats.call_tokens == sum(len(c.prompt_token_ids) + 3 for c in calls)
+    assert stats.tokens == stats.call_tokens  # nothing shared: every prompt forwarded whole
+
+
+def test_merged_turns_forward_the_conversation_once() -> None:
+    prompt = turn(USER, 21) + header(ASSISTANT)
+    first = call(prompt, [30, 31, IM_END])
+    second = call([*prompt, 30, 31, IM_END, NL, *turn(TOOL, 40), *header(ASSISTANT)], [32, IM_END])
+    _samples, stats = build_samples([first, second])
+    assert (stats.samples, stats.merged, stats.mismatched) == (1, 1, 0)
+    assert stats.tokens == len(second.prompt_token_ids) + 2 < stats.call_tokens
+
+
+def test_a_prompt_that_drops_earlier_turns_is_a_split_of_another_kind() -> None:
+    first = call(turn(SYSTEM, 20) + turn(USER, 21) + header(ASSISTANT), [30, IM_END])
+    summarized = call(turn(USER, 22) + header(ASSISTANT), [31, IM_END])  # the agent dropped the history
+    _, stats = build_samples([first, summarized])
+    assert (stats.split_rerendered, stats.split_not_extended, stats.mismatched) == (0, 1, 1)
+
+
+def test_a_steps_turn_metrics_are_per_trained_trajectory() -> None:
+    from trainer._batch import build_batch
+    from trainer._config import TrainConfig
+
+    prompt = turn(USER, 21) + header(ASSISTANT)
+    merged = [call(prompt, [30, IM_END]), call([*prompt, 30, IM_END, NL, *turn(TOOL, 40), *header(ASSISTANT)],
+                                              [32, IM_END])]  # fmt: skip
+    split = [call(prompt, [30, IM_END]), call([*prompt, 36, IM_END, NL, *turn(TOOL, 40), *header(ASSISTANT)],
+                                             [32, IM_END])]  # fmt: skip
+    trajectories = [TrajectoryData("a", "g", 1.0, merged), TrajectoryData("b", "g", 0.0, split)]
+    metrics = build_batch(trajectories, TrainConfig(), trained_version=0).metrics
+    assert metrics["calls_per_trajectory"] == 2.0
+    assert metrics["samples_per_trajectory"] == 1.5
+    assert metrics["samples_split_rerendered"] == 1
+    assert metrics["trained_tokens"] == 8 and metrics["trained_token_share"] == 1.0

@@ -78,6 +78,20 @@ def add_serve_parser(sub: Any) -> None:
         "tools are refused by vLLM) (default hermes, for ChatML/Qwen-style templates)",
     )
     p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="what vLLM samples in and the trainer learns in, both (default auto: float32 on a CPU, so that the "
+        "two agree; on a GPU each side's bf16). Printed at start-up; see docs/TRAINING.md",
+    )
+    p.add_argument(
+        "--sampler-dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default=None,
+        help="force vLLM's dtype alone (e.g. bfloat16 to sample faster on a CPU with AVX512-BF16); where it differs "
+        "from the trainer's, the loss corrects for the gap (truncated importance sampling)",
+    )
+    p.add_argument(
         "--trainer-arg",
         action="append",
         default=[],
@@ -290,6 +304,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvloop
 
     from tracetrain_cli._gpu_render import render_plan
+    from tracetrain_cli._precision import agree, trainer_dtype
     from tracetrain_cli._serve import ServePlan, pick_device, serve, trainer_argv, vllm_install_problem
     from tracetrain_cli._serve_devices import device_plan, launch_options
     from tracetrain_cli._vllm_process import VLLMLaunch
@@ -322,6 +337,10 @@ def run_serve(args: argparse.Namespace) -> int:
     print(render_plan(devices), flush=True)
     # The plan shares one GPU (or --share-gpu / TRACETRAIN_SHARE_GPU asks): vLLM sleeps around each step.
     settings = settings.model_copy(update={"share_gpu": devices.shared or settings.share_gpu})
+    precision = agree(device, dtype=args.dtype, sampler_dtype=args.sampler_dtype,
+                      trainer_dtype=trainer_dtype(args.trainer_arg))  # fmt: skip
+    if args.upstream is None:
+        print(precision.line(), flush=True)
     if args.upstream is None:
         assert model_dir is not None
         launch = VLLMLaunch(
@@ -330,6 +349,7 @@ def run_serve(args: argparse.Namespace) -> int:
             data_dir=settings.data_dir.resolve(),
             served_model_name=model_dir.name,
             device=device,
+            dtype=precision.sampler,
             tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
             sleep_mode=settings.share_gpu,
             extra_args=tuple(args.vllm_arg),
@@ -341,13 +361,26 @@ def run_serve(args: argparse.Namespace) -> int:
     trainer = (
         None
         if model_dir is None or args.no_train
-        else trainer_argv(settings, model_dir, device, args.trainer_arg, args.trainer_procs, devices.trainer_shard)
+        else trainer_argv(
+            settings,
+            model_dir,
+            device,
+            [*_precision_args(precision, args), *args.trainer_arg],
+            args.trainer_procs,
+            devices.trainer_shard,
+        )
     )
     plan = ServePlan(settings=settings, vllm=launch, trainer_argv=trainer, log_level=args.log_level, devices=devices)
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(serve(plan))
     return 0
+
+
+def _precision_args(precision: Any, args: argparse.Namespace) -> list[str]:
+    """The trainer learns in the agreed dtype and knows what vLLM samples in (None there: a vLLM someone else runs)."""
+    sampler = [f"--sampler-dtype={precision.sampler}"] if args.upstream is None else []
+    return [f"--dtype={precision.learner}", *sampler]
 
 
 def _adapters_by_name(settings: Any, *, train: bool) -> bool:

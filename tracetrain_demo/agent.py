@@ -2,7 +2,8 @@
 
 Like any OpenAI app it reads OPENAI_BASE_URL and OPENAI_API_KEY from the environment.
 It passes a travel request to the model, asks which city needs a hotel as JSON, and
-parses the reply. The only tracetrain-specific thing is two headers naming the
+parses the reply (``--task lookup``: the model looks the hotel up with a function tool first,
+``tracetrain_demo.lookup_agent``). The only tracetrain-specific thing is two headers naming the
 attempt's trajectory and its group (the attempts at one request), so that GRPO compares
 them; an app that cannot set headers would use the path prefix /g/GROUP/t/TRAJECTORY/v1.
 
@@ -26,7 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 
-from tracetrain_demo.task import Scenario, scenarios
+from tracetrain_demo.task import Scenario
+from tracetrain_demo.tasks import TASKS
 
 
 def attempt(client: openai.OpenAI, model: str, scenario: Scenario, trajectory_id: str, group_id: str,
@@ -42,19 +44,22 @@ def attempt(client: openai.OpenAI, model: str, scenario: Scenario, trajectory_id
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tracetrain_demo.agent", description=__doc__.split("\n\n")[0])
+    p.add_argument("--task", choices=sorted(TASKS), default="city", help="which task (default city)")
     p.add_argument("--split", choices=["train", "held-out"], default="train", help="which questions (default train)")
     p.add_argument("--model", default="agent", help="the model name to ask for (default agent)")
     p.add_argument("--questions", type=int, default=8, help="questions per round (default 8; held-out: all)")
     p.add_argument("--attempts", type=int, default=8, help="attempts per question, one group (default 8)")
     p.add_argument("--rounds", type=int, default=1, help="rounds to run; 0 runs until killed (default 1)")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7)")
-    p.add_argument("--max-tokens", type=int, default=24, help="most tokens per reply (default 24)")
+    p.add_argument("--max-tokens", type=int, help="most tokens per reply (default: the task's, 24 for city)")
     p.add_argument("--tag", default="demo", help="prefix of trajectory and group ids (default demo)")
     p.add_argument("--done-url", help="POST {trajectory_id} here when an attempt ends (the reward service)")
     p.add_argument("--seed", type=int, default=0, help="order of the training questions (default 0)")
     args = p.parse_args(argv)
 
-    train, held_out = scenarios()
+    task = TASKS[args.task]
+    train, held_out = task.scenarios()
+    max_tokens = args.max_tokens or task.max_tokens
     client = openai.OpenAI(max_retries=2, timeout=300.0)  # OPENAI_BASE_URL and OPENAI_API_KEY from the environment
     order = random.Random(args.seed)
     pool = list(train)
@@ -73,8 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             for scenario in questions:
                 group = f"{args.tag}-{uuid.uuid4().hex[:8]}"
                 for k in range(args.attempts):
-                    jobs.append(threads.submit(attempt, client, args.model, scenario, f"{group}-{k}", group,
-                                               temperature=args.temperature, max_tokens=args.max_tokens))  # fmt: skip
+                    jobs.append(threads.submit(task.attempt, client, args.model, scenario, f"{group}-{k}", group,
+                                               temperature=args.temperature, max_tokens=max_tokens))  # fmt: skip
             for job in jobs:
                 episode = job.result()
                 print(json.dumps(episode), flush=True)

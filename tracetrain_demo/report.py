@@ -21,6 +21,32 @@ class Step:
     samples: int = 0
     off_policy: int = 0  # samples a version older than the one trained sampled (importance-corrected)
     stale: int = 0  # samples dropped: more than max_staleness versions behind
+    # Multi-turn accounting (trainer._batch.turns, trainer._samples.SampleStats) of the step's trajectories.
+    trajectories: int = 0
+    calls: int = 0
+    merged: int = 0  # calls merged into the sample before them
+    split_rerendered: int = 0  # calls that started a new sample: their prompt re-rendered the previous turn
+    split_not_extended: int = 0  # ...their prompt did not keep what came before
+    trained_tokens: int = 0
+    completion_tokens: int = 0  # sampled tokens captured
+    forwarded_tokens: int = 0  # what the samples forward in training
+    captured_tokens: int = 0  # prompt + completion tokens of every call
+    mismatch: float | None = None  # mean |learner - sampler| log-prob per token, nats
+    mismatch_on_policy: float | None = None  # ...over the tokens the trained version sampled itself
+    correction: str = "none"
+
+    @classmethod
+    def of(cls, version: int, m: dict[str, Any], wall_s: float) -> Step:
+        """A step from its job's metrics (what the trainer recorded)."""
+        return cls(version, m["reward_mean"], m["loss"], m["seconds"], wall_s, samples=m.get("samples", 0),
+                   off_policy=m.get("off_policy_samples", 0), stale=m.get("skipped_stale_samples", 0),
+                   trajectories=m.get("samples_trajectories", 0), calls=m.get("samples_calls", 0),
+                   merged=m.get("samples_merged", 0), split_rerendered=m.get("samples_split_rerendered", 0),
+                   split_not_extended=m.get("samples_split_not_extended", 0),
+                   trained_tokens=m.get("trained_tokens", 0), completion_tokens=m.get("samples_completion_tokens", 0),
+                   forwarded_tokens=m.get("samples_tokens", 0), captured_tokens=m.get("samples_call_tokens", 0),
+                   mismatch=m.get("logprob_mismatch_mean"), mismatch_on_policy=m.get("logprob_mismatch_on_policy"),
+                   correction=m.get("sampler_correction", "none"))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -103,6 +129,8 @@ def summary(report: Report, run_dir: Path) -> None:
     samples = sum(s.samples for s in report.steps)
     print(f"trained on {samples} samples: {sum(s.off_policy for s in report.steps)} sampled by the version before "
           f"the one trained (importance-corrected), {sum(s.stale for s in report.steps)} dropped as stale")  # fmt: skip
+    for line in turns(report.steps):
+        print(line)
     held = report.held_out
     results = {"before": held[0].success if held else None, "after": held[-1].success if held else None,
                "after_version": held[-1].version if held else None, "minutes": report.seconds / 60,
@@ -113,6 +141,33 @@ def summary(report: Report, run_dir: Path) -> None:
     png = _plot(report, run_dir / "reward-curve.png")
     print(f"reward curve: {png}\nnumbers: {run_dir / 'results.json'}")
     print(f"captured trajectories stay in {run_dir}: tracetrain serve --data-dir {run_dir} to browse them")
+
+
+def turns(steps: list[Step]) -> list[str]:
+    """The multi-turn accounting over every step, and the sampler/learner gap: lines for the summary."""
+    trajectories = sum(s.trajectories for s in steps)
+    if not trajectories:
+        return []
+    calls, samples = sum(s.calls for s in steps), sum(s.samples + s.stale for s in steps)
+    rerendered, not_extended = sum(s.split_rerendered for s in steps), sum(s.split_not_extended for s in steps)
+    trained, sampled = sum(s.trained_tokens for s in steps), sum(s.completion_tokens for s in steps)
+    forwarded, captured = sum(s.forwarded_tokens for s in steps), sum(s.captured_tokens for s in steps)
+    lines = [
+        f"turns: {calls / trajectories:.2f} calls and {samples / trajectories:.2f} samples per trajectory "
+        f"({sum(s.merged for s in steps)} calls merged into the one before; split: {rerendered} because the prompt "
+        f"re-rendered the previous turn, {not_extended} because it did not extend it)",
+        f"tokens: {trained} trained of {sampled} sampled ({trained / max(sampled, 1):.0%}); training forwarded "
+        f"{forwarded} of the {captured} captured (prompts shared by merged calls count once)",
+    ]
+    gaps = [s.mismatch for s in steps if s.mismatch is not None]
+    on_policy = [s.mismatch_on_policy for s in steps if s.mismatch_on_policy is not None]
+    if gaps:
+        lines.append(
+            f"sampler/learner gap: {sum(gaps) / len(gaps):.4f} nats per token on average over the steps"
+            + (f" ({sum(on_policy) / len(on_policy):.4f} on-policy)" if on_policy else "")
+            + f"; correction: {', '.join(sorted({s.correction for s in steps}))}"
+        )
+    return lines
 
 
 def success_axes() -> tuple[Any, Any]:

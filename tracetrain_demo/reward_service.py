@@ -20,24 +20,19 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from tracetrain import Client, Trajectory
-from tracetrain_demo.task import Score, by_prompt, score
+from tracetrain_demo.tasks import TASKS, Scored
 
 log = logging.getLogger("tracetrain_demo.rewards")
 
 
-def score_trajectory(trajectory: Trajectory) -> Score:
+def score_trajectory(trajectory: Trajectory, task: str = "city") -> Scored:
     """Score a captured attempt from what the proxy recorded: its last call's request and reply."""
-    last = trajectory.calls[-1]
-    messages = last.request["messages"]
-    scenario = by_prompt().get(messages[0]["content"])
-    if scenario is None:
-        raise ValueError(f"trajectory {trajectory.id} does not start with one of the task's requests")
-    reply = (last.response or {}).get("choices", [{}])[0].get("message", {}).get("content") or ""
-    return score(scenario, reply)
+    return TASKS[task].score_trajectory(trajectory)
 
 
 class _Handler(BaseHTTPRequestHandler):
     client: Client
+    task: str = "city"
 
     def do_POST(self) -> None:
         if self.path != "/finished":
@@ -46,7 +41,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
             trajectory = self.client.get_trajectory(str(body["trajectory_id"]))
-            result = score_trajectory(trajectory)
+            result = score_trajectory(trajectory, self.task)
             self.client.post_reward(trajectory.id, result.reward, metrics=result.metrics())
         except Exception as exc:  # one bad report must not stop the service
             log.warning("could not score %r: %s", self.path, exc)
@@ -64,9 +59,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--proxy", required=True, help="the tracetrain server's root URL, e.g. http://127.0.0.1:8100")
     p.add_argument("--port", type=int, default=8190, help="where the agent reports ended attempts (default 8190)")
     p.add_argument("--reward-key", help="the proxy's reward key, if it requires one")
+    p.add_argument("--task", choices=sorted(TASKS), default="city", help="the task whose checker scores (default city)")
     args = p.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _Handler.client = Client(args.proxy, api_key=args.reward_key)
+    _Handler.task = args.task
     server = ThreadingHTTPServer(("127.0.0.1", args.port), _Handler)
     log.info("reward service on http://127.0.0.1:%d/finished, posting to %s", args.port, args.proxy)
     try:

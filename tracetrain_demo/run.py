@@ -38,7 +38,7 @@ from tqdm import tqdm  # type: ignore[import-untyped]  # no stubs in the train e
 
 from tracetrain_cli._child import ChildProcess
 from tracetrain_demo.report import HEADER, HeldOut, Report, Step, busy_cpu_seconds, row, summary
-from tracetrain_demo.task import Score, by_prompt, score
+from tracetrain_demo.tasks import TASKS, Scored
 
 _SERVE_READY = "ready: agents use OPENAI_BASE_URL"
 # TrainConfig's defaults (docs/TRAINING.md says how they were chosen), except: on a CPU, packed rows
@@ -57,7 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.admin_token = _admin_token(run_dir)
         rewards_port = _free_port()
         _start(children, ChildProcess("reward service", [sys.executable, "-m", "tracetrain_demo.reward_service",
-               "--proxy", url, "--port", str(rewards_port)], _env(url), run_dir / "logs" / "rewards.log"))  # fmt: skip
+               "--proxy", url, "--port", str(rewards_port), "--task", args.task], _env(url),
+               run_dir / "logs" / "rewards.log"))  # fmt: skip
         report = Report()
         if args.eval_attempts:
             _say("measuring held-out success of agent@0 (the base model) while the first round samples")
@@ -108,8 +109,27 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="measure the newest version on the held-out requests every this many minutes, beside "
         "training (default 3; 0: only before and after)",
     )
+    p.add_argument(
+        "--task",
+        choices=sorted(TASKS),
+        default="city",
+        help="city (default): one call, name the "
+        "destination as JSON; lookup: look the hotel up with a function tool, then answer (2+ calls)",
+    )
     p.add_argument("--temperature", type=float, default=0.7, help="the agent's sampling temperature (default 0.7)")
     p.add_argument("--learning-rate", type=float, default=3e-4, help="the LoRA's AdamW learning rate (default 3e-4)")
+    p.add_argument(
+        "--sampler-dtype",
+        choices=["float32", "bfloat16"],
+        help="force vLLM's dtype (serve --sampler-dtype; default: the trainer's, float32), e.g. to measure the "
+        "sampler correction",
+    )
+    p.add_argument(
+        "--sampler-correction",
+        choices=["auto", "none", "tis", "mis"],
+        help="the trainer's correction for a sampler/learner gap (default: the task's; city: auto, tis where the "
+        "dtypes differ; lookup: tis, as its first call is constrained)",
+    )
     return p.parse_args(argv)
 
 
@@ -123,11 +143,14 @@ def _start_serve(args: argparse.Namespace, data_dir: Path, run_dir: Path, childr
             path.unlink()
     run_dir.mkdir(parents=True, exist_ok=True)
     config = run_dir / "train-config.json"
-    config.write_text(json.dumps({**_TRAIN_CONFIG, "learning_rate": args.learning_rate}))
+    config.write_text(json.dumps({**_TRAIN_CONFIG, "learning_rate": args.learning_rate,
+                                  "sampler_correction": args.sampler_correction
+                                  or TASKS[args.task].sampler_correction}))  # fmt: skip
     command = [
         sys.executable, "-m", "tracetrain_cli", "serve", "--model", str(model_dir), "--data-dir", str(run_dir),
         "--port", str(args.port), "--group-size", str(args.attempts), "--min-group-size", str(args.attempts),
-        "--batch-groups", str(args.questions), f"--trainer-arg=--config={config}",
+        "--batch-groups", str(args.questions), f"--trainer-arg=--config={config}", *TASKS[args.task].serve_args,
+        *([f"--sampler-dtype={args.sampler_dtype}"] if args.sampler_dtype else []),
     ]  # fmt: skip
     serve = ChildProcess("tracetrain serve", command, dict(os.environ), run_dir / "logs" / "serve.log")
     _say(f"starting tracetrain serve on port {args.port} (vLLM on the CPU: ~1 min; log: {serve.log_path})")
@@ -188,10 +211,11 @@ class _Evaluation:
         self.version, self.started = version, time.time()
         model = f"agent@{version}"
         tag = f"eval-agent-v{version}"
-        command = [sys.executable, "-m", "tracetrain_demo.agent", "--split", "held-out", "--model", model,
+        command = [sys.executable, "-m", "tracetrain_demo.agent", "--task", args.task, "--split", "held-out",
+                   "--model", model,
                    "--attempts", str(attempts), "--temperature", str(args.temperature), "--tag", tag]  # fmt: skip
         self._agent = ChildProcess("held-out agent", command, _env(url), run_dir / "logs" / f"{tag}.jsonl")
-        self._children = children
+        self._children, self._task = children, args.task
         _start(children, self._agent)
 
     @property
@@ -204,7 +228,7 @@ class _Evaluation:
             raise SystemExit(f"tracetrain demo: the held-out evaluation of agent@{self.version} failed:\n"
                              f"{self._agent.log_tail()}")  # fmt: skip
         self._children.remove(self._agent)
-        wins = [_score(e).success for e in _episodes(self._agent.log_path)]
+        wins = [_score(self._task, e).success for e in _episodes(self._agent.log_path)]
         return HeldOut(self.version, sum(wins) / max(1, len(wins)), len(wins), self.started, time.time())
 
 
@@ -238,7 +262,8 @@ def _train(url: str, run_dir: Path, rewards_port: int, args: argparse.Namespace,
                 report.rounds.append((round_started, time.time()))
                 agent = None
             if agent is None and sum(job["state"] in ("queued", "running") for job in jobs) <= 1:
-                command = [sys.executable, "-m", "tracetrain_demo.agent", "--split", "train", "--rounds", "1",
+                command = [sys.executable, "-m", "tracetrain_demo.agent", "--task", args.task, "--split", "train",
+                           "--rounds", "1",
                            "--seed", str(len(report.rounds) + 1), "--questions", str(args.questions), "--attempts",
                            str(args.attempts), "--temperature", str(args.temperature),
                            "--tag", f"round{len(report.rounds) + 1}",
@@ -251,9 +276,7 @@ def _train(url: str, run_dir: Path, rewards_port: int, args: argparse.Namespace,
                 seen.add(job["id"])
                 report.training.append((job["started_at"], job["finished_at"]))
                 metrics, now = job["metrics"], time.monotonic()
-                step = Step(job["version"], metrics["reward_mean"], metrics["loss"], metrics["seconds"], now - last,
-                            samples=metrics.get("samples", 0), off_policy=metrics.get("off_policy_samples", 0),
-                            stale=metrics.get("skipped_stale_samples", 0))  # fmt: skip
+                step = Step.of(job["version"], metrics, now - last)
                 last = now
                 report.steps.append(step)
                 bar.update(1)
@@ -267,8 +290,10 @@ def _train(url: str, run_dir: Path, rewards_port: int, args: argparse.Namespace,
             periodic = args.eval_every > 0 and args.eval_attempts > 0
             if periodic and time.monotonic() >= next_eval and report.steps and not evaluations:
                 next_eval = time.monotonic() + args.eval_every * 60
-                evaluations.append(_Evaluation(url, run_dir, report.steps[-1].version, args.eval_attempts, args,
-                                               children))  # fmt: skip
+                # The version serving now, not the newest trained: that one may not be published yet, or at all
+                # (the regression guard may have rolled it back).
+                evaluations.append(_Evaluation(url, run_dir, _active_version(url, args.admin_token),
+                                               args.eval_attempts, args, children))  # fmt: skip
             time.sleep(1.0)
     if agent is not None:
         agent.stop()
@@ -280,17 +305,17 @@ def _train(url: str, run_dir: Path, rewards_port: int, args: argparse.Namespace,
     report.sampling.extend(report.rounds)
     report.training_window = (began, time.time())
     report.machine_busy_cores = (busy_cpu_seconds() - cpu_before) / max(time.time() - began, 1e-9)
-    report.served_success = _training_success(log)
+    report.served_success = _training_success(args.task, log)
     for step in report.steps:
         step.success = report.served_success.get(step.version)
 
 
-def _training_success(log: Path) -> dict[int, float]:
+def _training_success(task: str, log: Path) -> dict[int, float]:
     """Success of the training attempts, by the version that served their final reply."""
     wins: dict[int, list[bool]] = {}
     for episode in _episodes(log):
         version = int(str(episode["served_by"]).rpartition("@")[2] or 0)
-        wins.setdefault(version, []).append(_score(episode).success)
+        wins.setdefault(version, []).append(_score(task, episode).success)
     # A version that served only the stragglers of a round says nothing.
     return {v: sum(w) / len(w) for v, w in wins.items() if len(w) >= 16}
 
@@ -314,8 +339,8 @@ def _active_version(url: str, token: str) -> int:
     return int(_admin_get(url, "/admin/adapters", token)["active_version"])
 
 
-def _score(episode: dict[str, Any]) -> Score:
-    return score(by_prompt()[episode["prompt"]], episode["reply"])
+def _score(task: str, episode: dict[str, Any]) -> Scored:
+    return TASKS[task].score_episode(episode)
 
 
 def _start(children: list[ChildProcess], child: ChildProcess) -> None:

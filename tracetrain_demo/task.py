@@ -33,7 +33,7 @@ import random
 import unicodedata
 from dataclasses import dataclass
 
-_CITIES = (
+CITIES = (
     "Accra", "Adelaide", "Amman", "Amsterdam", "Ankara", "Antwerp", "Athens", "Atlanta", "Auckland", "Austin",
     "Baku", "Bangkok", "Barcelona", "Basel", "Beirut", "Belfast", "Belgrade", "Bergen", "Berlin", "Bilbao",
     "Bologna", "Bordeaux", "Boston", "Bremen", "Brisbane", "Bristol", "Brussels", "Budapest", "Cairo", "Calgary",
@@ -46,11 +46,11 @@ _CITIES = (
     "Seattle", "Seoul", "Seville", "Sofia", "Stockholm", "Sydney", "Tallinn", "Tokyo", "Toronto", "Toulouse",
     "Turin", "Valencia", "Vancouver", "Venice", "Vienna", "Vilnius", "Warsaw", "York", "Zagreb", "Zurich",
 )  # fmt: skip
-_NAMES = (
+NAMES = (
     "Ana", "Tom", "Priya", "Jonas", "Mei", "Omar", "Lena", "Carlos", "Sara", "Ivan", "Aisha", "Ben", "Yuki",
     "Marta", "Kofi", "Elena", "Raj", "Nora", "Diego", "Hana", "Luca", "Zoe", "Amir", "Ines",
 )  # fmt: skip
-_DAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday", "3 May", "the 14th",
+DAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday", "3 May", "the 14th",
          "next week", "June 2", "the weekend")  # fmt: skip
 # {n} travels from {a} to {b} on {d}; the destination is not always the second city named.
 _REQUESTS = (
@@ -93,7 +93,7 @@ class Score:
 def scenarios() -> tuple[list[Scenario], list[Scenario]]:
     """(train, held_out): fixed sets of requests; held-out ones name only cities no training request names."""
     rng = random.Random(SPLIT_SEED)
-    cities = list(_CITIES)
+    cities = list(CITIES)
     rng.shuffle(cities)
     held_out_cities, train_cities = cities[:HELD_OUT_CITIES], cities[HELD_OUT_CITIES:]
     return _requests(rng, train_cities, TRAIN_SCENARIOS), _requests(rng, held_out_cities, HELD_OUT_SCENARIOS)
@@ -103,8 +103,8 @@ def _requests(rng: random.Random, cities: list[str], count: int) -> list[Scenari
     made: dict[str, Scenario] = {}
     while len(made) < count:
         origin, destination = rng.sample(cities, 2)
-        name = rng.choice(_NAMES)
-        request = rng.choice(_REQUESTS).format(n=name, a=origin, b=destination, d=rng.choice(_DAYS))
+        name = rng.choice(NAMES)
+        request = rng.choice(_REQUESTS).format(n=name, a=origin, b=destination, d=rng.choice(DAYS))
         prompt = f"{request}\n\n{QUESTION.format(n=name)}"
         made.setdefault(prompt, Scenario(name, origin, destination, prompt))
     return list(made.values())
@@ -133,13 +133,13 @@ def json_city(reply: str) -> str | None:
 def score(scenario: Scenario, reply: str) -> Score:
     city = json_city(reply)
     valid = city is not None
-    correct = valid and _normal(city or "") == _normal(scenario.destination)
-    mentions = f" {_normal(scenario.destination)} " in f" {_normal(reply)} "
+    correct = valid and normal(city or "") == normal(scenario.destination)
+    mentions = f" {normal(scenario.destination)} " in f" {normal(reply)} "
     reward = 1.0 if correct else 0.4 if valid else 0.2 if mentions else 0.0
     return Score(reward, correct, valid, mentions)
 
 
-def _normal(text: str) -> str:
+def normal(text: str) -> str:
     """Lower case, no accents, no punctuation, single spaces: "Málaga" == "malaga"."""
     plain = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode()
     words = "".join(c if c.isalnum() else " " for c in plain.lower()).split()

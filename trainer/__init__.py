@@ -6,9 +6,10 @@ May use ``store._tables`` (the store's tables); the proxy never imports this pac
 from trainer._adapters import newest_adapter
 from trainer._advantages import GroupAdvantages, group_advantages
 from trainer._config import LossVariant, TrainConfig, TrainDType
-from trainer._learner import Learner, StepResult, TrainItem
+from trainer._learner import Learner
 from trainer._losses import policy_loss
 from trainer._samples import CapturedCall, Sample, SampleStats, build_samples, pack
+from trainer._step import StepResult, TrainItem
 
 __all__ = [
     "CapturedCall",

@@ -88,6 +88,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="token budget of one packed forward (default 4096); smaller needs less GPU memory per step",
     )
     p.add_argument(
+        "--dtype", choices=["auto", "float32", "bfloat16"], help="what the trainer computes in (default auto)"
+    )
+    p.add_argument(
+        "--sampler-dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="what vLLM samples in (serve passes it); decides the default --sampler-correction (default auto: unknown)",
+    )
+    p.add_argument(
+        "--sampler-correction",
+        choices=["auto", "none", "tis", "mis"],
+        help="correct the sampler/learner log-prob gap: tis (truncated importance sampling), mis (masked), none "
+        "(default auto: tis unless both compute in float32)",
+    )
+    p.add_argument(
         "--share-gpu",
         action="store_true",
         help="the GPU is vLLM's too: each step waits until the proxy (tracetrain serve --share-gpu) has put vLLM to "
@@ -122,6 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     flags = {"loss": args.loss, "learning_rate": args.learning_rate, "lora_r": args.lora_r,
              "max_staleness": args.max_staleness, "kl_coef": args.kl_coef}  # fmt: skip
     flags["micro_batch_tokens"] = args.micro_batch_tokens
+    flags |= {"dtype": args.dtype, "sampler_dtype": args.sampler_dtype, "sampler_correction": args.sampler_correction}
     try:
         base = TrainConfig.model_validate_json(args.config.read_text()).to_dict() if args.config else {}
         config = TrainConfig.from_dict({**base, **{k: v for k, v in flags.items() if v is not None}})

@@ -88,5 +88,23 @@ def build_batch(trajectories: Sequence[TrajectoryData], cfg: TrainConfig, *, tra
         "reward_mean": float(rewards.mean()) if len(trajectories) else None,
         "reward_std": float(rewards.std(unbiased=False)) if len(trajectories) else None,
         **{f"samples_{name}": value for name, value in asdict(stats).items()},
+        **turns(stats, trained_tokens=sum(s.loss_tokens for s in samples)),
     }
     return Batch(samples, advantages, metrics)
+
+
+def turns(stats: SampleStats, *, trained_tokens: int) -> dict[str, float | int | None]:
+    """Multi-turn accounting of the trained trajectories: per trajectory, calls and samples; the tokens kept.
+
+    ``samples_per_trajectory`` is 1.0 when every trajectory's calls merged into one sample, and
+    ``calls_per_trajectory`` when none did. ``trained_token_share``: of the completion tokens captured,
+    the share that carried loss in the step (``trained_tokens``: failed, empty or greedy calls and
+    stale samples do not).
+    """
+    n = stats.trajectories
+    return {
+        "calls_per_trajectory": stats.calls / n if n else None,
+        "samples_per_trajectory": stats.samples / n if n else None,
+        "trained_tokens": trained_tokens,
+        "trained_token_share": trained_tokens / stats.completion_tokens if stats.completion_tokens else None,
+    }

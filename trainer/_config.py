@@ -16,6 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 LossVariant = Literal["grpo", "dr_grpo", "gspo", "cispo"]
 TrainDType = Literal["auto", "float32", "bfloat16"]
+SamplerDType = Literal["auto", "float32", "bfloat16", "float16"]
+# How the loss treats the gap between the sampler's log-probs and the learner's (trainer/_losses.py).
+SamplerCorrection = Literal["auto", "none", "tis", "mis"]
 
 _DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -82,6 +85,17 @@ class TrainConfig(BaseModel):
     seed: int = Field(default=0, ge=0)
 
     # --- how the sampler sampled ---
+    # What vLLM computes in, as `tracetrain serve` started it (tracetrain_cli/_precision.py); auto: not known.
+    sampler_dtype: SamplerDType = "auto"
+    # none: the PPO ratio is taken against the sampler's log-probs (the gap is clipped like a policy change).
+    # tis: the ratio is taken against the learner's own log-probs before the step, and each token's loss is
+    # weighted by min(exp(learner_old - sampler), sampler_ratio_cap), detached (truncated importance sampling).
+    # mis: as tis, but a token whose weight exceeds the cap is masked out (weight 0) instead of truncated.
+    # auto: tis unless sampler and learner are known to both compute in float32 (on a CUDA device, tis even
+    # when the sampler's dtype is not known: vLLM's kernels are not peft's); see `resolved_correction`.
+    sampler_correction: SamplerCorrection = "auto"
+    # C in min(ratio, C): Yao et al.'s TIS used 2. Above 1: a weight never exceeds it.
+    sampler_ratio_cap: float = Field(default=2.0, gt=1)
     # The temperature of calls whose request named none. None: what vLLM does by default
     # (`--generation-config auto`): the base model's generation_config.json temperature, else 1.0.
     # Set it when your vLLM runs with `--generation-config vllm` (1.0) or `--override-generation-config`.
@@ -106,6 +120,20 @@ class TrainConfig(BaseModel):
         if self.scale_rewards is None:
             return self.loss != "dr_grpo"
         return self.scale_rewards
+
+    def resolved_correction(self, *, learner_float32: bool, cuda: bool) -> Literal["none", "tis", "mis"]:
+        """``sampler_correction`` with auto decided: none only where sampler and learner compute alike.
+
+        >>> TrainConfig(sampler_dtype="bfloat16").resolved_correction(learner_float32=True, cuda=False)
+        'tis'
+        >>> TrainConfig(sampler_dtype="float32").resolved_correction(learner_float32=True, cuda=False)
+        'none'
+        """
+        if self.sampler_correction != "auto":
+            return self.sampler_correction
+        if self.sampler_dtype == "auto":  # not known: a vLLM someone else runs
+            return "tis" if cuda or not learner_float32 else "none"
+        return "none" if learner_float32 and self.sampler_dtype == "float32" else "tis"
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (tuples become lists) that `from_dict` reads back to an equal config."""

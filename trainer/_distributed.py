@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from trainer._learner import TrainItem
+    from trainer._step import TrainItem
 
 
 class StepFailed(RuntimeError):

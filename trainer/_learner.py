@@ -22,16 +22,14 @@ The attention kernel is ``trainer._attention``'s choice.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import sys
 import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -44,56 +42,14 @@ from trainer._attention import choose_attention
 from trainer._config import TrainConfig, TrainDType
 from trainer._distributed import all_or_none, max_over_ranks, rank_and_world, sum_over_ranks, sum_totals
 from trainer._logprobs import PackedRow, pack_row
-from trainer._losses import policy_loss
+from trainer._losses import logprob_mismatch, policy_loss
 from trainer._samples import Sample, pack, pack_shared
+from trainer._step import PeakMemoryKind, StepResult, TrainItem, check_item
 
 log = logging.getLogger("tracetrain.trainer")
 
-PeakMemoryKind = Literal["cuda_max_allocated", "process_max_rss"]
-
 # Config attributes of models whose logits are not plain lm_head(hidden): the chunked scoring would be wrong.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
-
-
-@dataclass(frozen=True, slots=True)
-class TrainItem:
-    """One sample to train on and its advantage (the same for all of its sampled tokens)."""
-
-    sample: Sample
-    advantage: float
-
-
-@dataclass(frozen=True, slots=True)
-class StepResult:
-    """What one optimizer step did. Token and sample counts cover the samples that carried loss."""
-
-    loss: float
-    clip_fraction: float  # share of loss tokens whose update the clip bounded
-    ratio_mean: float  # mean importance ratio to the sampler (per sequence for gspo)
-    kl: float | None  # k3 estimate of KL(policy || base), mean over loss tokens; None when kl_coef is 0
-    entropy: float  # mean over loss tokens of the policy's next-token entropy, in nats
-    grad_norm: float  # global L2 norm before clipping; if not finite, the step was skipped
-    step_skipped: bool  # the grad norm was not finite: no optimizer step, the weights did not move
-    # |trainer - sampler| log-prob per sampled token, mean and max, in nats, from the step's own forward
-    # (before the update). On-policy samples: numerics alone (kernels, dtype, a temperature or top-p the
-    # two disagree on): ~1e-5 with both in float32, ~0.05 with vLLM in bf16 (docs/BENCHMARKS.md).
-    # Stale samples add how far the policy has moved since they were sampled.
-    logprob_mismatch_mean: float
-    logprob_mismatch_max: float
-    log_ratio_clamped: int  # sampled tokens whose |log ratio| exceeded cfg.log_ratio_clamp
-    tokens: int  # all tokens forwarded (prompts included)
-    loss_tokens: int
-    samples: int
-    micro_batches: int
-    seconds: float
-    tokens_per_second: float
-    # CUDA: torch.cuda.max_memory_allocated during this step. CPU: the process's peak
-    # resident set size since it started (getrusage), an upper bound, not this step's own.
-    peak_memory_bytes: int | None
-    peak_memory_kind: PeakMemoryKind | None
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 def _precision(dtype: TrainDType, device: torch.device) -> tuple[torch.dtype, bool]:
@@ -144,15 +100,19 @@ class Learner:
         attn_implementation: str | None = None,
         shard: bool = False,
     ) -> None:
-        self.cfg = cfg
         self.device = torch.device(device)
         weights_dtype, self._autocast = _precision(cfg.dtype, self.device)
+        float32 = weights_dtype == torch.float32 and not self._autocast
+        self.correction = cfg.resolved_correction(learner_float32=float32, cuda=self.device.type == "cuda")
+        self.cfg = cfg  # saved as given; what "auto" resolved to is in each step's metrics (sampler_correction)
         self.attention = choose_attention(attn_implementation or "auto", self.device, weights_dtype)
         rank, world = rank_and_world()
         self.sharded = shard and world > 1
         if rank == 0:
             log.info("attention: %s (%s)%s", self.attention.implementation, self.attention.why,
                      f"; the model sharded over {world} ranks (FSDP)" if self.sharded else "")  # fmt: skip
+            log.info("computing in %s; vLLM samples in %s; sampler correction: %s",
+                     "float32" if float32 else "bfloat16", cfg.sampler_dtype, self.correction)  # fmt: skip
         with torch.random.fork_rng(devices=[]):  # LoRA init is seeded without touching the caller's RNG
             torch.manual_seed(cfg.seed)
             base = AutoModelForCausalLM.from_pretrained(
@@ -199,7 +159,7 @@ class Learner:
         """
         start = time.perf_counter()
         for k, item in enumerate(batch):
-            self._check(item, k)
+            check_item(item, k, self._vocab)
         items = [item for item in batch if item.sample.loss_tokens > 0]
         if not items:
             raise ValueError("the batch has no sampled tokens to train on")
@@ -214,7 +174,8 @@ class Learner:
         padding = _sharded.padding_rounds(len(micro_batches), len(mine), world) if self.sharded else 0
 
         self.model.train()
-        totals = dict.fromkeys(("loss", "clipped", "ratio", "kl", "entropy", "mismatch", "clamped"), 0.0)
+        totals = dict.fromkeys(("loss", "clipped", "ratio", "kl", "entropy", "mismatch", "clamped", "weight",
+                                "over_cap", "on_policy_mismatch", "on_policy_tokens"), 0.0)  # fmt: skip
         mismatch_max = 0.0
         try:
             with all_or_none():  # several ranks: one failing rank fails the step on all of them
@@ -252,6 +213,12 @@ class Learner:
             logprob_mismatch_mean=totals["mismatch"] / loss_tokens,
             logprob_mismatch_max=mismatch_max,
             log_ratio_clamped=int(totals["clamped"]),
+            logprob_mismatch_on_policy=(
+                totals["on_policy_mismatch"] / totals["on_policy_tokens"] if totals["on_policy_tokens"] else None
+            ),
+            sampler_correction=self.correction,
+            sampler_weight_mean=totals["weight"] / loss_tokens,
+            sampler_over_cap=totals["over_cap"] / loss_tokens,
             tokens=tokens,
             loss_tokens=loss_tokens,
             samples=len(samples),
@@ -288,6 +255,7 @@ class Learner:
             ref_logp=ref_logp,
             batch_tokens=loss_tokens,
             batch_sequences=len(samples),
+            correction=self.correction,
         )
         if totals is None:
             torch.autograd.backward(loss * 0.0)
@@ -302,6 +270,12 @@ class Learner:
         # Every micro-batch's forward runs before the one optimizer step: this is the pre-update mismatch.
         totals["mismatch"] += m["logprob_mismatch_mean"] * m["tokens"]
         totals["clamped"] += m["log_ratio_clamped"]
+        totals["weight"] += m["sampler_weight_mean"] * m["tokens"]
+        on_policy = torch.tensor([items[i].on_policy for i in members], device=self.device)[row.seq]  # (L,) bool
+        gap = logprob_mismatch(logp[on_policy], old_logp[on_policy])
+        totals["on_policy_mismatch"] += gap.mean * gap.tokens
+        totals["on_policy_tokens"] += gap.tokens
+        totals["over_cap"] += m["sampler_over_cap"] * m["tokens"]
         return float(m["logprob_mismatch_max"])
 
     @torch.no_grad()
@@ -371,22 +345,6 @@ class Learner:
         if self._autocast:
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
-
-    def _check(self, item: TrainItem, k: int) -> None:
-        s = item.sample
-        n = len(s.token_ids)
-        if not (len(s.loss_mask) == len(s.old_logprobs) == n):
-            raise ValueError(f"item {k}: token_ids, loss_mask and old_logprobs differ in length")
-        if any(math.isnan(v) for v in s.old_logprobs):
-            raise ValueError(f"item {k}: an old logprob is NaN")
-        if len(s.temperatures) not in (0, n) or not all(t > 0 and math.isfinite(t) for t in s.temperatures):
-            raise ValueError(f"item {k}: temperatures must be one positive number per token (or none)")
-        if n and s.loss_mask[0]:
-            raise ValueError(f"item {k}: its first token is marked sampled, but nothing precedes it to score it")
-        if any(t < 0 or t >= self._vocab for t in s.token_ids):
-            raise ValueError(f"item {k}: a token id is outside the model's vocabulary of {self._vocab}")
-        if not math.isfinite(item.advantage):
-            raise ValueError(f"item {k}: advantage {item.advantage} is not finite")
 
     def _peak_memory(self) -> tuple[int | None, PeakMemoryKind | None]:
         if self.device.type == "cuda":

@@ -8,7 +8,16 @@ Otherwise the sample ends and a new one starts: a *mismatch*. Mismatches are nor
 not errors: vLLM's completion ids end with the stop token (``<|im_end|>``) while the
 chat template re-renders the assistant turn from text, and may spell it differently
 (reasoning stripped, tool calls re-serialized). They are counted so a user sees when
-an agent's template keeps breaking the merge.
+an agent's template keeps breaking the merge, with why each split happened:
+
+- ``split_rerendered``: the new prompt keeps everything before the last completion but not
+  the completion's own ids: the template re-rendered the previous turn (the common case);
+- ``split_not_extended``: the new prompt does not even keep what came before it (the agent
+  dropped, edited or summarized earlier turns, or started another conversation).
+
+Each split costs training time (the shared prefix is forwarded again) and is what a token
+budget sees: ``call_tokens`` (every call's prompt plus completion, as captured) against
+``tokens`` (what the samples forward) and ``loss_tokens`` (what carries loss).
 
 Calls that cannot train are skipped and counted: failed (status != 200), inconsistent
 (logprobs not one per completion token, or an empty prompt: the first token of a
@@ -67,11 +76,17 @@ class Sample:
 class SampleStats:
     """What `build_samples` did with the calls; add them up over trajectories with ``+``."""
 
+    trajectories: int = 0  # trajectories built (one per build_samples call)
     calls: int = 0
     merged: int = 0  # calls appended to the sample before them
-    mismatched: int = 0  # calls that started a new sample although one was open
+    mismatched: int = 0  # calls that started a new sample although one was open: the two splits below
+    split_rerendered: int = 0  # ...whose prompt re-rendered the previous completion (the template's doing)
+    split_not_extended: int = 0  # ...whose prompt dropped or changed what came before the previous completion
     samples: int = 0
     loss_tokens: int = 0
+    tokens: int = 0  # tokens the samples forward (prompts included)
+    call_tokens: int = 0  # prompt plus completion tokens of every call, as captured
+    completion_tokens: int = 0  # completion tokens of every call, as captured (what could carry loss)
     skipped_failed: int = 0  # status != 200
     skipped_inconsistent: int = 0  # logprobs length != completion length, or empty prompt
     skipped_empty: int = 0  # no completion tokens
@@ -93,10 +108,16 @@ class _Open:
     n_calls: int = 0
     n_trained: int = 0  # calls whose completion carries loss
     oldest_version: int = 0
+    context_len: int = 0  # tokens before the last call's completion
 
     def extends(self, prompt: list[int]) -> bool:
         n = len(self.token_ids)
         return len(prompt) >= n and prompt[:n] == self.token_ids
+
+    def rerendered(self, prompt: list[int]) -> bool:
+        """The prompt keeps everything before the last completion, but not the completion as sampled."""
+        n = self.context_len
+        return len(prompt) >= n and prompt[:n] == self.token_ids[:n]
 
     def append(self, call: CapturedCall, new_prompt: list[int], *, sampled: bool = True) -> None:
         """The call's new prompt tokens as context, then its completion: loss only if ``sampled``."""
@@ -104,6 +125,7 @@ class _Open:
         self.loss_mask += [False] * len(new_prompt)
         self.old_logprobs += [0.0] * len(new_prompt)
         self.temperatures += [1.0] * len(new_prompt)
+        self.context_len = len(self.token_ids)
         n = len(call.completion_token_ids)
         self.token_ids += call.completion_token_ids
         self.loss_mask += [sampled] * n
@@ -132,7 +154,7 @@ def build_samples(calls: Sequence[CapturedCall]) -> tuple[list[Sample], SampleSt
     ([1, 2, 3, 4, 5, 6], [False, False, True, True, False, True], 1)
     """
     samples: list[Sample] = []
-    failed = inconsistent = empty = greedy = truncated = merged = mismatched = 0
+    failed = inconsistent = empty = greedy = truncated = merged = rerendered = not_extended = 0
     current: _Open | None = None
 
     def close(sample: _Open | None) -> None:
@@ -159,18 +181,25 @@ def build_samples(calls: Sequence[CapturedCall]) -> tuple[list[Sample], SampleSt
             merged += 1
             continue
         if current is not None:
+            rerendered += current.rerendered(prompt)
+            not_extended += not current.rerendered(prompt)
             close(current)
-            mismatched += 1
         current = _Open()
         current.append(call, prompt, sampled=sampled)
     close(current)
 
     stats = SampleStats(
+        trajectories=1 if calls else 0,
         calls=len(calls),
         merged=merged,
-        mismatched=mismatched,
+        mismatched=rerendered + not_extended,
+        split_rerendered=rerendered,
+        split_not_extended=not_extended,
         samples=len(samples),
         loss_tokens=sum(s.loss_tokens for s in samples),
+        tokens=sum(len(s.token_ids) for s in samples),
+        call_tokens=sum(len(c.prompt_token_ids) + len(c.completion_token_ids) for c in calls),
+        completion_tokens=sum(len(c.completion_token_ids) for c in calls),
         skipped_failed=failed,
         skipped_inconsistent=inconsistent,
         skipped_empty=empty,

@@ -42,10 +42,11 @@ from trainer._batch import TrajectoryData, build_batch
 from trainer._config import TrainConfig
 from trainer._distributed import Idle, Load, Ranks, Step, StepFailed, Stop, Word
 from trainer._handover import Grant, gpu_handed_over, stop_when_revoked
-from trainer._learner import Learner, TrainItem
+from trainer._learner import Learner
 from trainer._memory import release_learner_memory, release_step_memory
 from trainer._retention import retain
 from trainer._sampling import SamplingDefaults
+from trainer._step import TrainItem
 
 log = logging.getLogger("tracetrain.trainer")
 
@@ -202,7 +203,8 @@ class Worker:
             return {**batch.metrics, "skipped": "no sample carries a signal"}, None
         await self._store.jobs.renew(job["id"], self._name, self.settings.lease_s, progress=0.2)
         items = [
-            TrainItem(sample, advantage) for sample, advantage in zip(batch.samples, batch.advantages, strict=True)
+            TrainItem(sample, advantage, on_policy=sample.oldest_version >= base)
+            for sample, advantage in zip(batch.samples, batch.advantages, strict=True)
         ]
         async with self._gpu(job["id"]) as grant:  # one GPU shared with vLLM: held from here to the record
             self._tell(Step(base, holds, tuple(items)))

@@ -18,7 +18,7 @@ import httpx
 from _host import free_port
 
 from tracetrain_cli._vllm_process import VLLMLaunch, VLLMProcess
-from tracetrain_demo.task import by_prompt, score
+from tracetrain_demo.tasks import TASKS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -26,9 +26,12 @@ REPO = Path(__file__).resolve().parents[2]
 class Judge:
     """A vLLM server and the held-out agent; ``success(name, adapter)`` is the held-out success rate."""
 
-    def __init__(self, model_dir: Path, work: Path, attempts: int) -> None:
-        self._work, self._attempts = work, attempts
-        launch = VLLMLaunch(model=str(model_dir), port=free_port(), data_dir=work, served_model_name="base")
+    def __init__(self, model_dir: Path, work: Path, attempts: int, task: str = "city") -> None:
+        self._work, self._attempts, self._task = work, attempts, task
+        # The task's serve arguments name vLLM's (the tool task's chat template); hermes parses tool calls.
+        extra = tuple(a.removeprefix("--vllm-arg=") for a in TASKS[task].serve_args if a.startswith("--vllm-arg="))
+        launch = VLLMLaunch(model=str(model_dir), port=free_port(), data_dir=work, served_model_name="base",
+                            dtype="float32", tool_call_parser="hermes", extra_args=extra)  # fmt: skip
         self._vllm = VLLMProcess(launch)
         self._seen: dict[str, float] = {}
 
@@ -62,10 +65,11 @@ class Judge:
         log = self._work / f"eval-{model}.jsonl"
         env = {**os.environ, "OPENAI_BASE_URL": self._vllm.base_url, "OPENAI_API_KEY": "unused",
                "PYTHONPATH": str(REPO)}  # fmt: skip
-        command = [sys.executable, "-m", "tracetrain_demo.agent", "--split", "held-out", "--model", model,
+        command = [sys.executable, "-m", "tracetrain_demo.agent", "--task", self._task, "--split", "held-out",
+                   "--model", model,
                    "--attempts", str(self._attempts), "--tag", f"eval-{model}"]  # fmt: skip
         with log.open("w") as out:
             subprocess.run(command, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, check=True)
         episodes = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
-        wins = [score(by_prompt()[e["prompt"]], e["reply"]).success for e in episodes]
+        wins = [TASKS[self._task].score_episode(e).success for e in episodes]
         return sum(wins) / max(1, len(wins))

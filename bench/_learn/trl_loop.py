@@ -21,7 +21,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from tracetrain_demo.task import by_prompt, scenarios, score  # noqa: E402  (after the path is set)
+from tracetrain_demo import lookup  # noqa: E402  (after the path is set)
+from tracetrain_demo.task import by_prompt, scenarios, score  # noqa: E402
 
 GROUPS_PER_STEP = 4
 GROUP_SIZE = 8
@@ -36,6 +37,38 @@ def reward(prompts: list[Any], completions: list[Any], **_: Any) -> list[float]:
     return rewards
 
 
+def find_hotel(city: str) -> str:
+    """The hotel booked for the traveller in a city.
+
+    Args:
+        city: the city, e.g. Paris
+    """
+    return json.dumps(lookup.find_hotel(city))
+
+
+def lookup_reward(prompts: list[Any], completions: list[Any], **_: Any) -> list[float]:
+    """The tool task's checker on TRL's multi-turn completion (assistant with tool calls, tool, assistant)."""
+    rewards = []
+    for prompt, completion in zip(prompts, completions, strict=True):
+        scenario = lookup.by_prompt()[prompt[-1]["content"]]
+        calls = [c for m in completion if m.get("role") == "assistant" for c in m.get("tool_calls") or []]
+        cities = [_arguments(c).get("city") for c in calls if (c.get("function") or {}).get("name") == "find_hotel"]
+        last = completion[-1] if completion else {}
+        reply = "" if last.get("tool_calls") or last.get("role") != "assistant" else str(last.get("content") or "")
+        rewards.append(lookup.score(scenario, cities, reply).reward)
+    return rewards
+
+
+def _arguments(call: dict[str, Any]) -> dict[str, Any]:
+    arguments = (call.get("function") or {}).get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return {}
+    return arguments if isinstance(arguments, dict) else {}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-dir", type=Path, required=True)
@@ -45,7 +78,9 @@ def main() -> int:
     p.add_argument("--learning-rate", type=float, default=3e-4)
     p.add_argument("--max-tokens", type=int, default=24, help="completion budget, as the demo agent's")
     p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--task", choices=["city", "lookup"], default="city")
     args = p.parse_args()
+    tools = args.task == "lookup"
 
     import torch
     from datasets import Dataset
@@ -55,7 +90,7 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
-    train, _ = scenarios()
+    train, _ = lookup.scenarios() if tools else scenarios()
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": s.prompt}] for s in train]})
     config = GRPOConfig(
         output_dir=str(args.out / "trainer"),
@@ -63,7 +98,9 @@ def main() -> int:
         bf16=False,  # float32 on a CPU, as tracetrain's trainer and vLLM here
         per_device_train_batch_size=GROUPS_PER_STEP * GROUP_SIZE,
         num_generations=GROUP_SIZE,
-        max_completion_length=args.max_tokens,
+        # The tool task's completion spans its turns: the call, the tool's answer, the reply (48 each at most).
+        max_completion_length=args.max_tokens if not tools else 3 * 48,
+        **({"max_tool_calling_iterations": 2} if tools else {}),
         temperature=args.temperature,
         learning_rate=args.learning_rate,
         lr_scheduler_type="constant",
@@ -80,10 +117,16 @@ def main() -> int:
     )
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    if tools:  # the demo's tool template, and TRL's parser for its Hermes-style calls (Qwen's, the same format)
+        from trl.chat_template_utils import qwen3_template
+
+        tokenizer.chat_template = lookup.TEMPLATE.read_text()
+        tokenizer.response_template = qwen3_template
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # as TrainConfig's
     lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM", target_modules=targets)
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, peft_config=lora)  # fmt: skip
+    trainer = GRPOTrainer(model=model, reward_funcs=lookup_reward if tools else reward, args=config,
+                          train_dataset=dataset, processing_class=tokenizer, peft_config=lora,
+                          **({"tools": [find_hotel]} if tools else {}))  # fmt: skip
     log = (args.out / "steps.jsonl").open("w")
 
     class Budget(TrainerCallback):  # type: ignore[misc]

@@ -22,6 +22,12 @@ from store import JobState, Store, TrainingState
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+# The newest step's metrics /metrics shows (a fixed set: the series do not grow with the steps).
+LAST_STEP_METRICS = (
+    "logprob_mismatch_mean", "logprob_mismatch_max", "logprob_mismatch_on_policy", "sampler_weight_mean",
+    "calls_per_trajectory", "samples_per_trajectory", "samples_split_rerendered", "samples_split_not_extended",
+    "trained_tokens", "trained_token_share",
+)  # fmt: skip
 _HANDOVER_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
 
@@ -66,6 +72,13 @@ class Metrics:
         self.version = Gauge(
             "tracetrain_policy_active_version", "The adapter version each policy serves (store).", ["policy"],
             registry=r,
+        )  # fmt: skip
+        self.last_step = Gauge(
+            "tracetrain_training_last_step", "The newest training step's metrics (store), by name: "
+            "logprob_mismatch_mean and _max (|learner - sampler| nats per sampled token), logprob_mismatch_on_policy "
+            "(over the tokens its own version sampled), sampler_weight_mean, calls_per_trajectory, "
+            "samples_per_trajectory, samples_split_rerendered, samples_split_not_extended, trained_tokens, "
+            "trained_token_share.", ["policy", "metric"], registry=r,
         )  # fmt: skip
         self.loaded = Gauge("tracetrain_versions_loaded", "Versions this proxy has loaded in vLLM.", registry=r)
         # The GPU hand-over around each training step (--share-gpu; proxy.training._handover).
@@ -201,6 +214,8 @@ class Metrics:
             self.version.labels(policy["name"]).set(int(policy["active_version"]))
             self.rolled_back.labels(policy["name"]).set(len(await store.guards.rolled_back_versions(policy["name"])))
             self.unrewarded.labels(policy["name"]).set(await store.reward_timeouts.unrewarded(policy["name"]))
+        if (step := await store.jobs.last(JobState.SUCCEEDED)) is not None:
+            self._set_last_step(step)
         self.paused.clear()
         for policy in await store.policies.all():
             paused = policy.get("training") == TrainingState.PAUSED
@@ -211,6 +226,12 @@ class Metrics:
             self.langfuse.labels(outcome).set(count)
         self._set_upstreams(upstreams)
         return generate_latest(self.registry)
+
+    def _set_last_step(self, job: dict[str, Any]) -> None:
+        for name in LAST_STEP_METRICS:
+            value = job["metrics"].get(name)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                self.last_step.labels(str(job["policy"]), name).set(value)
 
     def _set_upstreams(self, upstreams: Sequence[dict[str, Any]]) -> None:
         self.upstream_versions.clear()  # versions unloaded since the last scrape disappear
