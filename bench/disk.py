@@ -33,9 +33,10 @@ from typing import Any
 from store import CallWrite, RewardIn, Store
 from trainer._adapters import files_for_store
 from trainer._config import TrainConfig
-from trainer._learner import Learner, TrainItem
+from trainer._learner import Learner
 from trainer._retention import retain
 from trainer._samples import CapturedCall, build_samples
+from trainer._step import TrainItem
 
 CONFIG = TrainConfig(lora_r=16, lora_alpha=32, dtype="float32", micro_batch_tokens=512)
 
