@@ -31,7 +31,7 @@ L40S = "{i}, NVIDIA L40S, 46068, 0"  # a 48 GB card
 
 
 def serve_args(*flags: str) -> argparse.Namespace:
-    from tracetrain_cli._serve_command import add_serve_parser
+    from tracetrain_cli._serve_flags import add_serve_parser
 
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers())

@@ -436,7 +436,8 @@ def test_serve_share_gpu_starts_vllm_in_sleep_mode_and_the_trainer_in_shared_mod
     import argparse
 
     from tracetrain_cli._serve import trainer_argv
-    from tracetrain_cli._serve_command import add_serve_parser, settings_from
+    from tracetrain_cli._serve_command import settings_from
+    from tracetrain_cli._serve_flags import add_serve_parser
     from tracetrain_cli._vllm_process import VLLMLaunch
 
     parser = argparse.ArgumentParser()

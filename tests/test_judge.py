@@ -478,7 +478,8 @@ def test_the_rubric_can_come_from_a_file(tmp_path: Path) -> None:
 
 
 def test_serve_flags_choose_the_reward_source_and_the_judge(tmp_path: Path) -> None:
-    from tracetrain_cli._serve_command import add_serve_parser, settings_from
+    from tracetrain_cli._serve_command import settings_from
+    from tracetrain_cli._serve_flags import add_serve_parser
 
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers(dest="command"))

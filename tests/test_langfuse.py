@@ -35,7 +35,8 @@ from proxy import Settings, create_app
 from proxy.observability._langfuse import LangfuseConfig, LangfuseExporter
 from proxy.observability._langfuse_wire import SCORES_PATH, TRACES_PATH, generation_span, trace_id
 from store import CallWrite
-from tracetrain_cli._serve_command import add_serve_parser, settings_from
+from tracetrain_cli._serve_command import settings_from
+from tracetrain_cli._serve_flags import add_serve_parser
 
 LANGFUSE = "https://langfuse.test"
 PUBLIC_KEY = "pk-lf-0a1b2c3d-public"

@@ -28,7 +28,8 @@ import yaml
 from pydantic import ValidationError
 
 from proxy import Settings, create_app
-from tracetrain_cli._serve_command import add_serve_parser, settings_from
+from tracetrain_cli._serve_command import settings_from
+from tracetrain_cli._serve_flags import add_serve_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "docker" / "k8s"

