@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     out = args.out or Path(tempfile.mkdtemp(prefix="gpu-smoke-"))
+    out.mkdir(parents=True, exist_ok=True)  # the sections write into it before the report does
     work = args.work or out
     gpu = torch.cuda.get_device_name(0) if device == "cuda" else "no GPU"
     command = " ".join(["python bench/gpu_smoke.py", *(argv if argv is not None else sys.argv[1:])])
