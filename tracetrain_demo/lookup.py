@@ -29,12 +29,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tracetrain_demo.task import CITIES, DAYS, NAMES, normal
+from tracetrain_demo.task import CITIES, Scenario, normal, split_requests
 
 TEMPLATE = Path(__file__).with_name("tool_template.jinja")
 TOOL_NAME = "find_hotel"
@@ -65,18 +64,7 @@ QUESTION = (
 _FIRST = ("Silver", "Grand", "Blue", "Royal", "Old", "North", "Golden", "Green", "Little", "Red", "White", "Iron")
 _SECOND = ("Harbour", "Garden", "Tower", "Bridge", "Lantern", "Crown", "Meadow", "Anchor", "Castle", "River")
 
-HELD_OUT_CITIES = 30
-TRAIN_SCENARIOS = 400
-HELD_OUT_SCENARIOS = 100
-SPLIT_SEED = 20261126
-
-
-@dataclass(frozen=True, slots=True)
-class Scenario:
-    traveller: str
-    origin: str
-    destination: str
-    prompt: str
+SPLIT_SEED = 20261126  # the split's own: not the city task's
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,22 +99,7 @@ _KNOWN = {normal(c): c for c in CITIES}
 @functools.cache
 def scenarios() -> tuple[list[Scenario], list[Scenario]]:
     """(train, held_out): held-out requests name only cities no training request names."""
-    rng = random.Random(SPLIT_SEED)
-    cities = list(CITIES)
-    rng.shuffle(cities)
-    held_out_cities, train_cities = cities[:HELD_OUT_CITIES], cities[HELD_OUT_CITIES:]
-    return _requests(rng, train_cities, TRAIN_SCENARIOS), _requests(rng, held_out_cities, HELD_OUT_SCENARIOS)
-
-
-def _requests(rng: random.Random, cities: list[str], count: int) -> list[Scenario]:
-    made: dict[str, Scenario] = {}
-    while len(made) < count:
-        origin, destination = rng.sample(cities, 2)
-        name = rng.choice(NAMES)
-        request = rng.choice(_REQUESTS).format(n=name, a=origin, b=destination, d=rng.choice(DAYS))
-        prompt = f"{request} {QUESTION.format(n=name)}"
-        made.setdefault(prompt, Scenario(name, origin, destination, prompt))
-    return list(made.values())
+    return split_requests(_REQUESTS, QUESTION, seed=SPLIT_SEED, sep=" ")
 
 
 @functools.cache

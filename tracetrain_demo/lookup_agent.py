@@ -16,7 +16,8 @@ from typing import Any, cast
 
 import openai
 
-from tracetrain_demo.lookup import TOOL_NAME, TOOLS, Scenario, find_hotel, tool_cities
+from tracetrain_demo.lookup import TOOL_NAME, TOOLS, find_hotel, tool_cities
+from tracetrain_demo.task import Scenario
 
 MAX_CALLS = 3
 

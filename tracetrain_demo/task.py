@@ -31,6 +31,7 @@ import functools
 import json
 import random
 import unicodedata
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 CITIES = (
@@ -92,20 +93,31 @@ class Score:
 @functools.cache
 def scenarios() -> tuple[list[Scenario], list[Scenario]]:
     """(train, held_out): fixed sets of requests; held-out ones name only cities no training request names."""
-    rng = random.Random(SPLIT_SEED)
+    return split_requests(_REQUESTS, QUESTION, seed=SPLIT_SEED, sep="\n\n")
+
+
+def split_requests(
+    templates: Sequence[str], question: str, *, seed: int, sep: str
+) -> tuple[list[Scenario], list[Scenario]]:
+    """(train, held_out) requests from ``templates`` and ``question``, joined by ``sep``: held-out ones name
+    only cities no training request names (every task built on these cities splits them this way)."""
+    rng = random.Random(seed)
     cities = list(CITIES)
     rng.shuffle(cities)
     held_out_cities, train_cities = cities[:HELD_OUT_CITIES], cities[HELD_OUT_CITIES:]
-    return _requests(rng, train_cities, TRAIN_SCENARIOS), _requests(rng, held_out_cities, HELD_OUT_SCENARIOS)
+    train = _requests(rng, train_cities, TRAIN_SCENARIOS, templates, question, sep)
+    return train, _requests(rng, held_out_cities, HELD_OUT_SCENARIOS, templates, question, sep)
 
 
-def _requests(rng: random.Random, cities: list[str], count: int) -> list[Scenario]:
+def _requests(
+    rng: random.Random, cities: list[str], count: int, templates: Sequence[str], question: str, sep: str
+) -> list[Scenario]:
     made: dict[str, Scenario] = {}
     while len(made) < count:
         origin, destination = rng.sample(cities, 2)
         name = rng.choice(NAMES)
-        request = rng.choice(_REQUESTS).format(n=name, a=origin, b=destination, d=rng.choice(DAYS))
-        prompt = f"{request}\n\n{QUESTION.format(n=name)}"
+        request = rng.choice(templates).format(n=name, a=origin, b=destination, d=rng.choice(DAYS))
+        prompt = f"{request}{sep}{question.format(n=name)}"
         made.setdefault(prompt, Scenario(name, origin, destination, prompt))
     return list(made.values())
 
