@@ -13,7 +13,6 @@ Marked ``integration``: vLLM starts once for the module (~1 min on 2 cores).
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ import pytest
 from claude_code import claude_env, needs_claude, run_claude
 from conftest import RunningProxy
 from test_integration_vllm import free_port
+from tiny_model import with_context
 
 from store import call_messages
 from tracetrain_cli._vllm_process import VLLMLaunch, VLLMProcess
@@ -46,12 +46,7 @@ WEATHER: Any = {
 @pytest.fixture(scope="module")
 def long_model(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model allowed a longer context (RoPE has no position table: only the config's limit moves)."""
-    model = tmp_path_factory.mktemp("tiny-long") / "model"
-    shutil.copytree(tiny_model_dir, model)
-    config = json.loads((model / "config.json").read_text())
-    config["max_position_embeddings"] = CONTEXT
-    (model / "config.json").write_text(json.dumps(config))
-    return model
+    return with_context(tiny_model_dir, tmp_path_factory.mktemp("tiny-long") / "model", CONTEXT)
 
 
 @pytest.fixture(scope="module")

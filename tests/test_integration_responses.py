@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -27,6 +26,7 @@ import pytest
 from codex_cli import needs_codex, run_codex
 from conftest import RunningProxy
 from test_integration_vllm import free_port
+from tiny_model import with_context
 
 from store import call_messages
 from tracetrain_cli._vllm_process import VLLMLaunch, VLLMProcess
@@ -50,12 +50,7 @@ WEATHER: Any = {
 @pytest.fixture(scope="module")
 def long_model(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model allowed a longer context (RoPE has no position table: only the config's limit moves)."""
-    model = tmp_path_factory.mktemp("tiny-long") / "model"
-    shutil.copytree(tiny_model_dir, model)
-    config = json.loads((model / "config.json").read_text())
-    config["max_position_embeddings"] = CONTEXT
-    (model / "config.json").write_text(json.dumps(config))
-    return model
+    return with_context(tiny_model_dir, tmp_path_factory.mktemp("tiny-long") / "model", CONTEXT)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ fast tests' environment may not have them.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -238,3 +239,12 @@ def _publish(work: Path, out_dir: Path, names: tuple[str, ...]) -> Path:
         # Another builder published first: keep theirs.
         shutil.rmtree(work, ignore_errors=True)
     return out_dir
+
+
+def with_context(model_dir: Path, dest: Path, context: int) -> Path:
+    """A copy of ``model_dir`` allowed ``context`` tokens (RoPE has no position table: only the limit moves)."""
+    shutil.copytree(model_dir, dest)
+    config = json.loads((dest / "config.json").read_text())
+    config["max_position_embeddings"] = context
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest

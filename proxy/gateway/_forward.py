@@ -46,7 +46,7 @@ from proxy.gateway._policies import PolicyRegistry, Route
 from proxy.gateway._relay import Relay, RelayResponse, close_unused
 from proxy.gateway._router import Router
 from proxy.gateway._upstream import Upstream, UpstreamStream
-from proxy.gateway._wire import ChatCompletionRequest, CompletionRequest
+from proxy.gateway._wire import ChatCompletionRequest, CompletionRequest, json_object
 from proxy.observability._langfuse import LangfuseExporter
 from proxy.observability._metrics import Metrics
 from store import CallWrite, Store, StoreError, StoreFull
@@ -57,12 +57,7 @@ _MODELS: dict[Endpoint, type[BaseModel]] = {"chat.completions": ChatCompletionRe
 
 def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
     """The request's JSON, validated against the endpoint's model."""
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"The request body is not valid JSON ({exc}).") from exc
-    if not isinstance(body, dict):
-        raise InvalidRequest("The request body must be a JSON object.")
+    body = json_object(raw)
     try:
         _MODELS[endpoint].model_validate(body)
     except ValidationError as exc:

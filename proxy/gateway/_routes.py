@@ -42,8 +42,7 @@ from proxy.gateway._keying import KeyHints
 from proxy.gateway._messages import MESSAGES, count_tokens_chat
 from proxy.gateway._messages_wire import CountTokensRequest, MessagesRequest
 from proxy.gateway._responses import RESPONSES, ResponsesRequest
-from proxy.gateway._translated import json_object
-from proxy.gateway._wire import ChatCompletionRequest, CompletionRequest
+from proxy.gateway._wire import ChatCompletionRequest, CompletionRequest, json_object
 
 log = logging.getLogger("tracetrain.proxy")
 

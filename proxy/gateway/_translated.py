@@ -18,12 +18,13 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from starlette.responses import Response
 
-from proxy.errors import InvalidRequest, ProxyError, UpstreamHTTPError
+from proxy.errors import ProxyError, UpstreamHTTPError
 from proxy.gateway._call import Call, call_write
 from proxy.gateway._capture import Asked, capture_response, prepare_upstream_body, without_token_fields
 from proxy.gateway._dialect import Dialect, StreamTranslator
 from proxy.gateway._keying import Conversation, KeyHints
 from proxy.gateway._relay import Relay
+from proxy.gateway._wire import json_object
 
 if TYPE_CHECKING:
     from proxy.gateway._forward import Forwarder
@@ -31,16 +32,6 @@ if TYPE_CHECKING:
 # What a translated client "asked" of chat: no token fields, and the usage chunk (its translator reads usage).
 _ASKED = Asked(token_ids=False, logprobs=False, usage_chunk=True)
 _COUNTING = "tracetrain-count-tokens"  # the router's key for token counts: any server tokenizes alike
-
-
-def json_object(raw: bytes) -> dict[str, Any]:
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"The request body is not valid JSON ({exc}).") from exc
-    if not isinstance(body, dict):
-        raise InvalidRequest("The request body must be a JSON object.")
-    return body
 
 
 async def handle(forwarder: Forwarder, dialect: Dialect, raw: bytes, hints: KeyHints) -> Response:

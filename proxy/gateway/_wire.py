@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field
+
+from proxy.errors import InvalidRequest
 
 # OpenAI's own limit on choices per request; without one, n=2**40 reaches vLLM as a request.
 MAX_N = 128
@@ -57,3 +60,14 @@ class CompletionRequest(_Open):
     stream_options: StreamOptions | None = None
     # vLLM's extension: the client itself wants token ids back.
     return_token_ids: bool | None = None
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    """A request body's JSON object, or the 400 that says what is wrong with it."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"The request body is not valid JSON ({exc}).") from exc
+    if not isinstance(body, dict):
+        raise InvalidRequest("The request body must be a JSON object.")
+    return body
