@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
-import httpx
 import pytest
 from claude_code import claude_env, needs_claude, run_claude
 from conftest import RunningProxy
+from test_capture import stored_calls
 from test_integration_vllm import free_port
 from tiny_model import with_context
 
@@ -78,10 +78,6 @@ def tokenizer(long_model: Path) -> Any:
 
     return AutoTokenizer.from_pretrained(long_model)
 
-
-def stored_calls(proxy: RunningProxy, trajectory_id: str) -> list[dict[str, Any]]:
-    calls: list[dict[str, Any]] = httpx.get(f"{proxy.v1}/trajectories/{trajectory_id}").json()["calls"]
-    return calls
 
 
 def as_vllm_renders(message: dict[str, Any]) -> dict[str, Any]:

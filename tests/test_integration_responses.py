@@ -25,6 +25,7 @@ import openai
 import pytest
 from codex_cli import needs_codex, run_codex
 from conftest import RunningProxy
+from test_capture import stored_calls
 from test_integration_vllm import free_port
 from tiny_model import with_context
 
@@ -75,10 +76,6 @@ def tokenizer(long_model: Path) -> Any:
 
     return AutoTokenizer.from_pretrained(long_model)
 
-
-def stored_calls(proxy: RunningProxy, trajectory_id: str) -> list[dict[str, Any]]:
-    calls: list[dict[str, Any]] = httpx.get(f"{proxy.v1}/trajectories/{trajectory_id}").json()["calls"]
-    return calls
 
 
 def vllm_tools(request: dict[str, Any]) -> list[dict[str, Any]] | None:

@@ -15,6 +15,7 @@ import orjson
 import pytest
 from conftest import RunningProxy
 from fake_vllm import EOS_TOKEN_ID, FakeVLLM, Reply, ToolCall
+from test_capture import stored_calls
 
 from store import call_messages, call_reply
 
@@ -30,9 +31,6 @@ CHAT_WEATHER_TOOL = {
     "function": {k: v for k, v in WEATHER_TOOL.items() if k != "type"},
 }
 
-
-def stored_calls(proxy: RunningProxy, trajectory_id: str) -> list[dict]:
-    return httpx.get(f"{proxy.v1}/trajectories/{trajectory_id}").json()["calls"]
 
 
 def sse_events(response: httpx.Response) -> list[tuple[str, dict]]:

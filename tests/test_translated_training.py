@@ -19,6 +19,7 @@ import pytest
 from conftest import RunningProxy
 from fake_vllm import FakeVLLM
 from fake_vllm_text import TOKEN_ID_LIMIT
+from test_trainer_worker import run_worker
 
 GROUP = "weather-task"
 TASK = "What is the weather like in Paris today?"
@@ -53,7 +54,7 @@ def test_a_group_of_responses_and_messages_trajectories_trains_agent_at_1(
     start_proxy: Callable[..., RunningProxy], fake: FakeVLLM, wide_tiny_model: Path
 ) -> None:
     from trainer import TrainConfig
-    from trainer._worker import Worker, WorkerSettings
+    from trainer._worker import WorkerSettings
 
     proxy = start_proxy(min_group_size=4, batch_groups=1)
     for i, call in enumerate((two_responses_calls, two_messages_calls, two_responses_calls, two_messages_calls)):
@@ -68,14 +69,7 @@ def test_a_group_of_responses_and_messages_trajectories_trains_agent_at_1(
         base_model=wide_tiny_model, config=TrainConfig(lora_r=8, lora_alpha=16, dtype="float32"),
     )  # fmt: skip
 
-    async def train_once() -> int:
-        worker = await Worker.open(settings)
-        try:
-            return await worker.run(once=True)
-        finally:
-            await worker.close()
-
-    assert asyncio.run(train_once()) == 1
+    assert asyncio.run(run_worker(settings)) == 1
     [job] = httpx.get(f"{proxy.url}/admin/jobs").json()["data"]
     assert job["state"] == "succeeded", job["error"]
     metrics = job["metrics"]
