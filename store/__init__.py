@@ -7,7 +7,7 @@ the proxy, and the proxy never loads torch. ``Store.open(url)`` is the way in.
 
 from store._adapter_files import FILE_NAME_PATTERN, AdapterFile, AdapterFiles, FileEntry
 from store._adapters import ADAPTER_FIELDS, Adapters, Policies
-from store._advantages import GroupAdvantages, group_advantages
+from store._advantages import ADVANTAGE_EPS, GroupAdvantages, group_advantages
 from store._anthropic import anthropic_chat_messages, anthropic_reply
 from store._compact import COMPACT_COLUMNS
 from store._conversation import (
@@ -46,6 +46,7 @@ from store._writer import CallWrite
 
 __all__ = [
     "ADAPTER_FIELDS",
+    "ADVANTAGE_EPS",
     "COMPACT_COLUMNS",
     "FILE_NAME_PATTERN",
     "GROUP_VIEW_STATES",

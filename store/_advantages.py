@@ -23,7 +23,7 @@ import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-EPS = 1e-6  # a group whose reward std is at most this does not vary
+ADVANTAGE_EPS = 1e-6  # a group whose reward std is at most this does not vary
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +38,7 @@ class GroupAdvantages:
 
 
 def group_advantages(
-    rewards: Sequence[float], groups: Sequence[Hashable], *, scale: bool, eps: float = EPS
+    rewards: Sequence[float], groups: Sequence[Hashable], *, scale: bool, eps: float = ADVANTAGE_EPS
 ) -> GroupAdvantages:
     """Reward minus its group's mean, divided by the group's population std when ``scale``.
 

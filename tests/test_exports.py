@@ -50,8 +50,9 @@ def test_store_public_names() -> None:
     import store
 
     assert sorted(store.__all__) == [
-        "ADAPTER_FIELDS", "AdapterFile", "AdapterFiles", "AdapterState", "Adapters", "COMPACT_COLUMNS", "Call",
-        "CallWrite", "DueRule", "ExportFilter", "ExportPage", "ExportReads", "FILE_NAME_PATTERN", "FileEntry",
+        "ADAPTER_FIELDS", "ADVANTAGE_EPS", "AdapterFile", "AdapterFiles", "AdapterState", "Adapters",
+        "COMPACT_COLUMNS", "Call", "CallWrite", "DueRule", "ExportFilter", "ExportPage", "ExportReads",
+        "FILE_NAME_PATTERN", "FileEntry",
         "GROUP_VIEW_STATES", "GpuHandover", "GroupAdvantages", "GroupCalls", "GroupChanged", "GroupRecord",
         "GroupState", "Guards", "JOB_FIELDS", "JUDGEMENT_STATES", "JobState", "Jobs", "Judgements", "MOVES",
         "Policies", "PruneReport", "PruneRule", "Reads", "RewardIn", "RewardSummary", "RewardTimeouts",

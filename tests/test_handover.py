@@ -460,8 +460,8 @@ def test_serve_share_gpu_starts_vllm_in_sleep_mode_and_the_trainer_in_shared_mod
 async def test_a_vllm_keeper_told_to_restart_stops_its_child_and_starts_it_again(tmp_path: Path) -> None:
     import sys
 
-    from tracetrain_cli._child import ChildProcess
     from tracetrain_cli._serve import _Keeper
+    from tracetrain_proc import ChildProcess
 
     async def started(child: ChildProcess) -> None:
         pass

@@ -23,7 +23,7 @@ import pytest
 from fake_vllm import FakeVLLM
 
 from tracetrain import Client
-from tracetrain_cli._child import ChildProcess
+from tracetrain_proc import ChildProcess
 
 READY = "ready: agents use OPENAI_BASE_URL"
 TINY_TRAINING = {"lora_r": 8, "lora_alpha": 16, "learning_rate": 1e-2, "dtype": "float32", "micro_batch_tokens": 512}

@@ -48,7 +48,7 @@ def _finite(text: str) -> float:
 
 
 def _default_data_dir() -> Path:
-    from proxy._settings import Settings
+    from proxy import Settings
 
     return Path(os.environ.get("TRACETRAIN_DATA_DIR") or Settings.model_fields["data_dir"].default)
 

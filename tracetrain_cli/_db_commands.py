@@ -23,8 +23,7 @@ from sqlalchemy import make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from store._errors import StoreError
-from store._migrate import LEGACY, Upgrade, current_revision, head, revisions, upgrade
+from store import StoreError, schema
 from tracetrain_cli._data_commands import add_store_flags, store_url
 
 _RUN_UPGRADE = "run tracetrain db upgrade"
@@ -122,14 +121,14 @@ def run_db(args: argparse.Namespace) -> int:
     shown = _shown(url)
     try:
         if args.db_command == "current":
-            return _print_current(shown, asyncio.run(_with_engine(url, current_revision)))
+            return _print_current(shown, asyncio.run(_with_engine(url, schema.current_revision)))
         if args.db_command == "prune":
             if args.keep_last is not None and args.keep_last < 0:
                 print(f"tracetrain {command}: --keep-last must be 0 or more", file=sys.stderr)
                 return 2
             print(f"{shown}: {asyncio.run(_prune(url, args))}")
             return 0
-        done = asyncio.run(_with_engine(url, upgrade))
+        done = asyncio.run(_with_engine(url, schema.upgrade))
     except StoreError as exc:
         print(f"tracetrain {command}: {shown}: {exc}", file=sys.stderr)
         return 2
@@ -149,14 +148,14 @@ async def _with_engine(url: str, use: Callable[[AsyncEngine], Awaitable[_T]]) ->
 
 
 def _print_current(shown: str, revision: str | None) -> int:
-    newest = head()
+    newest = schema.head()
     if revision is None:
         print(f"{shown}: empty")
-    elif revision == LEGACY:
+    elif revision == schema.LEGACY:
         print(f"{shown}: no migration history: a database written by tracetrain 35c4648 ({_RUN_UPGRADE})")
     elif revision == newest:
         print(f"{shown}: revision {revision} (head)")
-    elif revision in revisions():
+    elif revision in schema.revisions():
         print(f"{shown}: revision {revision} (head is {newest}: {_RUN_UPGRADE})")
     else:
         print(
@@ -168,7 +167,7 @@ def _print_current(shown: str, revision: str | None) -> int:
     return 0
 
 
-def _describe(done: Upgrade) -> str:
+def _describe(done: schema.Upgrade) -> str:
     if not done.changed:
         return f"already at {done.to_revision}"
     start = "no migration history (tracetrain 35c4648)" if done.legacy else done.from_revision or "empty"

@@ -41,11 +41,10 @@ from typing import Any, Literal
 
 import uvicorn
 
-from proxy._app import create_app
-from proxy._settings import Settings
-from tracetrain_cli._child import ChildExited, ChildProcess
+from proxy import Settings, create_app
 from tracetrain_cli._gpu_plan import CpuPlan, GpuPlan
 from tracetrain_cli._vllm_process import Device, VLLMLaunch, VLLMProcess, VLLMStartError
+from tracetrain_proc import ChildExited, ChildProcess
 
 __all__ = ["TRAINER_READY_LINE", "ServePlan", "pick_device", "serve", "vllm_install_problem"]
 

@@ -16,7 +16,7 @@ from tracetrain_cli._models import TRAIN_MODULES, missing_modules, resolve_model
 
 
 def settings_from(args: argparse.Namespace) -> Any:
-    from proxy._settings import Settings
+    from proxy import Settings
 
     if args.replica:
         raise SystemExit(

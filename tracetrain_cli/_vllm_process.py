@@ -53,8 +53,8 @@ from typing import Literal, get_args
 
 import httpx
 
-from tracetrain_cli._child import ChildProcess
 from tracetrain_cli._gpu_estimate import VLLM_LORA_RANKS
+from tracetrain_proc import ChildProcess
 
 __all__ = ["Device", "VLLMLaunch", "VLLMProcess", "VLLMStartError", "url_host"]
 

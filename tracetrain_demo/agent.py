@@ -2,9 +2,9 @@
 
 Like any OpenAI app it reads OPENAI_BASE_URL and OPENAI_API_KEY from the environment.
 It passes a travel request to the model, asks which city needs a hotel as JSON, and
-parses the reply (``--task lookup``: the model looks the hotel up with a function tool first,
-``tracetrain_demo.lookup_agent``). The only tracetrain-specific thing is two headers naming the
-attempt's trajectory and its group (the attempts at one request), so that GRPO compares
+parses the reply (``tracetrain_demo.city_agent``; ``--task lookup``: the model looks the hotel up
+with a function tool first, ``tracetrain_demo.lookup_agent``). The only tracetrain-specific thing is
+two headers naming the attempt's trajectory and its group (the attempts at one request), so that GRPO compares
 them; an app that cannot set headers would use the path prefix /g/GROUP/t/TRAJECTORY/v1.
 
     OPENAI_BASE_URL=http://127.0.0.1:8100/v1 python -m tracetrain_demo.agent --split train --rounds 3
@@ -27,19 +27,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 
-from tracetrain_demo.task import Scenario
+from tracetrain_demo.city_agent import attempt
 from tracetrain_demo.tasks import TASKS
 
-
-def attempt(client: openai.OpenAI, model: str, scenario: Scenario, trajectory_id: str, group_id: str,
-            *, temperature: float, max_tokens: int) -> dict[str, object]:  # fmt: skip
-    """One attempt: one call; the reply is what the app would parse."""
-    completion = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": scenario.prompt}], temperature=temperature,
-        max_tokens=max_tokens, extra_headers={"X-Trajectory-Id": trajectory_id, "X-Group-Id": group_id},
-    )  # fmt: skip
-    return {"trajectory_id": trajectory_id, "group_id": group_id, "prompt": scenario.prompt,
-            "reply": completion.choices[0].message.content or "", "served_by": completion.model}  # fmt: skip
+__all__ = ["attempt", "main"]  # attempt: the city task's (tracetrain_demo.city_agent)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

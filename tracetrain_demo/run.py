@@ -36,9 +36,9 @@ from typing import Any
 import httpx
 from tqdm import tqdm  # type: ignore[import-untyped]  # no stubs in the train extra
 
-from tracetrain_cli._child import ChildProcess
 from tracetrain_demo.report import HEADER, HeldOut, Report, Step, busy_cpu_seconds, row, summary
 from tracetrain_demo.tasks import TASKS, Scored
+from tracetrain_proc import ChildProcess
 
 _SERVE_READY = "ready: agents use OPENAI_BASE_URL"
 # TrainConfig's defaults (docs/TRAINING.md says how they were chosen), except: on a CPU, packed rows

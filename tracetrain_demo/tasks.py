@@ -68,7 +68,7 @@ def _reply(response: dict[str, Any] | None) -> str:
 
 
 def _city_attempt(*args: Any, **kwargs: Any) -> dict[str, object]:
-    from tracetrain_demo.agent import attempt
+    from tracetrain_demo.city_agent import attempt
 
     return attempt(*args, **kwargs)
 
