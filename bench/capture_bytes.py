@@ -38,7 +38,7 @@ import orjson
 
 from store import CallWrite, RewardIn, Store
 from store._compact import Chains
-from trainer._samples import CapturedCall, build_samples
+from trainer import CapturedCall, build_samples
 
 _WORDS = ("the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from",
           "it", "be", "this", "are", "or", "an")  # fmt: skip

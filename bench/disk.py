@@ -31,12 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from store import CallWrite, RewardIn, Store
+from trainer import CapturedCall, Learner, TrainConfig, TrainItem, build_samples
 from trainer._adapters import files_for_store
-from trainer._config import TrainConfig
-from trainer._learner import Learner
 from trainer._retention import retain
-from trainer._samples import CapturedCall, build_samples
-from trainer._step import TrainItem
 
 CONFIG = TrainConfig(lora_r=16, lora_alpha=32, dtype="float32", micro_batch_tokens=512)
 

@@ -50,7 +50,7 @@ def plan(ctx: dict[str, Any], figures: dict[str, Any]) -> str:
     if shutil.which("nvidia-smi") is None:
         raise Skip("no nvidia-smi: --plan-only --device cuda reads the GPUs from it")
     try:
-        from tracetrain_cli._main import main
+        from tracetrain_cli import main
     except ImportError as exc:
         raise Skip(f"tracetrain serve's packages are not installed ({exc.name})") from None
     out = io.StringIO()

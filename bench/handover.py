@@ -37,7 +37,7 @@ from tiny_model import build_tiny_model
 
 from store import Store
 from store._tables import groups, trajectories
-from tracetrain_cli._vllm_process import VLLMLaunch, VLLMProcess
+from tracetrain_cli import VLLMLaunch, VLLMProcess
 from trainer._handover import gpu_handed_over
 
 SMOLLM2 = Path(".tracetrain/models/smollm2-135m-instruct")

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from _host import free_port, wait_http
 from tiny_model import build_tiny_lora, build_tiny_model
 
-from tracetrain_cli._vllm_process import VLLMLaunch, VLLMProcess
+from tracetrain_cli import VLLMLaunch, VLLMProcess
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 

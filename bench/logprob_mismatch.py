@@ -31,7 +31,7 @@ import httpx
 from _host import free_port
 
 from proxy.gateway._capture import capture_response
-from tracetrain_cli._vllm_process import VLLMLaunch, VLLMProcess
+from tracetrain_cli import VLLMLaunch, VLLMProcess
 
 PROMPTS = [
     "What is the capital of France?",
@@ -98,9 +98,7 @@ def sample(model: str, mode: str, dtype: str, settings: list[Setting], calls: in
 def score(model: str, captured: list[Captured], mode: str, dtype: str) -> list[Row]:
     import torch
 
-    from trainer import TrainConfig
-    from trainer._learner import Learner
-    from trainer._samples import Sample
+    from trainer import Learner, Sample, TrainConfig
 
     learner = Learner(Path(model), TrainConfig(dtype="float32"))
 

@@ -44,7 +44,7 @@ from tiny_model import build_tiny_model
 
 from proxy import Settings, create_app
 from proxy.gateway._router import Router, Server
-from tracetrain_cli._vllm_process import VLLMLaunch, VLLMProcess
+from tracetrain_cli import VLLMLaunch, VLLMProcess
 
 _WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar".split()  # noqa: SIM905
 

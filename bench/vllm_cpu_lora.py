@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 from _host import free_port
 
-from tracetrain_cli._vllm_process import VLLMLaunch, VLLMProcess
+from tracetrain_cli import VLLMLaunch, VLLMProcess
 
 DEFAULT_MODEL = "/work/demo-data/models/smollm2-135m-instruct"
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -85,3 +85,13 @@ def test_the_store_loads_neither_torch_nor_a_web_framework() -> None:
     code = f"import sys, store; print(*(m in sys.modules for m in {modules}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False"] * 5
+
+
+def test_the_command_line_and_the_child_process_helper_public_names() -> None:
+    import tracetrain_cli
+    import tracetrain_proc
+    from store import schema
+
+    assert sorted(tracetrain_cli.__all__) == ["VLLMLaunch", "VLLMProcess", "VLLMStartError", "main"]
+    assert sorted(tracetrain_proc.__all__) == ["ChildExited", "ChildProcess"]
+    assert sorted(schema.__all__) == ["LEGACY", "Upgrade", "current_revision", "head", "revisions", "upgrade"]

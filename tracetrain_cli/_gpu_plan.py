@@ -25,6 +25,7 @@ word). Overrides that contradict each other are always refused.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -123,74 +124,20 @@ def plan_gpus(
     by_index = {g.index: g for g in gpus}
     shared = o.share if o.share is not None else (trainer is not None and vllm and len(gpus) == 1)
     check_overrides(order, model, trainer, vllm, shared, o)
-    theirs = shared and not vllm  # the GPU is shared with a vLLM the user runs (--upstream)
     why = [_mode_reason(len(gpus), shared, vllm, trainer is not None, o)]
-
     trainer_gpus: tuple[int, ...] = ()
     shard = False
     if trainer is not None:
-        trainer_gpus = o.trainer_gpus or _default_trainer_gpus(order, trainer.procs, shared, vllm, o)
-        rooms = [trainer_room(by_index[i], shared, vllm_uses_free=theirs) for i in trainer_gpus]
-        shard = _choose_shard(model, trainer, min(rooms), o, why)
+        trainer_gpus, shard = _place_trainer(by_index, model, trainer, shared=shared, vllm=vllm, o=o, why=why)
     memory = estimate_memory(model, trainer, trainer.procs if trainer is not None and shard else 1, vllm_lora)
-
     vllm_gpus: tuple[int, ...] = ()
-    tp, percent = 1, 0
+    tp, fraction = 1, None
     if vllm:
-        # Shared: vLLM starts on the trainer's GPUs. Dedicated: on the others.
-        others = [i for i in order if i not in trainer_gpus]
-        pool = list(o.vllm_gpus or ([*trainer_gpus, *others] if shared else others))
-        if not pool:
-            raise PlanError("no GPU is left for vLLM: free one from --trainer-gpus, or pass --share-gpu")
-        if o.tensor_parallel is not None or o.vllm_gpus:
-            tp = o.tensor_parallel or len(pool)
-            if tp > len(pool):
-                where = "named in --vllm-gpus" if o.vllm_gpus else "visible" if shared else "left beside the trainer's"
-                raise PlanError(
-                    f"--tensor-parallel-size {tp} needs {tp} GPUs for vLLM, but {len(pool)} {where}: "
-                    "name more GPUs or choose a smaller size"
-                )
-            why.append(f"vLLM: tensor parallel {tp}, as asked")
-        else:
-            tp = _smallest_tp(pool, by_index, model, memory, set(trainer_gpus))
-            if len(pool) > 1:
-                why.append(
-                    f"vLLM: tensor parallel {tp}, the smallest power of two dividing the {model.heads} attention "
-                    f"heads whose GPUs hold the weights and a {MIN_KV_TOKENS}-token KV cache"
-                )
-        vllm_gpus = tuple(pool[:tp])
-        if idle := [i for i in order if i not in vllm_gpus and i not in trainer_gpus]:
-            why.append(
-                f"GPU {', '.join(map(str, idle))} idle: vLLM data parallel is not supported yet "
-                "(an adapter loaded through /v1/load_lora_adapter reaches one engine)"
-            )
-        if shared and not set(vllm_gpus) & set(trainer_gpus):
-            raise PlanError("shared, but vLLM and the trainer got no GPU in common: name one in both lists")
-        percent = min(_percent(by_index[i], i in trainer_gpus, memory) for i in vllm_gpus)
-
-    fraction = None
-    if vllm:
-        if o.memory_fraction is None and percent < 1:
-            raise PlanError(vllm_problem(by_index[vllm_gpus[0]], tp, 0.0, memory, shared))
-        fraction = o.memory_fraction if o.memory_fraction is not None else percent / 100
-    elif theirs:
+        vllm_gpus, tp = _place_vllm(by_index, model, memory, trainer_gpus, shared=shared, o=o, why=why)
+        fraction = _vllm_fraction(by_index, vllm_gpus, tp, trainer_gpus, memory, shared=shared, o=o)
+    elif shared:
         why.append(_their_vllm(by_index[trainer_gpus[0]], memory, vllm_lora))
-    problems = []
-    if fraction is not None:
-        problems += vllm_problems(by_index, vllm_gpus, tp, fraction, trainer_gpus, memory, shared)
-    if trainer is not None:
-        beside = set(trainer_gpus) if theirs else set(vllm_gpus)
-        problems += trainer_problems(by_index, trainer_gpus, beside, memory, model, trainer, vllm_uses_free=theirs)
-    if host_ram is not None and memory.host_peak(shared) > host_ram:
-        problems.append(_host_problem(memory, shared, host_ram))
-    if problems and not o.forced:
-        raise PlanError(
-            "this plan would not fit, by the estimate:\n- "
-            + "\n- ".join(problems)
-            + "\n(if you know better, force a plan with --gpu-memory-utilization, --tensor-parallel-size, "
-            "--vllm-gpus, --trainer-gpus or --share-gpu; `tracetrain serve --plan-only` shows it)"
-        )
-    return GpuPlan(
+    plan = GpuPlan(
         gpus=tuple(gpus),
         shared=shared,
         vllm_gpus=vllm_gpus,
@@ -201,12 +148,97 @@ def plan_gpus(
         model=model,
         trainer=trainer,
         why=tuple(why),
-        warnings=tuple(problems),
         trainer_shard=shard,
         max_model_len=_max_model_len(by_index, vllm_gpus, tp, fraction, memory, model),
         vllm_lora=vllm_lora,
         host_ram=host_ram,
     )
+    problems = _problems(plan)
+    if problems and not o.forced:
+        raise PlanError(
+            "this plan would not fit, by the estimate:\n- "
+            + "\n- ".join(problems)
+            + "\n(if you know better, force a plan with --gpu-memory-utilization, --tensor-parallel-size, "
+            "--vllm-gpus, --trainer-gpus or --share-gpu; `tracetrain serve --plan-only` shows it)"
+        )
+    return dataclasses.replace(plan, warnings=tuple(problems))
+
+
+def _place_trainer(
+    by_index: Mapping[int, Gpu], model: ModelShape, trainer: TrainerNeeds, *, shared: bool, vllm: bool,
+    o: Overrides, why: list[str],
+) -> tuple[tuple[int, ...], bool]:  # fmt: skip
+    """The trainer's GPUs, and whether its processes shard the base (FSDP) to fit the smallest one's room."""
+    gpus = o.trainer_gpus or _default_trainer_gpus(list(by_index), trainer.procs, shared, vllm, o)
+    rooms = [trainer_room(by_index[i], shared, vllm_uses_free=shared and not vllm) for i in gpus]
+    return gpus, _choose_shard(model, trainer, min(rooms), o, why)
+
+
+def _place_vllm(
+    by_index: Mapping[int, Gpu], model: ModelShape, memory: Memory, trainer_gpus: tuple[int, ...], *, shared: bool,
+    o: Overrides, why: list[str],
+) -> tuple[tuple[int, ...], int]:  # fmt: skip
+    """vLLM's GPUs and tensor-parallel size: shared, starting on the trainer's GPUs; dedicated, on the others."""
+    order = list(by_index)
+    others = [i for i in order if i not in trainer_gpus]
+    pool = list(o.vllm_gpus or ([*trainer_gpus, *others] if shared else others))
+    if not pool:
+        raise PlanError("no GPU is left for vLLM: free one from --trainer-gpus, or pass --share-gpu")
+    if o.tensor_parallel is not None or o.vllm_gpus:
+        tp = o.tensor_parallel or len(pool)
+        if tp > len(pool):
+            where = "named in --vllm-gpus" if o.vllm_gpus else "visible" if shared else "left beside the trainer's"
+            raise PlanError(
+                f"--tensor-parallel-size {tp} needs {tp} GPUs for vLLM, but {len(pool)} {where}: "
+                "name more GPUs or choose a smaller size"
+            )
+        why.append(f"vLLM: tensor parallel {tp}, as asked")
+    else:
+        tp = _smallest_tp(pool, by_index, model, memory, set(trainer_gpus))
+        if len(pool) > 1:
+            why.append(
+                f"vLLM: tensor parallel {tp}, the smallest power of two dividing the {model.heads} attention "
+                f"heads whose GPUs hold the weights and a {MIN_KV_TOKENS}-token KV cache"
+            )
+    vllm_gpus = tuple(pool[:tp])
+    if idle := [i for i in order if i not in vllm_gpus and i not in trainer_gpus]:
+        why.append(
+            f"GPU {', '.join(map(str, idle))} idle: vLLM data parallel is not supported yet "
+            "(an adapter loaded through /v1/load_lora_adapter reaches one engine)"
+        )
+    if shared and not set(vllm_gpus) & set(trainer_gpus):
+        raise PlanError("shared, but vLLM and the trainer got no GPU in common: name one in both lists")
+    return vllm_gpus, tp
+
+
+def _vllm_fraction(
+    by_index: Mapping[int, Gpu], vllm_gpus: tuple[int, ...], tp: int, trainer_gpus: tuple[int, ...], memory: Memory,
+    *, shared: bool, o: Overrides,
+) -> float:  # fmt: skip
+    """vLLM's --gpu-memory-utilization: as asked, else what the most crowded of its GPUs leaves it."""
+    percent = min(_percent(by_index[i], i in trainer_gpus, memory) for i in vllm_gpus)
+    if o.memory_fraction is not None:
+        return o.memory_fraction
+    if percent < 1:
+        raise PlanError(vllm_problem(by_index[vllm_gpus[0]], tp, 0.0, memory, shared))
+    return percent / 100
+
+
+def _problems(plan: GpuPlan) -> list[str]:
+    """What of ``plan`` would not fit, by the estimate: vLLM's share, the trainer's GPUs, the host's RAM."""
+    by_index = {g.index: g for g in plan.gpus}
+    theirs = plan.shared and not plan.vllm_gpus  # the trainer beside a vLLM the user runs (--upstream)
+    problems = []
+    if plan.memory_fraction is not None:
+        problems += vllm_problems(by_index, plan.vllm_gpus, plan.tensor_parallel_size, plan.memory_fraction,
+                                  plan.trainer_gpus, plan.memory, plan.shared)  # fmt: skip
+    if plan.trainer is not None:
+        beside = set(plan.trainer_gpus) if theirs else set(plan.vllm_gpus)
+        problems += trainer_problems(by_index, plan.trainer_gpus, beside, plan.memory, plan.model, plan.trainer,
+                                     vllm_uses_free=theirs)  # fmt: skip
+    if plan.host_ram is not None and plan.memory.host_peak(plan.shared) > plan.host_ram:
+        problems.append(_host_problem(plan.memory, plan.shared, plan.host_ram))
+    return problems
 
 
 def kv_cache_per_gpu(gpu: Gpu, fraction: float, tp: int, memory: Memory) -> int:

@@ -11,6 +11,7 @@ from tracetrain_cli._serve_devices import add_device_flags
 
 
 def add_serve_parser(sub: Any) -> None:
+    """``serve`` and its flags, one function per concern, called in the order ``--help`` lists them."""
     p = sub.add_parser(
         "serve",
         help="run vLLM, the proxy and the trainer worker together",
@@ -23,6 +24,31 @@ def add_serve_parser(sub: Any) -> None:
             "as an environment variable TRACETRAIN_<FLAG> (e.g. TRACETRAIN_API_KEYS=key1,key2)."
         ),
     )
+    _add_model_flags(p)
+    _add_address_flags(p)
+    _add_vllm_flags(p)
+    _add_trainer_flags(p)
+    _add_storage_flags(p)
+    _add_policy_flags(p)
+    _add_key_flags(p)
+    _add_reward_flags(p)
+    _add_guard_flags(p)
+    _add_retention_flags(p)
+    p.add_argument(
+        "--langfuse",
+        action="store_true",
+        help="also send each trajectory to Langfuse as a trace (calls as generations, rewards as scores), in the "
+        "background; keys from LANGFUSE_PUBLIC_KEY and LANGFUSE_SECRET_KEY, server from LANGFUSE_BASE_URL "
+        "(default https://cloud.langfuse.com)",
+    )
+    _add_handover_flags(p)
+    p.add_argument("--no-train", action="store_true", help="serve and capture only; start no trainer")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default info)")
+    add_device_flags(p)
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    """What is served, on what, and from where: the base model, the device, or upstream servers."""
     p.add_argument(
         "--model",
         default=DEFAULT_MODEL,
@@ -52,11 +78,19 @@ def add_serve_parser(sub: Any) -> None:
         metavar="NAME",
         help="the upstream's name for the base model (default: the first model it lists)",
     )
+
+
+def _add_address_flags(p: argparse.ArgumentParser) -> None:
+    """Where the proxy and its vLLM child listen."""
     p.add_argument(
         "--host", default=None, help="address to listen on (default 127.0.0.1; any other address needs --api-keys)"
     )
     p.add_argument("--port", type=int, default=None, help=f"port to listen on{setting_default('port')}")
     p.add_argument("--vllm-port", type=int, help="port of the vLLM child, on 127.0.0.1 (default: --port + 1)")
+
+
+def _add_vllm_flags(p: argparse.ArgumentParser) -> None:
+    """vLLM's command line, its tool-call parser, and the dtypes both sides compute in."""
     p.add_argument(
         "--vllm-arg",
         action="append",
@@ -85,6 +119,10 @@ def add_serve_parser(sub: Any) -> None:
         help="force vLLM's dtype alone (e.g. bfloat16 to sample faster on a CPU with AVX512-BF16); where it differs "
         "from the trainer's, the loss corrects for the gap (truncated importance sampling)",
     )
+
+
+def _add_trainer_flags(p: argparse.ArgumentParser) -> None:
+    """The trainer worker's command line and its processes."""
     p.add_argument(
         "--trainer-arg",
         action="append",
@@ -101,6 +139,10 @@ def add_serve_parser(sub: Any) -> None:
         help="train on N processes (torchrun, data parallel; on CUDA one GPU each, cuda:0 to cuda:N-1); they "
         "take the same step as one process would. On a CPU they share the trainer's threads (default 1)",
     )
+
+
+def _add_storage_flags(p: argparse.ArgumentParser) -> None:
+    """Where the data lives: the data directory and the database."""
     p.add_argument(
         "--data-dir",
         type=Path,
@@ -112,6 +154,10 @@ def add_serve_parser(sub: Any) -> None:
         metavar="URL",
         help="SQLAlchemy async URL, e.g. postgresql+asyncpg://user@host/db (default: SQLite in the data directory)",
     )
+
+
+def _add_policy_flags(p: argparse.ArgumentParser) -> None:
+    """The policy: its name, how its groups fill and train, which versions are kept, how vLLM gets them."""
     p.add_argument("--policy", metavar="NAME", help=f"the model name agents use{setting_default('policy')}")
     p.add_argument(
         "--group-size",
@@ -141,6 +187,10 @@ def add_serve_parser(sub: Any) -> None:
         "proxy by tracetrain_vllm's resolver (a trainer on another machine); auto: by path when it is on this "
         "machine" + setting_default("adapter_delivery"),
     )
+
+
+def _add_key_flags(p: argparse.ArgumentParser) -> None:
+    """Who may call what: inference, reward and adapter keys, the admin token."""
     p.add_argument("--api-keys", metavar="K1,K2", help="inference keys agents must send as Bearer tokens")
     p.add_argument("--reward-keys", metavar="K1,K2", help="keys reward services must send to POST /v1/rewards")
     p.add_argument(
@@ -152,6 +202,10 @@ def add_serve_parser(sub: Any) -> None:
         help="the token of the dashboard (/admin) and the admin API; prefer TRACETRAIN_ADMIN_TOKEN (a flag shows in "
         "ps). Without one, serve makes one and keeps it in DATA_DIR/admin-token",
     )
+
+
+def _add_reward_flags(p: argparse.ArgumentParser) -> None:
+    """Where rewards come from: posted, an LLM judge, or both."""
     p.add_argument(
         "--reward-source",
         choices=["external", "judge", "both"],
@@ -171,6 +225,10 @@ def add_serve_parser(sub: Any) -> None:
         help="what makes one trajectory better than another, as text or @path/to/rubric.md "
         "(default: a generic rubric for agent tasks)",
     )
+
+
+def _add_guard_flags(p: argparse.ArgumentParser) -> None:
+    """The regression guard: each new version's rewards watched, a worse one rolled back."""
     p.add_argument(
         "--no-regression-guard",
         action="store_true",
@@ -198,6 +256,10 @@ def add_serve_parser(sub: Any) -> None:
         help="the guard decides within this many rewarded groups of a new version"
         + setting_default("regression_groups"),
     )
+
+
+def _add_retention_flags(p: argparse.ArgumentParser) -> None:
+    """How long things are kept or waited for: trajectories, free disk, a group's missing rewards."""
     p.add_argument(
         "--keep-trajectories",
         type=float,
@@ -220,13 +282,10 @@ def add_serve_parser(sub: Any) -> None:
         help="a complete group still missing rewards this long after its last call or reward is judged if a judge "
         "is configured (--judge-model), else closed as unrewarded and never trained (default: wait forever)",
     )
-    p.add_argument(
-        "--langfuse",
-        action="store_true",
-        help="also send each trajectory to Langfuse as a trace (calls as generations, rewards as scores), in the "
-        "background; keys from LANGFUSE_PUBLIC_KEY and LANGFUSE_SECRET_KEY, server from LANGFUSE_BASE_URL "
-        "(default https://cloud.langfuse.com)",
-    )
+
+
+def _add_handover_flags(p: argparse.ArgumentParser) -> None:
+    """--share-gpu's hand-over: how long a held call waits, how long a step may keep the GPU."""
     p.add_argument(
         "--handover-wait",
         type=float,
@@ -241,6 +300,3 @@ def add_serve_parser(sub: Any) -> None:
         help="with --share-gpu: a step that keeps the GPU longer than this loses it, and vLLM serves again"
         + setting_default("handover_timeout_s"),
     )
-    p.add_argument("--no-train", action="store_true", help="serve and capture only; start no trainer")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default info)")
-    add_device_flags(p)

@@ -2,8 +2,8 @@
 
 The learner only orchestrates: the samples come from ``trainer._samples``, the
 advantages from ``trainer._advantages`` (the caller's), the loss from ``trainer._losses``,
-packing and chunked log-probs from ``trainer._logprobs`` and adapter files from
-``trainer._adapters``. It knows no store and no HTTP; the worker feeds it.
+packing and chunked log-probs from ``trainer._logprobs``, the peft model from ``trainer._lora``
+and adapter files from ``trainer._adapters``. It knows no store and no HTTP; the worker feeds it.
 
 One step: the batch's samples are packed into micro-batches of at most
 ``cfg.micro_batch_tokens`` tokens (one row each, no padding); each micro-batch's loss is
@@ -26,41 +26,27 @@ import logging
 import math
 import sys
 import time
-import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import PeftModel
 from torch import Tensor
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 from trainer import _sharded
 from trainer._adapters import load_optimizer_state, write_adapter_dir
 from trainer._attention import choose_attention
-from trainer._config import TrainConfig, TrainDType
+from trainer._config import TrainConfig
 from trainer._distributed import all_or_none, max_over_ranks, rank_and_world, sum_over_ranks, sum_totals
 from trainer._logprobs import PackedRow, pack_row
+from trainer._lora import load_lora_model, precision
 from trainer._losses import logprob_mismatch, policy_loss
 from trainer._samples import Sample, pack, pack_shared
 from trainer._step import PeakMemoryKind, StepResult, TrainItem, check_item
 
 log = logging.getLogger("tracetrain.trainer")
-
-# Config attributes of models whose logits are not plain lm_head(hidden): the chunked scoring would be wrong.
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
-
-
-def _precision(dtype: TrainDType, device: torch.device) -> tuple[torch.dtype, bool]:
-    """(weights dtype, bf16 autocast?) for the config's dtype on this device."""
-    bf16_cuda = device.type == "cuda" and torch.cuda.is_bf16_supported()
-    if dtype == "float32" or (dtype == "auto" and not bf16_cuda):
-        return torch.float32, False
-    if device.type == "cuda":
-        return torch.bfloat16, False
-    return torch.float32, True  # bfloat16 off CUDA: fp32 weights, bf16 autocast
-
 
 class Learner:
     """A LoRA being trained with GRPO (or a variant) from token-level samples.
@@ -101,7 +87,7 @@ class Learner:
         shard: bool = False,
     ) -> None:
         self.device = torch.device(device)
-        weights_dtype, self._autocast = _precision(cfg.dtype, self.device)
+        weights_dtype, self._autocast = precision(cfg.dtype, self.device)
         float32 = weights_dtype == torch.float32 and not self._autocast
         self.correction = cfg.resolved_correction(learner_float32=float32, cuda=self.device.type == "cuda")
         self.cfg = cfg  # saved as given; what "auto" resolved to is in each step's metrics (sampler_correction)
@@ -115,18 +101,8 @@ class Learner:
                      "float32" if float32 else "bfloat16", cfg.sampler_dtype, self.correction)  # fmt: skip
         with torch.random.fork_rng(devices=[]):  # LoRA init is seeded without touching the caller's RNG
             torch.manual_seed(cfg.seed)
-            base = AutoModelForCausalLM.from_pretrained(
-                str(base_model), dtype=weights_dtype, attn_implementation=self.attention.implementation
-            )
-            _refuse_transformed_logits(base)
-            model: PeftModel
-            with _quiet_peft_deprecation():
-                if adapter is None:
-                    model = get_peft_model(base, _lora_config(base, cfg))
-                else:
-                    model = PeftModel.from_pretrained(base, str(adapter), is_trainable=True)
-        # vLLM and peft read this to name the base; the path this learner loaded is the truthful one.
-        model.peft_config[model.active_adapter].base_model_name_or_path = str(base_model)
+            model = load_lora_model(base_model, cfg, adapter=adapter, dtype=weights_dtype,
+                                    attention=self.attention.implementation)  # fmt: skip
         causal_lm = cast(PreTrainedModel, model.get_base_model())
         lm_head = causal_lm.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated upstream
         if not isinstance(lm_head, torch.nn.Linear):
@@ -193,13 +169,23 @@ class Learner:
                 self.optimizer.step()
         finally:  # a failed step leaves no gradient behind for the next one to add to
             self.optimizer.zero_grad(set_to_none=True)
-        if self.sharded:  # every rank gathers; rank 0 keeps the adapter and AdamW's state for `save`
-            gathered = (_sharded.gather_lora(list(zip(self._param_names, self._params, strict=True))),
-                        _sharded.gather_optimizer_state(self.optimizer))  # fmt: skip
-            self._gathered = gathered if rank == 0 else None
+        if self.sharded:
+            self._gather_for_save(rank)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
+        return self._result(totals, mismatch_max, grad_norm, samples, micro_batches=len(micro_batches), seconds=seconds)
+
+    def _gather_for_save(self, rank: int) -> None:
+        """Sharded: every rank gathers the adapter and AdamW's state; rank 0 keeps them for ``save``."""
+        gathered = (_sharded.gather_lora(list(zip(self._param_names, self._params, strict=True))),
+                    _sharded.gather_optimizer_state(self.optimizer))  # fmt: skip
+        self._gathered = gathered if rank == 0 else None
+
+    def _result(self, totals: Mapping[str, float], mismatch_max: float, grad_norm: float, samples: Sequence[Sample],
+                *, micro_batches: int, seconds: float) -> StepResult:  # fmt: skip
+        """The step's report from the metrics its micro-batches summed (per-token means over its loss tokens)."""
+        loss_tokens = sum(s.loss_tokens for s in samples)
         tokens = sum(len(s.token_ids) for s in samples)
         peak, kind = self._peak_memory()
         return StepResult(
@@ -222,7 +208,7 @@ class Learner:
             tokens=tokens,
             loss_tokens=loss_tokens,
             samples=len(samples),
-            micro_batches=len(micro_batches),
+            micro_batches=micro_batches,
             seconds=seconds,
             tokens_per_second=tokens / seconds,
             peak_memory_bytes=peak,
@@ -355,34 +341,3 @@ class Learner:
 
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return (rss if sys.platform == "darwin" else rss * 1024), "process_max_rss"
-
-
-def _lora_config(model: PreTrainedModel, cfg: TrainConfig) -> LoraConfig:
-    """cfg's LoRA on those of its target modules this model has; ValueError if it has none."""
-    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
-    targets = [t for t in cfg.target_modules if t in names]
-    if not targets:
-        raise ValueError(f"none of target_modules {list(cfg.target_modules)} is a linear layer of this model")
-    return LoraConfig(
-        r=cfg.lora_r,
-        lora_alpha=cfg.lora_alpha,
-        lora_dropout=cfg.lora_dropout,
-        target_modules=targets,
-        task_type="CAUSAL_LM",
-    )
-
-
-@contextlib.contextmanager
-def _quiet_peft_deprecation() -> Iterator[None]:
-    # peft 0.21 reads transformers 5's deprecated `is_gradient_checkpointing` whenever it wraps a
-    # model; the FutureWarning is peft's to fix and nothing a user of the learner can act on.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-        yield
-
-
-def _refuse_transformed_logits(model: PreTrainedModel) -> None:
-    for attr in _LOGIT_TRANSFORMS:
-        value = getattr(model.config, attr, None)
-        if value is not None and value != 1:
-            raise NotImplementedError(f"{attr}={value}: logits other than lm_head(hidden) are not supported")

@@ -51,7 +51,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from trl import SFTConfig, SFTTrainer  # type: ignore[attr-defined]  # lazy exports mypy cannot see
 
 from trainer._config import TrainConfig
-from trainer._learner import _lora_config, _quiet_peft_deprecation
+from trainer._lora import lora_config, quiet_peft_deprecation
 
 METADATA = "sft.json"
 _FEATURES = Features({"prompt": List(Json()), "completion": List(Json()), "tools": Value("string")})
@@ -187,13 +187,13 @@ def build_trainer(base_model: Path, examples: Examples, options: SFTOptions, scr
         seed=options.seed,
     )
     dataset = Dataset.from_list(examples.rows, features=_FEATURES)
-    with _quiet_peft_deprecation():
+    with quiet_peft_deprecation():
         return SFTTrainer(
             model=model,
             args=args,
             train_dataset=dataset,
             processing_class=tokenizer,
-            peft_config=_lora_config(model, options.lora),
+            peft_config=lora_config(model, options.lora),
         )
 
 

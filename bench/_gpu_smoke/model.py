@@ -55,8 +55,7 @@ def batch(vocab: int, *, groups: int, group_size: int, prompt: int, completion: 
     """GRPO groups of ``group_size`` samples sharing a ``prompt``-token prompt; advantages -1..+1, old logprob -2."""
     import torch
 
-    from trainer._samples import Sample
-    from trainer._step import TrainItem
+    from trainer import Sample, TrainItem
 
     g = torch.Generator().manual_seed(seed)
     items = []

@@ -30,8 +30,7 @@ def steps(ctx: dict[str, Any], figures: dict[str, Any]) -> str:
 
     from tracetrain_cli._gpu_estimate import TrainerNeeds, estimate_memory
     from tracetrain_cli._gpu_inputs import read_model_shape
-    from trainer import TrainConfig
-    from trainer._learner import Learner
+    from trainer import Learner, TrainConfig
 
     device, tokens = ctx["device"], ctx["micro_batch_tokens"]
     if device == "cpu" and ctx["model"] != "tiny":

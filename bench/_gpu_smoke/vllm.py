@@ -32,7 +32,7 @@ def _require_vllm(ctx: dict[str, Any]) -> None:
 
 
 def _launch(ctx: dict[str, Any], port: int) -> Any:
-    from tracetrain_cli._vllm_process import VLLMLaunch
+    from tracetrain_cli import VLLMLaunch
 
     # The random-weights model has no tokenizer: prompts go as token ids, completions come back as ids.
     return VLLMLaunch(model=str(ctx["model_dir"]), port=port, data_dir=ctx["out_dir"] / "vllm", device="cuda",
@@ -45,8 +45,8 @@ def vllm_sleep(ctx: dict[str, Any], figures: dict[str, Any]) -> str:
     _require_vllm(ctx)
     import httpx
 
+    from tracetrain_cli import VLLMProcess
     from tracetrain_cli._gpu_estimate import VLLM_ASLEEP
-    from tracetrain_cli._vllm_process import VLLMProcess
 
     port = 18000 + int(time.time()) % 1000
     idle = nvidia_smi_used_mib() or 0
@@ -96,7 +96,7 @@ async def _streams(ctx: dict[str, Any], figures: dict[str, Any]) -> str:
     from _gpu_smoke.model import REPO
     from proxy import Settings, create_app
     from store import GpuHandover, Store
-    from tracetrain_cli._vllm_process import VLLMProcess
+    from tracetrain_cli import VLLMProcess
 
     sys.path.insert(0, str(REPO / "tests"))
     from fake_vllm import serve_in_thread

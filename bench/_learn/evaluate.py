@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 from _host import free_port
 
-from tracetrain_cli._vllm_process import VLLMLaunch, VLLMProcess
+from tracetrain_cli import VLLMLaunch, VLLMProcess
 from tracetrain_demo.tasks import TASKS
 
 REPO = Path(__file__).resolve().parents[2]
