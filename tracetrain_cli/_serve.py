@@ -174,18 +174,7 @@ async def serve(plan: ServePlan) -> None:
             except (ChildExited, TimeoutError) as exc:
                 log.error("the trainer did not start; serving goes on without training for now: %s", exc)
 
-        log.info(
-            "ready: agents use OPENAI_BASE_URL=http://%s:%d/v1 and model %r; rewards go to POST /v1/rewards",
-            settings.host, settings.port, settings.policy,
-        )  # fmt: skip
-        token_file = settings.data_dir / "admin-token"
-        from_file = settings.admin_token is not None and token_file.is_file() and (
-            token_file.read_text().strip() == settings.admin_token.get_secret_value()
-        )
-        log.info(
-            "dashboard: http://%s:%d/admin (log in with the admin token %s)", settings.host, settings.port,
-            f"in {token_file}" if from_file else "you set (TRACETRAIN_ADMIN_TOKEN)",
-        )  # fmt: skip
+        _log_ready(settings)
         stopping = asyncio.create_task(stop.wait())
         while not stop.is_set() and not serving.done():
             for keeper in keepers:
@@ -202,6 +191,24 @@ async def serve(plan: ServePlan) -> None:
             await asyncio.to_thread(keeper.stop)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+
+
+def _log_ready(settings: Settings) -> None:
+    """Where agents, reward services and the operator go now (``tracetrain demo`` waits for the first line)."""
+    log.info(
+        "ready: agents use OPENAI_BASE_URL=http://%s:%d/v1 and model %r; rewards go to POST /v1/rewards",
+        settings.host, settings.port, settings.policy,
+    )  # fmt: skip
+    token_file = settings.data_dir / "admin-token"
+    from_file = (
+        settings.admin_token is not None
+        and token_file.is_file()
+        and (token_file.read_text().strip() == settings.admin_token.get_secret_value())
+    )
+    log.info(
+        "dashboard: http://%s:%d/admin (log in with the admin token %s)", settings.host, settings.port,
+        f"in {token_file}" if from_file else "you set (TRACETRAIN_ADMIN_TOKEN)",
+    )  # fmt: skip
 
 
 class _Keeper:

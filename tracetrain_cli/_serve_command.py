@@ -8,11 +8,16 @@ import logging
 import os
 import secrets
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import SecretStr, ValidationError
 
 from tracetrain_cli._models import TRAIN_MODULES, missing_modules, resolve_model_dir
+
+if TYPE_CHECKING:  # the serving modules load at `serve`, not for every command's --help
+    from tracetrain_cli._precision import SamplerDtype
+    from tracetrain_cli._serve_devices import DevicePlan
+    from tracetrain_cli._vllm_process import Device, VLLMLaunch
 
 
 def settings_from(args: argparse.Namespace) -> Any:
@@ -68,9 +73,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from tracetrain_cli._gpu_render import render_plan
     from tracetrain_cli._precision import agree, trainer_dtype
-    from tracetrain_cli._serve import ServePlan, pick_device, serve, trainer_argv, vllm_install_problem
-    from tracetrain_cli._serve_devices import device_plan, launch_options
-    from tracetrain_cli._vllm_process import VLLMLaunch
+    from tracetrain_cli._serve import ServePlan, pick_device, serve, trainer_argv
+    from tracetrain_cli._serve_devices import device_plan
 
     if args.trainer_procs < 1:
         raise SystemExit(f"tracetrain serve: --trainer-procs must be at least 1, got {args.trainer_procs}")
@@ -87,14 +91,7 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check otherwise
     device = pick_device(args.device)
-    launch = None
-    if args.upstream is None and (problem := vllm_install_problem(device)):
-        raise SystemExit(f"tracetrain serve: {problem}")
-    if not args.no_train and (missing := missing_modules(TRAIN_MODULES)):
-        raise SystemExit(
-            f"tracetrain serve: the trainer needs the training extra ({', '.join(missing)} not installed): "
-            "pip install 'tracetrain[train]', or pass --no-train to serve and capture only"
-        )
+    _refuse_missing_extras(args, device)
     model_dir = _model_dir(args, settings.data_dir)
     devices = device_plan(args, device, model_dir, settings.keep_versions)
     print(render_plan(devices), flush=True)
@@ -102,25 +99,11 @@ def run_serve(args: argparse.Namespace) -> int:
     settings = settings.model_copy(update={"share_gpu": devices.shared or settings.share_gpu})
     precision = agree(device, dtype=args.dtype, sampler_dtype=args.sampler_dtype,
                       trainer_dtype=trainer_dtype(args.trainer_arg))  # fmt: skip
+    launch = None
     if args.upstream is None:
         print(precision.line(), flush=True)
-    if args.upstream is None:
         assert model_dir is not None
-        launch = VLLMLaunch(
-            model=str(model_dir.resolve()),
-            port=args.vllm_port or settings.port + 1,
-            data_dir=settings.data_dir.resolve(),
-            served_model_name=model_dir.name,
-            device=device,
-            dtype=precision.sampler,
-            tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
-            sleep_mode=settings.share_gpu,
-            extra_args=tuple(args.vllm_arg),
-            **launch_options(devices),
-        )
-        settings = settings.model_copy(update={"upstreams": (launch.base_url,), "served_model": model_dir.name})
-        if _adapters_by_name(settings, train=not args.no_train):
-            settings, launch = _with_adapter_resolver(settings, launch)
+        settings, launch = _vllm_child(args, settings, model_dir, device, precision.sampler, devices)
     trainer = (
         None
         if model_dir is None or args.no_train
@@ -138,6 +121,43 @@ def run_serve(args: argparse.Namespace) -> int:
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(serve(plan))
     return 0
+
+
+def _refuse_missing_extras(args: argparse.Namespace, device: Device) -> None:
+    """Exit with what to install when vLLM (unless --upstream) or the trainer (unless --no-train) cannot start."""
+    from tracetrain_cli._serve import vllm_install_problem
+
+    if args.upstream is None and (problem := vllm_install_problem(device)):
+        raise SystemExit(f"tracetrain serve: {problem}")
+    if not args.no_train and (missing := missing_modules(TRAIN_MODULES)):
+        raise SystemExit(
+            f"tracetrain serve: the trainer needs the training extra ({', '.join(missing)} not installed): "
+            "pip install 'tracetrain[train]', or pass --no-train to serve and capture only"
+        )
+
+
+def _vllm_child(args: argparse.Namespace, settings: Any, model_dir: Path, device: Device, dtype: SamplerDtype,
+                devices: DevicePlan) -> tuple[Any, VLLMLaunch]:  # fmt: skip
+    """The vLLM child's launch recipe, and the settings that point the proxy at it (and its resolver at the proxy)."""
+    from tracetrain_cli._serve_devices import launch_options
+    from tracetrain_cli._vllm_process import VLLMLaunch
+
+    launch = VLLMLaunch(
+        model=str(model_dir.resolve()),
+        port=args.vllm_port or settings.port + 1,
+        data_dir=settings.data_dir.resolve(),
+        served_model_name=model_dir.name,
+        device=device,
+        dtype=dtype,
+        tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
+        sleep_mode=settings.share_gpu,
+        extra_args=tuple(args.vllm_arg),
+        **launch_options(devices),
+    )
+    settings = settings.model_copy(update={"upstreams": (launch.base_url,), "served_model": model_dir.name})
+    if _adapters_by_name(settings, train=not args.no_train):
+        settings, launch = _with_adapter_resolver(settings, launch)
+    return settings, launch
 
 
 def _precision_args(precision: Any, args: argparse.Namespace) -> list[str]:

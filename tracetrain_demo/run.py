@@ -262,12 +262,7 @@ def _train(url: str, run_dir: Path, rewards_port: int, args: argparse.Namespace,
                 report.rounds.append((round_started, time.time()))
                 agent = None
             if agent is None and sum(job["state"] in ("queued", "running") for job in jobs) <= 1:
-                command = [sys.executable, "-m", "tracetrain_demo.agent", "--task", args.task, "--split", "train",
-                           "--rounds", "1",
-                           "--seed", str(len(report.rounds) + 1), "--questions", str(args.questions), "--attempts",
-                           str(args.attempts), "--temperature", str(args.temperature),
-                           "--tag", f"round{len(report.rounds) + 1}",
-                           "--done-url", f"http://127.0.0.1:{rewards_port}/finished"]  # fmt: skip
+                command = _round_command(args, len(report.rounds) + 1, rewards_port)
                 agent, round_started = ChildProcess("agent", command, _env(url), log), time.time()
                 _start(children, agent)
             for job in reversed(jobs):
@@ -302,10 +297,23 @@ def _train(url: str, run_dir: Path, rewards_port: int, args: argparse.Namespace,
     for evaluation in evaluations:  # the base model's, if training ended first
         report.held_out.append(held := evaluation.result())
         report.sampling.append((held.started, held.finished))
+    _close(report, began, cpu_before, args.task, log)
+
+
+def _round_command(args: argparse.Namespace, number: int, rewards_port: int) -> list[str]:
+    """The agent's command line for training round ``number`` (its seed and its tag)."""
+    return [sys.executable, "-m", "tracetrain_demo.agent", "--task", args.task, "--split", "train", "--rounds", "1",
+            "--seed", str(number), "--questions", str(args.questions), "--attempts", str(args.attempts),
+            "--temperature", str(args.temperature), "--tag", f"round{number}",
+            "--done-url", f"http://127.0.0.1:{rewards_port}/finished"]  # fmt: skip
+
+
+def _close(report: Report, began: float, cpu_before: float, task: str, log: Path) -> None:
+    """What the training window measured: when each side was busy, the machine's load, each version's success."""
     report.sampling.extend(report.rounds)
     report.training_window = (began, time.time())
     report.machine_busy_cores = (busy_cpu_seconds() - cpu_before) / max(time.time() - began, 1e-9)
-    report.served_success = _training_success(args.task, log)
+    report.served_success = _training_success(task, log)
     for step in report.steps:
         step.success = report.served_success.get(step.version)
 

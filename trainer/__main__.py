@@ -36,11 +36,26 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         prog="python -m trainer",
         description=__doc__.split("\n\n")[1] if __doc__ else None,
     )
+    _add_job_flags(p)
+    _add_process_flags(p)
+    _add_config_flags(p)
+    _add_worker_flags(p)
+    p.add_argument("--once", action="store_true", help="run the queued jobs, then exit")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default info)")
+    return p.parse_args(argv)
+
+
+def _add_job_flags(p: argparse.ArgumentParser) -> None:
+    """Whose jobs, from which store, on which base, and where the adapters go."""
     p.add_argument("--database-url", required=True, help="the proxy's store (SQLAlchemy async URL)")
     p.add_argument("--data-dir", type=Path, required=True, help="adapters go to DATA_DIR/adapters/POLICY/N/")
     p.add_argument("--policy", default="agent", help="the policy whose jobs to run (default agent)")
     p.add_argument("--base-model", type=Path, required=True, help="the HF model directory vLLM serves")
     p.add_argument("--init-adapter", type=Path, help="a LoRA directory to start from (e.g. an SFT warm start)")
+
+
+def _add_process_flags(p: argparse.ArgumentParser) -> None:
+    """Where the step runs: the device, how many processes, sharded or not, the attention kernel."""
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
     p.add_argument(
         "--procs",
@@ -72,6 +87,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="the attention kernel (default auto: flash_attention_2 on CUDA in bf16/fp16 when the flash_attn "
         "package is installed, else sdpa); the choice is logged at start",
     )
+
+
+def _add_config_flags(p: argparse.ArgumentParser) -> None:
+    """TrainConfig: a JSON file of its fields, and the flags that override them."""
     p.add_argument("--config", type=Path, help="a JSON file of TrainConfig fields; the flags below override it")
     p.add_argument("--loss", choices=["grpo", "dr_grpo", "gspo", "cispo"], help="the objective (default grpo)")
     p.add_argument("--learning-rate", type=float, help="AdamW learning rate (default 3e-4)")
@@ -101,6 +120,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="correct the sampler/learner log-prob gap: tis (truncated importance sampling), mis (masked), none "
         "(default auto: tis unless both compute in float32)",
     )
+
+
+def _add_worker_flags(p: argparse.ArgumentParser) -> None:
+    """The worker around each step: a GPU shared with vLLM, the versions kept, the adapter files recorded."""
     p.add_argument(
         "--share-gpu",
         action="store_true",
@@ -123,9 +146,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="record each adapter's files in the store, for a vLLM that cannot see this disk (tracetrain_vllm's "
         "resolver); --no-adapter-files when vLLM loads adapters by path (default: record them)",
     )
-    p.add_argument("--once", action="store_true", help="run the queued jobs, then exit")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default info)")
-    return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -48,6 +48,7 @@ from trainer._step import PeakMemoryKind, StepResult, TrainItem, check_item
 
 log = logging.getLogger("tracetrain.trainer")
 
+
 class Learner:
     """A LoRA being trained with GRPO (or a variant) from token-level samples.
 
