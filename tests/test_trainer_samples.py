@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -265,6 +266,50 @@ def test_merged_turns_forward_the_conversation_once() -> None:
     assert stats.tokens == len(second.prompt_token_ids) + 2 < stats.call_tokens
 
 
+# Token 50 reads "}}", 51 reads "}": a constrained decoder may sample "}" "}" where the template's text
+# tokenizes to "}}"; 52 reads "]" (another text).
+SPELLING = {50: "}}", 51: "}", 52: "]"}
+
+
+def spell(ids: Sequence[int]) -> str:
+    return "".join(SPELLING.get(i, f"<{i}>") for i in ids)
+
+
+def test_a_turn_re_rendered_to_the_same_text_in_other_ids_merges_with_the_ids_as_sampled() -> None:
+    prompt = turn(USER, 21) + header(ASSISTANT)
+    first = call(prompt, [30, 51, 51, IM_END])
+    rest = [NL, *turn(TOOL, 40), *header(ASSISTANT)]
+    second = call([*prompt, 30, 50, IM_END, *rest], [32, IM_END])
+    samples, stats = build_samples([first, second], decode=spell)
+    assert (stats.samples, stats.merged, stats.merged_retokenized, stats.mismatched) == (1, 1, 1, 0)
+    (sample,) = samples
+    assert sample.token_ids == [*prompt, 30, 51, 51, IM_END, *rest, 32, IM_END]  # the sampled spelling kept
+    assert sample.old_logprobs[len(prompt) : len(prompt) + 4] == list(first.logprobs)
+    assert sample.loss_mask == [False] * len(prompt) + [True] * 4 + [False] * len(rest) + [True] * 2
+    assert stats.tokens < stats.call_tokens  # the conversation is forwarded once
+
+
+def test_a_turn_re_rendered_to_other_text_still_splits_and_without_decode_every_re_rendering_splits() -> None:
+    prompt = turn(USER, 21) + header(ASSISTANT)
+    first = call(prompt, [30, 51, 51, IM_END])
+    rest = [NL, *turn(TOOL, 40), *header(ASSISTANT)]
+    other_text = call([*prompt, 30, 52, IM_END, *rest], [32, IM_END])
+    _, stats = build_samples([first, other_text], decode=spell)
+    assert (stats.samples, stats.merged_retokenized, stats.split_rerendered) == (2, 0, 1)
+    same_text = call([*prompt, 30, 50, IM_END, *rest], [32, IM_END])
+    _, stats = build_samples([first, same_text])
+    assert (stats.samples, stats.merged_retokenized, stats.split_rerendered) == (2, 0, 1)
+
+
+def test_a_re_rendered_turn_with_no_stop_token_after_it_splits() -> None:
+    # The completion was cut (no stop token of its own in the new prompt): where the turn ends is unknown.
+    prompt = turn(USER, 21) + header(ASSISTANT)
+    first = call(prompt, [30, 51, 51, 33])
+    second = call([*prompt, 30, 50, 34, NL], [32, IM_END])
+    _, stats = build_samples([first, second], decode=spell)
+    assert (stats.samples, stats.merged_retokenized, stats.split_rerendered) == (2, 0, 1)
+
+
 def test_a_prompt_that_drops_earlier_turns_is_a_split_of_another_kind() -> None:
     first = call(turn(SYSTEM, 20) + turn(USER, 21) + header(ASSISTANT), [30, IM_END])
     summarized = call(turn(USER, 22) + header(ASSISTANT), [31, IM_END])  # the agent dropped the history
@@ -287,3 +332,21 @@ def test_a_steps_turn_metrics_are_per_trained_trajectory() -> None:
     assert metrics["samples_per_trajectory"] == 1.5
     assert metrics["samples_split_rerendered"] == 1
     assert metrics["trained_tokens"] == 8 and metrics["trained_token_share"] == 1.0
+
+
+def test_the_models_decode_keeps_special_tokens_and_reads_two_spellings_of_one_text_alike(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    from trainer._tokenizer import model_decode
+
+    decode = model_decode(tiny_model_dir)
+    assert decode is not None
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    text = '<|im_start|>assistant\n{"city": "Oslo"}<|im_end|>'
+    canonical = tokenizer.encode(text)
+    one_by_one = [i for ch in text.split("<|im_end|>")[0] for i in tokenizer.encode(ch)] + canonical[-1:]
+    assert decode(canonical) == decode(one_by_one) == text
+    assert canonical != one_by_one  # the same text in other ids: what a constrained decoder may sample
+    assert model_decode(tmp_path) is None  # no tokenizer: turns merge by ids only

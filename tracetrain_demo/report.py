@@ -25,6 +25,7 @@ class Step:
     trajectories: int = 0
     calls: int = 0
     merged: int = 0  # calls merged into the sample before them
+    retokenized: int = 0  # ...of which across a turn re-rendered to the same text in other token ids
     split_rerendered: int = 0  # calls that started a new sample: their prompt re-rendered the previous turn
     split_not_extended: int = 0  # ...their prompt did not keep what came before
     trained_tokens: int = 0
@@ -41,7 +42,8 @@ class Step:
         return cls(version, m["reward_mean"], m["loss"], m["seconds"], wall_s, samples=m.get("samples", 0),
                    off_policy=m.get("off_policy_samples", 0), stale=m.get("skipped_stale_samples", 0),
                    trajectories=m.get("samples_trajectories", 0), calls=m.get("samples_calls", 0),
-                   merged=m.get("samples_merged", 0), split_rerendered=m.get("samples_split_rerendered", 0),
+                   merged=m.get("samples_merged", 0), retokenized=m.get("samples_merged_retokenized", 0),
+                   split_rerendered=m.get("samples_split_rerendered", 0),
                    split_not_extended=m.get("samples_split_not_extended", 0),
                    trained_tokens=m.get("trained_tokens", 0), completion_tokens=m.get("samples_completion_tokens", 0),
                    forwarded_tokens=m.get("samples_tokens", 0), captured_tokens=m.get("samples_call_tokens", 0),
@@ -154,7 +156,8 @@ def turns(steps: list[Step]) -> list[str]:
     forwarded, captured = sum(s.forwarded_tokens for s in steps), sum(s.captured_tokens for s in steps)
     lines = [
         f"turns: {calls / trajectories:.2f} calls and {samples / trajectories:.2f} samples per trajectory "
-        f"({sum(s.merged for s in steps)} calls merged into the one before; split: {rerendered} because the prompt "
+        f"({sum(s.merged for s in steps)} calls merged into the one before, {sum(s.retokenized for s in steps)} of "
+        f"them across a turn re-rendered in other token ids; split: {rerendered} because the prompt "
         f"re-rendered the previous turn, {not_extended} because it did not extend it)",
         f"tokens: {trained} trained of {sampled} sampled ({trained / max(sampled, 1):.0%}); training forwarded "
         f"{forwarded} of the {captured} captured (prompts shared by merged calls count once)",

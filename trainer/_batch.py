@@ -18,7 +18,7 @@ import torch
 
 from store import RewardedTrajectory, group_advantages
 from trainer._config import TrainConfig
-from trainer._samples import CapturedCall, Sample, SampleStats, build_samples
+from trainer._samples import CapturedCall, Decode, Sample, SampleStats, build_samples
 from trainer._sampling import SamplingDefaults
 
 
@@ -55,8 +55,10 @@ class Batch:
     metrics: dict[str, Any]
 
 
-def build_batch(trajectories: Sequence[TrajectoryData], cfg: TrainConfig, *, trained_version: int) -> Batch:
-    """Samples and their advantages for one step on top of ``trained_version``."""
+def build_batch(
+    trajectories: Sequence[TrajectoryData], cfg: TrainConfig, *, trained_version: int, decode: Decode | None = None
+) -> Batch:
+    """Samples and their advantages for one step on top of ``trained_version`` (``decode``: see build_samples)."""
     rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float64)  # (N,)
     adv = group_advantages(
         [t.reward for t in trajectories], [t.group_id for t in trajectories], scale=cfg.scale_advantages
@@ -68,7 +70,7 @@ def build_batch(trajectories: Sequence[TrajectoryData], cfg: TrainConfig, *, tra
     for trajectory, advantage, keep in zip(trajectories, adv.advantages, adv.keep, strict=True):
         if not keep:
             continue
-        built, built_stats = build_samples(trajectory.calls)
+        built, built_stats = build_samples(trajectory.calls, decode)
         stats += built_stats
         for sample in built:
             if sample.oldest_version < trained_version - cfg.max_staleness:

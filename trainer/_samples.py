@@ -15,6 +15,15 @@ an agent's template keeps breaking the merge, with why each split happened:
 - ``split_not_extended``: the new prompt does not even keep what came before it (the agent
   dropped, edited or summarized earlier turns, or started another conversation).
 
+A re-rendered turn that reads the same as the model wrote it, in other token ids, still merges when
+``build_samples`` is given the model's ``decode``: constrained decoding (``tool_choice`` "required")
+samples non-canonical splits such as ``}`` ``}`` that the template's text tokenizes as ``}}``. The
+sample keeps the ids as sampled (their logprobs are the sampler's) and continues with the rest of the
+new prompt (``merged_retokenized``). The next completion was sampled after the canonical ids, so the
+learner scores it in a context that reads the same but is spelled in other ids: a small gap the step
+measures (``logprob_mismatch``) and the sampler correction bounds, against forwarding the whole
+conversation again as a new sample.
+
 Each split costs training time (the shared prefix is forwarded again) and is what a token
 budget sees: ``call_tokens`` (every call's prompt plus completion, as captured) against
 ``tokens`` (what the samples forward) and ``loss_tokens`` (what carries loss).
@@ -35,11 +44,14 @@ not, so their ratio sits below 1 by the probability mass that truncation cut.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 
 # vLLM samples greedily below this temperature (its _SAMPLING_EPS); such a call's logprobs are not a sampler's.
 GREEDY_BELOW = 1e-5
+
+# Token ids to text, special tokens kept (the model's tokenizer): what lets a re-tokenized turn merge.
+Decode = Callable[[Sequence[int]], str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +91,7 @@ class SampleStats:
     trajectories: int = 0  # trajectories built (one per build_samples call)
     calls: int = 0
     merged: int = 0  # calls appended to the sample before them
+    merged_retokenized: int = 0  # ...of which across a turn the template re-rendered to the same text in other ids
     mismatched: int = 0  # calls that started a new sample although one was open: the two splits below
     split_rerendered: int = 0  # ...whose prompt re-rendered the previous completion (the template's doing)
     split_not_extended: int = 0  # ...whose prompt dropped or changed what came before the previous completion
@@ -119,6 +132,22 @@ class _Open:
         n = self.context_len
         return len(prompt) >= n and prompt[:n] == self.token_ids[:n]
 
+    def retokenized_end(self, prompt: list[int], decode: Decode) -> int | None:
+        """Where the re-rendered last completion ends in ``prompt``, if it reads the same as sampled; else None.
+
+        The completion ends with its stop token (``<|im_end|>``), which the template writes after the turn
+        too: the re-rendered turn is the prompt from ``context_len`` to that token's first occurrence.
+        """
+        completion = self.token_ids[self.context_len :]
+        if not completion or not self.rerendered(prompt):
+            return None
+        try:
+            end = prompt.index(completion[-1], self.context_len) + 1
+        except ValueError:
+            return None
+        same = decode(prompt[self.context_len : end]) == decode(completion)
+        return end if same else None
+
     def append(self, call: CapturedCall, new_prompt: list[int], *, sampled: bool = True) -> None:
         """The call's new prompt tokens as context, then its completion: loss only if ``sampled``."""
         self.token_ids += new_prompt
@@ -144,8 +173,8 @@ class _Open:
                       self.temperatures)  # fmt: skip
 
 
-def build_samples(calls: Sequence[CapturedCall]) -> tuple[list[Sample], SampleStats]:
-    """Merge one trajectory's calls, in order, into training samples.
+def build_samples(calls: Sequence[CapturedCall], decode: Decode | None = None) -> tuple[list[Sample], SampleStats]:
+    """Merge one trajectory's calls, in order, into training samples (across re-tokenized turns with ``decode``).
 
     >>> first = CapturedCall([1, 2], [3, 4], [-0.1, -0.2])
     >>> second = CapturedCall([1, 2, 3, 4, 5], [6], [-0.3])  # 5: a tool result
@@ -154,7 +183,7 @@ def build_samples(calls: Sequence[CapturedCall]) -> tuple[list[Sample], SampleSt
     ([1, 2, 3, 4, 5, 6], [False, False, True, True, False, True], 1)
     """
     samples: list[Sample] = []
-    failed = inconsistent = empty = greedy = truncated = merged = rerendered = not_extended = 0
+    failed = inconsistent = empty = greedy = truncated = merged = retokenized = rerendered = not_extended = 0
     current: _Open | None = None
 
     def close(sample: _Open | None) -> None:
@@ -180,6 +209,12 @@ def build_samples(calls: Sequence[CapturedCall]) -> tuple[list[Sample], SampleSt
             current.append(call, prompt[len(current.token_ids) :], sampled=sampled)
             merged += 1
             continue
+        end = current.retokenized_end(prompt, decode) if current is not None and decode is not None else None
+        if current is not None and end is not None:
+            current.append(call, prompt[end:], sampled=sampled)
+            merged += 1
+            retokenized += 1
+            continue
         if current is not None:
             rerendered += current.rerendered(prompt)
             not_extended += not current.rerendered(prompt)
@@ -192,6 +227,7 @@ def build_samples(calls: Sequence[CapturedCall]) -> tuple[list[Sample], SampleSt
         trajectories=1 if calls else 0,
         calls=len(calls),
         merged=merged,
+        merged_retokenized=retokenized,
         mismatched=rerendered + not_extended,
         split_rerendered=rerendered,
         split_not_extended=not_extended,

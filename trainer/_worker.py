@@ -47,6 +47,7 @@ from trainer._memory import release_learner_memory, release_step_memory
 from trainer._retention import retain
 from trainer._sampling import SamplingDefaults
 from trainer._step import TrainItem
+from trainer._tokenizer import model_decode
 
 log = logging.getLogger("tracetrain.trainer")
 
@@ -197,7 +198,8 @@ class Worker:
         config = self.settings.config
         defaults = SamplingDefaults.of_model(self.settings.base_model, temperature=config.default_temperature)
         trajectories = [TrajectoryData.from_store(t, defaults) for t in stored]
-        batch = build_batch(trajectories, config, trained_version=base)
+        decode = await asyncio.to_thread(model_decode, self.settings.base_model)
+        batch = build_batch(trajectories, config, trained_version=base, decode=decode)
         if not batch.samples:
             log.warning("job %s: nothing to learn from (%s)", job["id"], batch.metrics)
             return {**batch.metrics, "skipped": "no sample carries a signal"}, None
