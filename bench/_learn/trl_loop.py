@@ -96,7 +96,11 @@ def main() -> int:
         output_dir=str(args.out / "trainer"),
         use_cpu=True,
         bf16=False,  # float32 on a CPU, as tracetrain's trainer and vLLM here
-        per_device_train_batch_size=GROUPS_PER_STEP * GROUP_SIZE,
+        # One optimizer step on GROUPS_PER_STEP x GROUP_SIZE completions, as tracetrain's. The tool task's
+        # completions span two turns and a tool answer over a long system turn: its 32 sequences' logits in one
+        # forward took 18 GB, so it trains them in micro-batches of 8 (the same step: gradients accumulated).
+        per_device_train_batch_size=GROUPS_PER_STEP * GROUP_SIZE if not tools else GROUP_SIZE,
+        gradient_accumulation_steps=1 if not tools else GROUPS_PER_STEP,
         num_generations=GROUP_SIZE,
         # The tool task's completion spans its turns: the call, the tool's answer, the reply (48 each at most).
         max_completion_length=args.max_tokens if not tools else 3 * 48,
