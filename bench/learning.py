@@ -98,24 +98,46 @@ def main() -> int:
 
 
 def _run_ours(args: argparse.Namespace, out: Path) -> None:
-    """``tracetrain demo`` for the budget; its adapters and their times are copied to ``out``."""
+    """``tracetrain demo`` for the budget; its adapters, copied as each appears, and their times go to ``out``.
+
+    Copied while the demo runs: serve's retention (``--keep-versions``) deletes all but the newest
+    versions' files, and every minute mark needs the version that was newest then.
+    """
     _say(f"tracetrain demo for {args.minutes:g} minutes (log: {out / 'demo.log'})")
     out.mkdir(parents=True, exist_ok=True)
-    with (out / "demo.log").open("w") as log:
-        subprocess.run([sys.executable, "-m", "tracetrain_cli", "demo", "--data-dir", str(args.data_dir),
-                        "--minutes", str(args.minutes), "--eval-attempts", "0", "--task", args.task],
-                       cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)  # fmt: skip
     run = args.data_dir / "demo"
+    with (out / "demo.log").open("w") as log:
+        demo = subprocess.Popen([sys.executable, "-m", "tracetrain_cli", "demo", "--data-dir", str(args.data_dir),
+                                 "--minutes", str(args.minutes), "--eval-attempts", "0", "--task", args.task],
+                                cwd=REPO, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        while demo.poll() is None:
+            _keep_adapters(run / "adapters" / "agent", out)
+            time.sleep(1.0)
+    if demo.returncode:
+        raise subprocess.CalledProcessError(demo.returncode, demo.args)
+    _keep_adapters(run / "adapters" / "agent", out)
     began = json.loads((run / "results.json").read_text())["training_began"]
     with sqlite3.connect(run / "tracetrain.db") as db:
-        adapters = db.execute("SELECT version, path, created_at FROM adapters WHERE policy = 'agent' "
+        adapters = db.execute("SELECT version, created_at FROM adapters WHERE policy = 'agent' "
                               "ORDER BY version").fetchall()  # fmt: skip
     with (out / "steps.jsonl").open("w") as steps:
-        for version, path, created_at in adapters:
+        for version, created_at in adapters:
             kept = out / f"step-{version}"
-            shutil.rmtree(kept, ignore_errors=True)
-            shutil.copytree(path, kept)
-            steps.write(json.dumps({"step": version, "seconds": created_at - began, "path": str(kept)}) + "\n")
+            if kept.is_dir():  # a version pruned before it was copied (a copy missed by the 1 s poll) is left out
+                steps.write(json.dumps({"step": version, "seconds": created_at - began, "path": str(kept)}) + "\n")
+
+
+def _keep_adapters(adapters: Path, out: Path) -> None:
+    """Copy every adapter directory not copied yet (the trainer writes one in a hidden directory, then renames it)."""
+    for version in sorted(adapters.iterdir()) if adapters.is_dir() else []:
+        kept = out / f"step-{version.name}"
+        if not version.name.isdigit() or kept.exists():
+            continue
+        try:
+            shutil.copytree(version, out / f".copying-{version.name}", dirs_exist_ok=True)
+        except (OSError, shutil.Error):  # pruned while being copied
+            continue
+        (out / f".copying-{version.name}").rename(kept)
 
 
 def _steps(side: Path) -> list[dict[str, object]]:
