@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any, get_args
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from proxy.gateway._router import State
 from store import JobState, Store, TrainingState
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -201,10 +200,12 @@ class Metrics:
         loaded_versions: int,
         langfuse: dict[str, int] | None = None,
         upstreams: Sequence[dict[str, Any]] = (),
+        upstream_states: Sequence[str] = (),
     ) -> bytes:
         """The exposition text, with the store's figures (and the Langfuse exporter's counters) read now.
 
-        ``upstreams``: each vLLM server as ``Router.views()`` describes it.
+        ``upstreams``: each vLLM server as ``Router.views()`` describes it; ``upstream_states``: every
+        state a server can be in (``proxy.gateway.UPSTREAM_STATES``), a series each.
         """
         jobs = await store.jobs.counts()
         for state in JobState:
@@ -224,7 +225,7 @@ class Metrics:
         self.loaded.set(loaded_versions)
         for outcome, count in (langfuse or {}).items():
             self.langfuse.labels(outcome).set(count)
-        self._set_upstreams(upstreams)
+        self._set_upstreams(upstreams, upstream_states)
         return generate_latest(self.registry)
 
     def _set_last_step(self, job: dict[str, Any]) -> None:
@@ -233,12 +234,12 @@ class Metrics:
             if isinstance(value, int | float) and not isinstance(value, bool):
                 self.last_step.labels(str(job["policy"]), name).set(value)
 
-    def _set_upstreams(self, upstreams: Sequence[dict[str, Any]]) -> None:
+    def _set_upstreams(self, upstreams: Sequence[dict[str, Any]], states: Sequence[str]) -> None:
         self.upstream_versions.clear()  # versions unloaded since the last scrape disappear
         for server in upstreams:
             url = str(server["url"])
             self.upstream_up.labels(url).set(1 if server["state"] == "serving" else 0)
-            for state in get_args(State):
+            for state in states:
                 self.upstream_state.labels(url, state).set(1 if server["state"] == state else 0)
             self.upstream_in_flight.labels(url).set(server["in_flight"])
             self.upstream_failovers.labels(url).set(server["failovers"])
