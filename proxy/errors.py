@@ -31,8 +31,9 @@ their own error shape (``Dialect.error``, ``proxy.gateway._dialect``).
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from types import TracebackType
 from typing import Any
 
 import httpx
@@ -207,13 +208,24 @@ def from_store_error(exc: store.StoreError) -> ProxyError:
     return StoreUnavailable(f"the store failed: {exc}")
 
 
-@contextmanager
-def store_errors() -> Iterator[None]:
-    """Translate the store's errors raised in the block into the proxy's (``from_store_error``)."""
-    try:
-        yield
-    except store.StoreError as exc:
-        raise from_store_error(exc) from exc
+class _StoreErrors:
+    """A class, not a generator: it is entered on every call's path (keying, recording)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, _kind: type[BaseException] | None, exc: BaseException | None, _tb: TracebackType | None) -> None:
+        if isinstance(exc, store.StoreError):
+            raise from_store_error(exc) from exc
+
+
+_STORE_ERRORS = _StoreErrors()
+
+
+def store_errors() -> _StoreErrors:
+    """``with store_errors():`` translates the store's errors raised in the block into the proxy's
+    (``from_store_error``); anything else passes through."""
+    return _STORE_ERRORS
 
 
 def error_response(
