@@ -41,7 +41,7 @@ from proxy.gateway._dialect import Dialect
 from proxy.gateway._messages import MESSAGES, count_tokens_chat
 from proxy.gateway._messages_wire import CountTokensRequest, MessagesRequest
 from proxy.gateway._responses import RESPONSES, ResponsesRequest
-from proxy.gateway._translated import handle as translated
+from proxy.gateway._translated import handle as handle_translated
 from proxy.gateway._wire import ChatCompletionRequest, CompletionRequest, json_object
 
 router = APIRouter(dependencies=[Depends(require_inference_key)], tags=["openai"])
@@ -109,7 +109,7 @@ async def _translated(dialect: Dialect, request: Request, services: Services) ->
     """A call in an API the proxy translates to chat; every error in that API's own shape."""
     try:
         await require_inference_key(request, services)
-        return await translated(services.forwarder, dialect, await request.body(), key_hints(request))
+        return await handle_translated(services.forwarder, dialect, await request.body(), key_hints(request))
     except ProxyError as exc:
         return dialect.error(exc)
 
