@@ -105,7 +105,7 @@ class Settings(BaseSettings):
 
     # A complete group (min_group_size trajectories or more) still missing rewards after this many seconds
     # with no call and no reward is judged when a judge is configured (judge_model, or a reward_source that
-    # judges), else closed "unrewarded": never trained, counted (proxy.training._reward_timeout). Unset: groups
+    # judges), else closed "unrewarded": never trained, counted (proxy.judge._timeout). Unset: groups
     # wait for their rewards as long as it takes.
     reward_timeout_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 

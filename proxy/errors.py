@@ -19,21 +19,30 @@
     └── StoreUnavailable            503 the call could not be recorded, so it is not answered
 
 Upstream httpx errors are translated in one place, ``upstream_errors()``; the store's
-errors (``store.StoreError``) in another, ``from_store_error()``. An error with
-``retry_after_s`` also sends a ``Retry-After`` header (OpenAI's SDKs wait that long, up to a
-minute, before their automatic retry).
+errors (``store.StoreError``) in another, ``store_errors()`` (``from_store_error()``). Every
+error's HTTP response is made here: ``error_response()`` for a ``ProxyError``,
+``response_for()`` for whatever a request raised (an unexpected error is logged and answered
+500 without its detail), ``http_error_response()`` for Starlette's own (404 and 405). An
+error with ``retry_after_s`` also sends a ``Retry-After`` header (OpenAI's SDKs wait that
+long, up to a minute, before their automatic retry). The APIs translated to chat answer in
+their own error shape (``Dialect.error``, ``proxy.gateway._dialect``).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
+from types import TracebackType
 from typing import Any
 
 import httpx
 import orjson
+from starlette.responses import Response
 
 import store
+
+log = logging.getLogger("tracetrain.proxy")
 
 
 class ProxyError(Exception):
@@ -197,3 +206,55 @@ def from_store_error(exc: store.StoreError) -> ProxyError:
     if isinstance(exc, store.GroupChanged):
         return Conflict(str(exc), param="group_id")
     return StoreUnavailable(f"the store failed: {exc}")
+
+
+class _StoreErrors:
+    """A class, not a generator: it is entered on every call's path (keying, recording)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, _kind: type[BaseException] | None, exc: BaseException | None, _tb: TracebackType | None) -> None:
+        if isinstance(exc, store.StoreError):
+            raise from_store_error(exc) from exc
+
+
+_STORE_ERRORS = _StoreErrors()
+
+
+def store_errors() -> _StoreErrors:
+    """``with store_errors():`` translates the store's errors raised in the block into the proxy's
+    (``from_store_error``); anything else passes through."""
+    return _STORE_ERRORS
+
+
+def error_response(
+    exc: ProxyError, headers: Mapping[str, str] | None = None, *, body: Mapping[str, Any] | None = None
+) -> Response:
+    """``exc`` with its status (and ``Retry-After`` when it has one): in OpenAI's shape, or as ``body`` (the
+    shape of a translated API, ``Dialect.error``)."""
+    sent = dict(headers or {})
+    if exc.retry_after_s is not None:
+        sent["Retry-After"] = str(exc.retry_after_s)
+    content = orjson.dumps(exc.body() if body is None else body)
+    return Response(content, status_code=exc.status_code, headers=sent or None, media_type="application/json")
+
+
+def server_error_response() -> Response:
+    """What the client gets for an error the proxy did not expect (its detail goes to the log)."""
+    body = error_body("The proxy failed unexpectedly; the error is in its log.", "server_error")
+    return Response(orjson.dumps(body), status_code=500, media_type="application/json")
+
+
+def response_for(exc: Exception, method: str, path: str) -> Response:
+    """Whatever a request raised, answered: a ``ProxyError`` in its shape, anything else a logged 500."""
+    if isinstance(exc, ProxyError):
+        return error_response(exc)
+    log.error("unexpected error on %s %s", method, path, exc_info=exc)
+    return server_error_response()
+
+
+def http_error_response(status_code: int, detail: str, headers: Mapping[str, str] | None = None) -> Response:
+    """Starlette's own errors (an unknown route, a method not allowed) in OpenAI's shape."""
+    body = error_body(detail, "invalid_request_error")
+    return Response(orjson.dumps(body), status_code=status_code, media_type="application/json", headers=headers)

@@ -66,6 +66,11 @@ class Chains:
     def __len__(self) -> int:
         return len(self._last)
 
+    @property
+    def token_ids(self) -> int:
+        """The prompt and completion ids held in memory, over every trajectory (at most ``max_tokens``)."""
+        return self._bytes // _ITEM
+
     def stored_row(self, trajectory_id: str, call: dict[str, Any]) -> dict[str, Any]:
         """The row to store for ``call``: compact when it continues its trajectory's last call, else whole.
 

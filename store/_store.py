@@ -160,6 +160,11 @@ class Store:
     async def vacuum(self) -> None:
         await vacuum(self.engine)
 
+    def compact_memory(self) -> dict[str, int]:
+        """What compact capture holds in this process's memory (``chains``, bounded): the trajectories whose
+        last call is kept, and the token ids kept with them."""
+        return {"trajectories": len(self.chains), "token_ids": self.chains.token_ids}
+
     async def disk_bytes(self) -> dict[str, int]:
         """Bytes of the store by part: calls, adapter_files, database (``store._usage``)."""
         return await store_bytes(self.engine)

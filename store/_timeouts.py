@@ -3,7 +3,7 @@
 A group is *overdue* when it is ``open``, has at least ``min_group_size`` trajectories, some
 of them have no reward, and nothing happened to any of them (a call or a reward) for the
 timeout. The proxy then has it judged, or closes it ``unrewarded``: it never trains, and a
-reward posted later is recorded but changes nothing (``proxy.training._reward_timeout``).
+reward posted later is recorded but changes nothing (``proxy.judge._timeout``).
 """
 
 from __future__ import annotations

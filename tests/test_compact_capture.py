@@ -116,6 +116,19 @@ def test_the_trainer_and_export_read_the_whole_prompts(
     assert [c["request"]["messages"] for c in exported] == sent
 
 
+def test_metrics_show_what_compact_capture_holds_in_memory(proxy: RunningProxy, fake: FakeVLLM) -> None:
+    """Each trajectory's last call is held (bounded): /metrics shows how many, and how many token ids."""
+    fake.script(*(Reply(content=f"Answer {i} is here.") for i in range(4)))
+    converse(proxy, "held-a", 3)
+    converse(proxy, "held-b", 1)
+
+    calls = [httpx.get(f"{proxy.v1}/trajectories/{tid}").json()["calls"][-1] for tid in ("held-a", "held-b")]
+    held_ids = sum(len(c["prompt_token_ids"]) + len(c["completion_token_ids"]) for c in calls)
+    metrics = httpx.get(f"{proxy.url}/metrics").text
+    assert 'tracetrain_compact_capture_held{what="trajectories"} 2.0' in metrics
+    assert f'tracetrain_compact_capture_held{{what="token_ids"}} {float(held_ids)}' in metrics
+
+
 def test_chains_forget_the_least_recently_used_trajectory_past_their_budget() -> None:
     chains = Chains(max_tokens=10, max_trajectories=100)
     call = {"id": "c-a", "status_code": 200, "prompt_token_ids": [1, 2, 3, 4], "completion_token_ids": [5],

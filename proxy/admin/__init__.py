@@ -1,6 +1,6 @@
-"""The admin API and the dashboard under ``/admin``, and who may use them."""
+"""What the dashboard and the admin API under ``/admin`` show (their routes: ``proxy.api``), and who may use them."""
 
-from proxy.admin._auth import Admin, AdminAuth
+from proxy._credentials import Admin, AdminAuth
 from proxy.admin._token_texts import TokenTexts
 
 __all__ = ["Admin", "AdminAuth", "TokenTexts"]

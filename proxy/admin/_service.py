@@ -1,38 +1,73 @@
 """The admin service: what the dashboard shows, read from the store.
 
 Every page of the dashboard renders one of these results, and the admin JSON API
-returns the same result, so whatever an operator sees can also be scripted.
+returns the same result, so whatever an operator sees can also be scripted. Each function
+reads what ``Sources`` names: the app's services (``proxy._services.Services``) are such.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-from typing import Any
+from typing import Any, Protocol
 
-from proxy._deps import Services
+from proxy._settings import Settings
+from proxy.admin._token_texts import TokenTexts
 from proxy.data import _service as _data
 from proxy.data._wire import trajectory_view
 from proxy.errors import Conflict, NotFound, ProxyError
-from proxy.gateway._router import Server
+from proxy.gateway import PolicyRegistry
+from proxy.gateway._router import Router, Server
+from proxy.judge import JudgeService
+from proxy.observability import Metrics
+from proxy.observability._disk import DiskWatch
+from proxy.training import HandoverCoordinator, JobScheduler
 from proxy.training._guard import resume_training as resume
 from store import (
     ADAPTER_FIELDS,
     JOB_FIELDS,
     JobState,
+    Store,
     TrainingState,
-    _advantages,
     call_messages,
     call_reply,
     common_prefix,
     same_message,
+)
+from store import (
+    group_advantages as advantages_of,
 )
 
 # What the training page plots, from each succeeded job's metrics.
 CURVES = ("reward_mean", "loss", "logprob_mismatch_mean")
 
 
-async def overview(services: Services) -> dict[str, Any]:
+class Sources(Protocol):
+    """What the admin service reads: the settings, the store, and what each feature knows now."""
+
+    @property
+    def settings(self) -> Settings: ...
+    @property
+    def store(self) -> Store: ...
+    @property
+    def registry(self) -> PolicyRegistry: ...
+    @property
+    def router(self) -> Router: ...
+    @property
+    def scheduler(self) -> JobScheduler: ...
+    @property
+    def judging(self) -> JudgeService: ...
+    @property
+    def metrics(self) -> Metrics: ...
+    @property
+    def token_texts(self) -> TokenTexts: ...
+    @property
+    def handover(self) -> HandoverCoordinator | None: ...
+    @property
+    def disk(self) -> DiskWatch | None: ...
+
+
+async def overview(services: Sources) -> dict[str, Any]:
     """Traffic, data, training and serving at a glance."""
     store = services.store
     traffic = await store.reads.traffic()
@@ -69,13 +104,13 @@ async def overview(services: Services) -> dict[str, Any]:
     }
 
 
-def _disk(services: Services) -> dict[str, Any] | None:
+def _disk(services: Sources) -> dict[str, Any] | None:
     """Bytes per part and free space, as last measured (every minute); calls the store could not record."""
     usage = services.disk.latest if services.disk is not None else None
     return None if usage is None else {**usage.view(), "capture_failures": dict(services.metrics.failed_captures)}
 
 
-async def training_state(services: Services) -> dict[str, Any]:
+async def training_state(services: Sources) -> dict[str, Any]:
     """Whether the policy trains; when the regression guard paused it, why, and the version it rolled back."""
     policy = services.settings.policy
     state = await services.store.guards.training(policy)
@@ -89,20 +124,20 @@ async def training_state(services: Services) -> dict[str, Any]:
     }
 
 
-async def resume_training(services: Services) -> dict[str, Any]:
+async def resume_training(services: Sources) -> dict[str, Any]:
     """Resume the policy's training after the regression guard paused it (a no-op when it was not paused)."""
     await resume(services.store, services.settings.policy)
     return await training_state(services)
 
 
-async def refuse_while_paused(services: Services) -> None:
+async def refuse_while_paused(services: Sources) -> None:
     """'Train now' while the guard paused training is a 409 that says why and how to resume."""
     if reason := await services.scheduler.paused():
         raise Conflict(f"Training is paused: {reason}. Resume it first (POST /admin/training/resume, or the "
                        "dashboard's Resume training button).", code="training_paused")  # fmt: skip
 
 
-async def _gpu_handover(services: Services) -> dict[str, Any] | None:
+async def _gpu_handover(services: Sources) -> dict[str, Any] | None:
     """With --share-gpu: the hand-over under way (a step asked for or holds the GPU), or vLLM not awake."""
     if not services.settings.share_gpu:
         return None
@@ -119,7 +154,7 @@ async def _gpu_handover(services: Services) -> dict[str, Any] | None:
     }
 
 
-async def _upstreams(services: Services) -> list[dict[str, Any]]:
+async def _upstreams(services: Sources) -> list[dict[str, Any]]:
     """Each vLLM server as the router sees it (in rotation, calls in flight, versions), and its /health now."""
 
     async def one(server: Server) -> dict[str, Any]:
@@ -132,11 +167,11 @@ async def _upstreams(services: Services) -> list[dict[str, Any]]:
     return list(await asyncio.gather(*(one(server) for server in services.router.servers)))
 
 
-async def list_trajectories(services: Services, **filters: Any) -> dict[str, Any]:
+async def list_trajectories(services: Sources, **filters: Any) -> dict[str, Any]:
     return await _data.list_trajectories(services.store, **filters)
 
 
-async def trajectory_detail(services: Services, trajectory_id: str) -> dict[str, Any]:
+async def trajectory_detail(services: Sources, trajectory_id: str) -> dict[str, Any]:
     """A trajectory (with every reward it got), its calls with each completion token's text."""
     trajectory = await _data.get_trajectory(services.store, trajectory_id)
     calls = trajectory["calls"]
@@ -160,11 +195,11 @@ async def trajectory_detail(services: Services, trajectory_id: str) -> dict[str,
     return trajectory
 
 
-async def list_groups(services: Services, **filters: Any) -> dict[str, Any]:
+async def list_groups(services: Sources, **filters: Any) -> dict[str, Any]:
     return await _data.list_groups(services.store, min_group_size=services.settings.min_group_size, **filters)
 
 
-async def group_detail(services: Services, group_id: str) -> dict[str, Any]:
+async def group_detail(services: Sources, group_id: str) -> dict[str, Any]:
     """A group's members side by side: rewards, advantages as the trainer computes them, answers,
     and the judge's latest scores and explanations when it judged the group."""
     record = await services.store.reads.group(group_id)
@@ -208,12 +243,12 @@ def group_advantages(rewards: list[float | None]) -> tuple[list[float | None], l
     if not rewards or len(values) < len(rewards):
         return [None] * len(rewards), [None] * len(rewards)
     one_group = [0] * len(values)
-    centered: list[float | None] = [*_advantages.group_advantages(values, one_group, scale=False).advantages]
-    scaled: list[float | None] = [*_advantages.group_advantages(values, one_group, scale=True).advantages]
+    centered: list[float | None] = [*advantages_of(values, one_group, scale=False).advantages]
+    scaled: list[float | None] = [*advantages_of(values, one_group, scale=True).advantages]
     return centered, scaled
 
 
-async def list_jobs(services: Services, limit: int) -> dict[str, Any]:
+async def list_jobs(services: Sources, limit: int) -> dict[str, Any]:
     """Training jobs, newest first, with their metrics and progress."""
     return {"object": "list", "data": [_job(r) for r in await services.store.jobs.newest(limit)]}
 
@@ -232,7 +267,7 @@ def curves(jobs: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
-async def list_adapters(services: Services) -> dict[str, Any]:
+async def list_adapters(services: Sources) -> dict[str, Any]:
     """Adapter versions on disk, which are loaded, and which one serves the policy."""
     registry = services.registry
     rows = await services.store.adapters.of_policy(registry.policy)

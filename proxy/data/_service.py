@@ -10,11 +10,22 @@ from pydantic import ValidationError
 
 from proxy._params import MAX_INT
 from proxy.data._wire import RewardBatch, RewardPost, call_view, group_view, reward_view, trajectory_view
-from proxy.errors import InvalidRequest, TrajectoryNotFound, from_store_error
-from store import GROUP_VIEW_STATES, RewardIn, Store, TrajectoryFilter, UnknownTrajectories
+from proxy.errors import Conflict, InvalidRequest, TrajectoryNotFound, store_errors
+from store import GROUP_VIEW_STATES, RewardIn, Store, TrajectoryFilter
 
 # ASCII digits, few enough for int() and the store: str.isdigit() also takes "²".
 _PK_CURSOR = re.compile(r"[0-9]{1,10}")
+
+
+def refuse_external_rewards(reward_source: str) -> None:
+    """With ``--reward-source judge`` the judge alone rewards: a posted reward is a 409."""
+    if reward_source == "judge":
+        raise Conflict(
+            "This proxy runs with --reward-source judge: rewards come from the LLM judge, and one group must not mix "
+            "sources. Restart it with --reward-source both to post rewards and record the judge's scores beside "
+            "them, or with external to post rewards only. Nothing was recorded.",
+            code="rewards_come_from_the_judge",
+        )
 
 
 async def post_rewards(store: Store, raw: bytes) -> dict[str, Any]:
@@ -31,10 +42,8 @@ async def post_rewards(store: Store, raw: bytes) -> dict[str, Any]:
     except ValidationError as exc:
         hint = "A reward is a finite JSON number; metrics map names to finite numbers. Nothing was recorded."
         raise InvalidRequest.from_validation(exc.errors(), hint) from exc
-    try:
+    with store_errors():
         rows = await store.add_rewards(RewardIn(r.trajectory_id, r.reward, dict(r.metrics)) for r in items)
-    except UnknownTrajectories as exc:
-        raise from_store_error(exc) from exc
     return {"object": "list", "data": [reward_view(row) for row in rows]}
 
 

@@ -1,6 +1,6 @@
 """The OpenAI-compatible gateway: keying, forwarding to vLLM, capture of every call.
 
-Its routes (``_routes.py``) are mounted by ``proxy._app``; what they call is here.
+Its routes are ``proxy.api._openai``; what they call is here.
 """
 
 from proxy.gateway._forward import Forwarder

@@ -9,6 +9,10 @@ streams hold back only the final ``data: [DONE]`` until the commit (their relay:
 A lone call (the only one in flight: what latency is measured on) has its store writes
 committed on the event loop's thread instead of the writer's (``store._writer``): the
 trip to the writer's thread pays off only under load.
+
+The APIs translated to chat (``_translated``) go the same way through the public methods
+below (``admit``, ``route``, ``key``, ``ask``, ``stream``); the forwarder knows nothing of them
+but the stream translator it hands to their relay.
 """
 
 from __future__ import annotations
@@ -23,14 +27,7 @@ import orjson
 from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
-from proxy.errors import (
-    InvalidRequest,
-    ProxyError,
-    UpstreamHTTPError,
-    error_body,
-    from_store_error,
-)
-from proxy.gateway import _translated
+from proxy.errors import InvalidRequest, ProxyError, UpstreamHTTPError, error_response, store_errors
 from proxy.gateway._call import Call, call_write
 from proxy.gateway._capture import (
     Endpoint,
@@ -43,7 +40,7 @@ from proxy.gateway._dialect import Dialect, StreamTranslator
 from proxy.gateway._gate import Gate
 from proxy.gateway._keying import Conversation, Key, Keyer, KeyHints, new_trajectory_id
 from proxy.gateway._policies import PolicyRegistry, Route
-from proxy.gateway._relay import Relay, RelayResponse, close_unused
+from proxy.gateway._relay import Relay, RelayResponse, TranslatedRelay, close_unused
 from proxy.gateway._router import Router
 from proxy.gateway._upstream import Upstream, UpstreamStream
 from proxy.gateway._wire import ChatCompletionRequest, CompletionRequest, json_object
@@ -53,6 +50,7 @@ from store import CallWrite, Store, StoreError, StoreFull
 
 _PATHS: dict[Endpoint, str] = {"chat.completions": "/chat/completions", "completions": "/completions"}
 _MODELS: dict[Endpoint, type[BaseModel]] = {"chat.completions": ChatCompletionRequest, "completions": CompletionRequest}
+_COUNTING = "tracetrain-count-tokens"  # the router's key for token counts: any server tokenizes alike
 
 
 def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
@@ -63,20 +61,6 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
     except ValidationError as exc:
         raise InvalidRequest.from_validation(exc.errors()) from exc
     return body
-
-
-def error_response(exc: ProxyError, headers: dict[str, str] | None = None) -> Response:
-    if exc.retry_after_s is not None:
-        headers = {**(headers or {}), "Retry-After": str(exc.retry_after_s)}
-    return Response(
-        orjson.dumps(exc.body()), status_code=exc.status_code, headers=headers, media_type="application/json"
-    )
-
-
-def server_error_response() -> Response:
-    """What the client gets for an error the proxy did not expect (its detail goes to the log)."""
-    body = error_body("The proxy failed unexpectedly; the error is in its log.", "server_error")
-    return Response(orjson.dumps(body), status_code=500, media_type="application/json")
 
 
 class Forwarder:
@@ -114,14 +98,15 @@ class Forwarder:
         (``tracetrain_capture_failures{reason="disk_full"}``); capture resumes once space is freed.
         Any other store failure is a 503: the store may be back in a moment, and the client retries.
         """
-        try:
-            await self._store.record_call(write, alone=self._alone)
-        except StoreFull:
-            self._metrics.call_unrecorded(write.call)
-            return False
-        except StoreError as exc:
-            self._metrics.call_not_recorded(write.call)
-            raise from_store_error(exc) from exc
+        with store_errors():
+            try:
+                await self._store.record_call(write, alone=self._alone)
+            except StoreFull:
+                self._metrics.call_unrecorded(write.call)
+                return False
+            except StoreError:
+                self._metrics.call_not_recorded(write.call)
+                raise
         self._metrics.call_recorded(write.call)
         if self._langfuse is not None:
             self._langfuse.call_recorded(write)
@@ -136,82 +121,93 @@ class Forwarder:
     async def handle(self, endpoint: Endpoint, raw: bytes, hints: KeyHints) -> Response:
         started_at, t0 = time.time(), time.perf_counter()
         body = parse_body(raw, endpoint)
-        # Held here while a training step has the GPU, and routed after: the new version serves it.
-        await self._gate.enter()
-        self._in_flight += 1
+        await self.admit()
         try:
-            route = await self._route(str(body["model"]))
+            route = await self.route(str(body["model"]))
             messages = body.get("messages") if endpoint == "chat.completions" else None
             conversation = Conversation(route.policy, messages, body.get("prompt"))
-            key = await self._resolve(route.policy, hints, conversation)
+            key = await self.key(route.policy, hints, conversation)
             upstream_body, asked = prepare_upstream_body(body, endpoint, route.served_model)
             call = Call(endpoint, body, route, key, conversation, asked, started_at, t0)
             payload = orjson.dumps(upstream_body)
             if body.get("stream"):
-                return await self._stream(call, payload)
+                return await self.stream(call, payload)
             return await self._complete(call, payload)
         finally:
-            self._in_flight -= 1
-            self._gate.leave()  # the upstream answered (a stream: its headers): a hand-over may pause it now
+            self.release()
 
-    async def translated(self, dialect: Dialect, raw: bytes, hints: KeyHints) -> Response:
-        """A call in an API translated to chat (Responses, Messages): ``_translated.handle``."""
-        return await _translated.handle(self, dialect, raw, hints)
+    async def admit(self) -> None:
+        """Let a call in: held here while a training step has the GPU, and routed after (the new version
+        serves it); counted in flight until ``release``."""
+        await self._gate.enter()
+        self._in_flight += 1
 
-    async def count_tokens(self, chat: dict[str, Any]) -> int:
-        """The prompt tokens of a chat body, as vLLM renders it (Anthropic's ``count_tokens``)."""
-        return await _translated.count_tokens(self, chat)
+    def release(self) -> None:
+        """The upstream answered (a stream: its headers): a hand-over may pause it now."""
+        self._in_flight -= 1
+        self._gate.leave()
 
-    async def _resolve(self, policy: str, hints: KeyHints, conversation: Conversation) -> Key:
-        """The call's key; a lone call's new trajectory is seated later (``Keyer.resolve``'s ``defer_seat``)."""
-        try:
-            return await self._keyer.resolve(policy, hints, conversation, alone=self._alone, defer_seat=True)
-        except StoreFull:  # no seat can be written: the call is served, unrecorded (``record``)
-            trajectory_id = hints.header_trajectory or hints.path_trajectory or new_trajectory_id()
-            return Key(trajectory_id, hints.header_group or hints.path_group or "", "new", None)
-        except StoreError as exc:  # the call cannot be keyed, so it is not answered: a 503 in OpenAI's shape
-            raise from_store_error(exc) from exc
-
-    async def _seat(self, call: Call) -> None:
-        try:
-            call.key = await self._keyer.seat(call.route.policy, call.key, alone=self._alone)
-        except StoreFull:
-            call.key = dataclasses.replace(call.key, seat_in=0)  # served unseated; its record will fail too
-        except StoreError as exc:
-            raise from_store_error(exc) from exc
-
-    async def _route(self, model: str) -> Route:
+    async def route(self, model: str) -> Route:
+        """The policy version that serves ``model``."""
         if self._registry.base_model is None:
             self._registry.base_model = await self._router.base_model()
         return self._registry.resolve(model)
 
+    async def count_tokens(self, chat: dict[str, Any]) -> int:
+        """How many tokens vLLM renders ``chat``'s messages (and tools) into, under the model it names."""
+        route = await self.route(str(chat["model"]))
+        server = self._router.pick(_COUNTING)
+        return await server.upstream.count_prompt_tokens({**chat, "model": route.served_model})
+
+    async def key(self, policy: str, hints: KeyHints, conversation: Conversation) -> Key:
+        """The call's key; a lone call's new trajectory is seated later (``Keyer.resolve``'s ``defer_seat``)."""
+        with store_errors():  # the call cannot be keyed, so it is not answered: a 503 in OpenAI's shape
+            try:
+                return await self._keyer.resolve(policy, hints, conversation, alone=self._alone, defer_seat=True)
+            except StoreFull:  # no seat can be written: the call is served, unrecorded (``record``)
+                trajectory_id = hints.header_trajectory or hints.path_trajectory or new_trajectory_id()
+                return Key(trajectory_id, hints.header_group or hints.path_group or "", "new", None)
+
+    async def _seat(self, call: Call) -> None:
+        with store_errors():
+            try:
+                call.key = await self._keyer.seat(call.route.policy, call.key, alone=self._alone)
+            except StoreFull:
+                call.key = dataclasses.replace(call.key, seat_in=0)  # served unseated; its record will fail too
+
+    async def ask(self, call: Call, path: str, payload: bytes) -> dict[str, Any]:
+        """vLLM's answer to a call that does not stream, parsed; an error status is an ``UpstreamHTTPError``."""
+        with self._registry.serving(call.route.version):
+            upstream = await self._router.post(call.key.trajectory_id, path, payload)
+        if upstream.status_code != 200:
+            raise UpstreamHTTPError(upstream.status_code, upstream.content)
+        data: dict[str, Any] = orjson.loads(upstream.content)
+        return data
+
     async def _complete(self, call: Call, payload: bytes) -> Response:
         try:
-            with self._registry.serving(call.route.version):
-                upstream = await self._router.post(call.key.trajectory_id, _PATHS[call.endpoint], payload)
-            if upstream.status_code != 200:
-                raise UpstreamHTTPError(upstream.status_code, upstream.content)
-            data = orjson.loads(upstream.content)
+            data = await self.ask(call, _PATHS[call.endpoint], payload)
         except ProxyError as exc:
-            await self._record_answer(call, call_write(call, None, None, exc.status_code, exc.message, None))
+            await self.record_answer(call, call_write(call, None, None, exc.status_code, exc.message, None))
             return error_response(exc, call.headers())
         capture = capture_response(data, call.endpoint)
         stored = without_token_fields(data)
-        await self._record_answer(call, call_write(call, capture, stored, 200, None, None))
+        await self.record_answer(call, call_write(call, capture, stored, 200, None, None))
         return Response(
             orjson.dumps(strip_response(data, call.asked, call.route.public_name)),
             headers=call.headers(),
             media_type="application/json",
         )
 
-    async def _record_answer(self, call: Call, write: CallWrite) -> None:
+    async def record_answer(self, call: Call, write: CallWrite) -> None:
         """Record a non-streamed call; a seat left to its record gives the call its group (``Keyer.resolve``)."""
         if await self.record(write) and call.key.seat_in:
             call.key = self._keyer.seated(call.key, write.group_id)
 
-    async def _stream(
+    async def stream(
         self, call: Call, payload: bytes, translator: StreamTranslator | None = None, dialect: Dialect | None = None
     ) -> Response:
+        """Open vLLM's stream for ``call`` and relay it (through ``translator``: in a translated API's events)."""
         opening: Awaitable[tuple[UpstreamStream, Callable[[], None]]]
         opening = self._router.open_stream(call.key.trajectory_id, _PATHS[call.endpoint], payload)
         if call.key.seat_in:
@@ -233,6 +229,6 @@ class Forwarder:
         relay = (
             Relay(self, self._registry, call, upstream, on_close=done)
             if translator is None
-            else _translated.TranslatedRelay(self, call, upstream, done, translator)
+            else TranslatedRelay(self, self._registry, call, upstream, done, translator)
         )
         return RelayResponse(relay, headers={**call.headers(), "Cache-Control": "no-cache"})

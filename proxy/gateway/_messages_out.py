@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 from starlette.responses import Response
 
+from proxy import errors
 from proxy.errors import ProxyError
 
 # Anthropic's error types by status (https://docs.anthropic.com/en/api/errors); its SDKs raise by status.
@@ -103,7 +104,4 @@ def error_body(status: int, text: str) -> dict[str, Any]:
 
 def error_response(exc: ProxyError, headers: dict[str, str] | None = None) -> Response:
     """``exc`` in Anthropic's shape (``{"type": "error", "error": {"type", "message"}}``), its status kept."""
-    if exc.retry_after_s is not None:
-        headers = {**(headers or {}), "Retry-After": str(exc.retry_after_s)}
-    return Response(orjson.dumps(error_body(exc.status_code, exc.message)), status_code=exc.status_code,
-                    headers=headers, media_type="application/json")  # fmt: skip
+    return errors.error_response(exc, headers, body=error_body(exc.status_code, exc.message))

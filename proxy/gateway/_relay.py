@@ -1,11 +1,17 @@
-"""A streamed call's relay: vLLM's events forwarded as they arrive, the call recorded before ``[DONE]``."""
+"""A streamed call's relay: vLLM's events forwarded as they arrive, the call recorded before ``[DONE]``.
+
+A chat stream's relay sends chat's own events; a translated API's (``TranslatedRelay``) its
+translator's. The relay knows the forwarder only as a ``Recorder``: the count of calls in
+flight (a lone call's record is committed on the event loop's thread, ``store._writer``) and
+the record itself.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import orjson
 from starlette.requests import ClientDisconnect
@@ -15,13 +21,11 @@ from starlette.types import Receive, Scope, Send
 from proxy.errors import ProxyError, UpstreamError, error_body
 from proxy.gateway._call import Call, call_write
 from proxy.gateway._capture import StreamCapture
+from proxy.gateway._dialect import StreamTranslator
 from proxy.gateway._policies import PolicyRegistry
 from proxy.gateway._sse import SSEDecoder
 from proxy.gateway._upstream import UpstreamStream
 from store import CallWrite
-
-if TYPE_CHECKING:
-    from proxy.gateway._forward import Forwarder
 
 _DONE = b"data: [DONE]\n\n"
 
@@ -34,6 +38,16 @@ def close_unused(opening: asyncio.Future[tuple[UpstreamStream, Callable[[], None
         done()
 
 
+class Recorder(Protocol):
+    """What a relay needs of the forwarder (``proxy.gateway._forward.Forwarder`` is one)."""
+
+    _in_flight: int  # calls being handled or streamed; a stream counts until its record is written
+
+    async def record(self, write: CallWrite) -> bool: ...
+
+    def record_nowait(self, write: CallWrite) -> None: ...
+
+
 class Relay:
     """One stream in flight: forwards events as they arrive and records the call exactly once.
 
@@ -44,7 +58,7 @@ class Relay:
 
     def __init__(
         self,
-        forwarder: Forwarder,
+        forwarder: Recorder,
         registry: PolicyRegistry,
         call: Call,
         upstream: UpstreamStream,
@@ -99,7 +113,7 @@ class Relay:
         self._done = True
         yield self._closing()
 
-    # What the client is sent: chat's own events. A translated API's relay (``proxy.gateway._translated``)
+    # What the client is sent: chat's own events. A translated API's relay (``TranslatedRelay``, below)
     # overrides these four with its translator's.
 
     def _emit(self, chunk: dict[str, Any]) -> bytes:
@@ -139,6 +153,35 @@ class Relay:
 
     def _record(self, status: int, error: str | None, response: dict[str, Any] | None = None) -> CallWrite:
         return call_write(self._call, self._assembler.capture, response, status, error, self._ttft)
+
+
+class TranslatedRelay(Relay):
+    """A stream's relay whose events are the translator's: chat chunks in, the API's events out."""
+
+    def __init__(
+        self,
+        forwarder: Recorder,
+        registry: PolicyRegistry,
+        call: Call,
+        upstream: UpstreamStream,
+        on_close: Callable[[], None],
+        translator: StreamTranslator,
+    ) -> None:
+        super().__init__(forwarder, registry, call, upstream, on_close)
+        self._translator = translator
+
+    def _emit(self, chunk: dict[str, Any]) -> bytes:
+        return b"".join(self._translator.feed(chunk))
+
+    def _failed(self, message: str) -> tuple[bytes, dict[str, Any] | None]:
+        closing = b"".join(self._translator.failed(message))  # the response is now a failed one, as recorded
+        return closing, self._translator.response()
+
+    def _response(self) -> dict[str, Any]:
+        return self._translator.response()
+
+    def _closing(self) -> bytes:
+        return b"".join(self._translator.finish())
 
 
 class RelayResponse(StreamingResponse):

@@ -21,8 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import Response
 
-from proxy.errors import InvalidRequest, ProxyError
-from proxy.gateway._forward import error_response
+from proxy.errors import InvalidRequest, ProxyError, error_response
 from proxy.gateway._responses_shape import (
     function_call_item,
     message_item,

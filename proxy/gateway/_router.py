@@ -36,10 +36,11 @@ import logging
 import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import httpx
 
+from proxy._periodic import every
 from proxy.errors import ProxyError, UpstreamNotReady, UpstreamUnreachable
 from proxy.gateway._http1 import ConnectFailed
 from proxy.gateway._placement import choose, server_salt
@@ -49,6 +50,7 @@ log = logging.getLogger("tracetrain.router")
 
 # in rotation; unreachable or unhealthy; answering again, getting its adapters; data parallel, never used
 State = Literal["serving", "down", "restoring", "refused"]
+UPSTREAM_STATES: tuple[State, ...] = get_args(State)  # every state, for /metrics' one series per state
 _ENGINE = re.compile(rb'^vllm:[^{\s]*\{[^}]*engine="([^"]*)"', re.MULTILINE)
 
 
@@ -198,9 +200,7 @@ class Router:
 
     async def run(self, restore: Callable[[Server], Awaitable[None]]) -> None:
         """Check every server's health until cancelled; ``restore`` readies one that came back."""
-        while True:
-            await self.check_once(restore)
-            await asyncio.sleep(self._health_check_s)
+        await every(self._health_check_s, lambda: self.check_once(restore), log, "checking vLLM's health failed")
 
     async def check_once(self, restore: Callable[[Server], Awaitable[None]] | None = None) -> None:
         """One health check of every server, at once; returning servers are restored, then admitted."""

@@ -1,4 +1,4 @@
-"""The group judge (RULER-style): LLM scores as rewards, or beside them."""
+"""The group judge (RULER-style): LLM scores as rewards, or beside them; ``--reward-timeout``."""
 
 from proxy.judge._client import Judge, JudgeFailed
 from proxy.judge._prompt import DEFAULT_RUBRIC, JudgePrompt, Score, build_prompt

@@ -1,4 +1,4 @@
-"""What the proxy tells operators: Prometheus metrics, and the optional Langfuse export."""
+"""What the proxy tells operators: Prometheus metrics, disk usage, and the optional Langfuse export."""
 
 from proxy.observability._langfuse import LangfuseExporter, start_langfuse
 from proxy.observability._metrics import Metrics

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from proxy._periodic import every
 from proxy.observability._metrics import Metrics
 from store import PruneRule, Store
 
@@ -65,12 +66,7 @@ class DiskWatch:
 
     async def run(self) -> None:
         """Measure (and prune, with --keep-trajectories) every ``interval_s`` until cancelled; errors are logged."""
-        while True:
-            try:
-                await self.check_once()
-            except Exception:
-                log.exception("measuring disk usage failed; trying again in %.0f s", self._interval_s)
-            await asyncio.sleep(self._interval_s)
+        await every(self._interval_s, self.check_once, log, "measuring disk usage failed; trying again")
 
     async def check_once(self) -> DiskUsage:
         if self._keep_days is not None:

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any, get_args
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from proxy.gateway._router import State
 from store import JobState, Store, TrainingState
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -36,7 +35,12 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
+        for define in (self._calls, self._disk, self._training, self._handover, self._upstreams, self._guards,
+                       self._memory):  # fmt: skip
+            define(self.registry)
+
+    def _calls(self, r: CollectorRegistry) -> None:
+        """Generation calls and their capture, counted by this process."""
         self.requests = Counter(
             "tracetrain_requests", "Generation calls answered, by endpoint and status.", ["endpoint", "status"],
             registry=r,
@@ -55,7 +59,11 @@ class Metrics:
             "tracetrain_capture_failures", "Calls the store could not record, by reason: store_unavailable (answered "
             "503), disk_full (answered, not recorded: capture resumes once space is freed).", ["reason"], registry=r,
         )  # fmt: skip
-        # Disk usage (proxy.observability._disk), measured every minute in the background.
+        self.failed_captures = {"store_unavailable": 0, "disk_full": 0}  # the counter's values, for the dashboard
+        self.rewards = Counter("tracetrain_rewards", "Rewards recorded, by source.", ["source"], registry=r)
+
+    def _disk(self, r: CollectorRegistry) -> None:
+        """Disk usage (proxy.observability._disk), measured every minute in the background."""
         self.disk_bytes = Gauge(
             "tracetrain_disk_bytes", "Bytes on disk by part: calls, adapter_files (the store's tables), database "
             "(the whole store), adapters (DATA_DIR/adapters), logs (DATA_DIR/logs).", ["part"], registry=r,
@@ -63,8 +71,9 @@ class Metrics:
         self.disk_free = Gauge("tracetrain_disk_free_bytes", "Free bytes on the data directory's filesystem.",
                                registry=r)  # fmt: skip
         self.disk_low = Gauge("tracetrain_disk_low", "1 while free space is under --min-free-disk.", registry=r)
-        self.failed_captures = {"store_unavailable": 0, "disk_full": 0}  # the counter's values, for the dashboard
-        self.rewards = Counter("tracetrain_rewards", "Rewards recorded, by source.", ["source"], registry=r)
+
+    def _training(self, r: CollectorRegistry) -> None:
+        """Training as the store records it, read at each scrape."""
         self.jobs = Gauge("tracetrain_training_jobs", "Training jobs in the store, by state.", ["state"], registry=r)
         self.steps = Gauge(
             "tracetrain_training_steps", "Training steps that produced an adapter (store).", ["policy"], registry=r
@@ -81,7 +90,9 @@ class Metrics:
             "trained_token_share.", ["policy", "metric"], registry=r,
         )  # fmt: skip
         self.loaded = Gauge("tracetrain_versions_loaded", "Versions this proxy has loaded in vLLM.", registry=r)
-        # The GPU hand-over around each training step (--share-gpu; proxy.training._handover).
+
+    def _handover(self, r: CollectorRegistry) -> None:
+        """The GPU hand-over around each training step (--share-gpu; proxy.training._handover)."""
         self.handover_seconds = Histogram(
             "tracetrain_gpu_handover_seconds", "Time vLLM slept for each training step (sleep to wake-up).",
             buckets=_HANDOVER_BUCKETS, registry=r,
@@ -106,7 +117,9 @@ class Metrics:
             "tracetrain_vllm_not_awake", "1 while a vLLM did not wake up after a hand-over (serving stopped).",
             registry=r,
         )  # fmt: skip
-        # Each vLLM server behind this proxy (proxy.gateway._router), named by its base URL.
+
+    def _upstreams(self, r: CollectorRegistry) -> None:
+        """Each vLLM server behind this proxy (proxy.gateway._router), named by its base URL."""
         self.upstream_up = Gauge(
             "tracetrain_upstream_up", "1 while the vLLM server is in rotation (healthy, holding every published "
             "adapter), else 0.", ["upstream"], registry=r,
@@ -127,7 +140,9 @@ class Metrics:
             "tracetrain_upstream_failovers", "Calls sent to another server because this one refused the connection.",
             ["upstream"], registry=r,
         )  # fmt: skip
-        # Never silently worse: the regression guard (proxy.training._guard) and --reward-timeout.
+
+    def _guards(self, r: CollectorRegistry) -> None:
+        """Never silently worse: the regression guard (proxy.training._guard) and --reward-timeout."""
         self.rollbacks = Counter(
             "tracetrain_regression_rollbacks", "Versions this proxy rolled back: they served worse rewards than the "
             "versions before them.", ["policy"], registry=r,
@@ -148,9 +163,16 @@ class Metrics:
             "tracetrain_reward_timeouts", "Groups past --reward-timeout, by outcome: judged (the judge's scores are "
             "their rewards) or unrewarded (closed, never trained).", ["outcome"], registry=r,
         )  # fmt: skip
+
+    def _memory(self, r: CollectorRegistry) -> None:
+        """The Langfuse export, and what this process holds in memory."""
         self.langfuse = Gauge(
             "tracetrain_langfuse_items", "Langfuse export (--langfuse): items by outcome, since start.", ["outcome"],
             registry=r,
+        )  # fmt: skip
+        self.compact_held = Gauge(
+            "tracetrain_compact_capture_held", "Compact capture's memory in this process (store._compact, bounded): "
+            "trajectories whose last call is held, and the token ids held with them.", ["what"], registry=r,
         )  # fmt: skip
 
     def call_recorded(self, call: dict[str, Any]) -> None:
@@ -201,10 +223,12 @@ class Metrics:
         loaded_versions: int,
         langfuse: dict[str, int] | None = None,
         upstreams: Sequence[dict[str, Any]] = (),
+        upstream_states: Sequence[str] = (),
     ) -> bytes:
         """The exposition text, with the store's figures (and the Langfuse exporter's counters) read now.
 
-        ``upstreams``: each vLLM server as ``Router.views()`` describes it.
+        ``upstreams``: each vLLM server as ``Router.views()`` describes it; ``upstream_states``: every
+        state a server can be in (``proxy.gateway.UPSTREAM_STATES``), a series each.
         """
         jobs = await store.jobs.counts()
         for state in JobState:
@@ -222,9 +246,11 @@ class Metrics:
             reason = str(policy.get("training_reason") or "") if paused else ""
             self.paused.labels(policy["name"], reason).set(1 if paused else 0)
         self.loaded.set(loaded_versions)
+        for what, held in store.compact_memory().items():
+            self.compact_held.labels(what).set(held)
         for outcome, count in (langfuse or {}).items():
             self.langfuse.labels(outcome).set(count)
-        self._set_upstreams(upstreams)
+        self._set_upstreams(upstreams, upstream_states)
         return generate_latest(self.registry)
 
     def _set_last_step(self, job: dict[str, Any]) -> None:
@@ -233,12 +259,12 @@ class Metrics:
             if isinstance(value, int | float) and not isinstance(value, bool):
                 self.last_step.labels(str(job["policy"]), name).set(value)
 
-    def _set_upstreams(self, upstreams: Sequence[dict[str, Any]]) -> None:
+    def _set_upstreams(self, upstreams: Sequence[dict[str, Any]], states: Sequence[str]) -> None:
         self.upstream_versions.clear()  # versions unloaded since the last scrape disappear
         for server in upstreams:
             url = str(server["url"])
             self.upstream_up.labels(url).set(1 if server["state"] == "serving" else 0)
-            for state in get_args(State):
+            for state in states:
                 self.upstream_state.labels(url, state).set(1 if server["state"] == state else 0)
             self.upstream_in_flight.labels(url).set(server["in_flight"])
             self.upstream_failovers.labels(url).set(server["failovers"])

@@ -1,8 +1,9 @@
-"""Training seen from the proxy: jobs from ready groups, publishing what the trainer made, and
-handing a shared GPU over to the trainer for each step (``--share-gpu``)."""
+"""Training seen from the proxy: jobs from ready groups, publishing what the trainer made, the regression
+guard, and handing a shared GPU over to the trainer for each step (``--share-gpu``)."""
 
 from proxy.training._handover import HandoverCoordinator
-from proxy.training._publisher import Publisher, PublishError
+from proxy.training._loading import PublishError
+from proxy.training._publisher import Publisher
 from proxy.training._scheduler import JobScheduler
 
 __all__ = ["HandoverCoordinator", "JobScheduler", "PublishError", "Publisher"]

@@ -23,12 +23,12 @@ the log says what happened.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import time
 from typing import Any
 
+from proxy._periodic import every
 from proxy.observability._metrics import Metrics
 from proxy.training._publisher import Publisher
 from proxy.training._regression import GuardConfig, Verdict, decide
@@ -60,12 +60,7 @@ class RegressionGuard:
         self._poll_s = poll_s
 
     async def run(self) -> None:
-        while True:
-            try:
-                await self.check_once()
-            except Exception:  # the store may be briefly unavailable: the next poll tries again
-                log.exception("the regression guard's check failed; trying again")
-            await asyncio.sleep(self._poll_s)
+        await every(self._poll_s, self.check_once, log, "the regression guard's check failed; trying again")
 
     async def check_once(self) -> Verdict | None:
         """Look at every watched version once; the verdict on the one served, if it is watched."""

@@ -46,6 +46,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from proxy._periodic import every
 from proxy.errors import ProxyError, UpstreamHTTPError
 from proxy.gateway._gate import Gate
 from proxy.gateway._upstream import Upstream
@@ -104,12 +105,7 @@ class HandoverCoordinator:
             await self._wake_what_was_left_asleep()
         except Exception:
             log.exception("looking for a vLLM left asleep failed")
-        while True:
-            try:
-                await self.poll_once()
-            except Exception:
-                log.exception("serving a GPU request failed; trying again")
-            await asyncio.sleep(self._poll_s)
+        await every(self._poll_s, self.poll_once, log, "serving a GPU request failed; trying again")
 
     async def poll_once(self) -> None:
         """Serve the oldest open hand-over of the policy, if any (one at a time)."""

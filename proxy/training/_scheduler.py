@@ -6,6 +6,9 @@ least ``min_group_size`` of them. When ``batch_groups`` ready groups of a policy
 in one transaction: a group is used once. While the regression guard has paused the
 policy's training (``proxy.training._guard``), no job is created. The trainer worker claims queued jobs from the
 store; the proxy never imports it.
+
+Every reward written, posted (``POST /v1/rewards``) or judged, passes ``rewards_written``:
+counted in ``/metrics``, sent to Langfuse, and a job is made if enough groups are ready now.
 """
 
 from __future__ import annotations
@@ -14,14 +17,27 @@ import asyncio
 import time
 from typing import Any
 
+from proxy.observability._langfuse import LangfuseExporter
+from proxy.observability._metrics import Metrics
 from store import JobState, Store, TrainingState
 
 
 class JobScheduler:
     """Creates training jobs from ready groups; one instance per proxy process."""
 
-    def __init__(self, store: Store, *, policy: str, batch_groups: int, min_group_size: int) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        policy: str,
+        batch_groups: int,
+        min_group_size: int,
+        metrics: Metrics | None = None,
+        langfuse: LangfuseExporter | None = None,
+    ) -> None:
         self._store = store
+        self._metrics = metrics
+        self._langfuse = langfuse
         self._policy = policy
         self._batch_groups = batch_groups
         self._min_group_size = min_group_size
@@ -54,3 +70,13 @@ class JobScheduler:
                 return None
             return {"id": job_id, "policy": self._policy, "state": JobState.QUEUED.value, "group_ids": groups,
                     "created_at": time.time()}  # fmt: skip
+
+    async def rewards_written(self, rewards: list[dict[str, Any]], *, may_train: bool = True) -> None:
+        """Rewards just written (as ``POST /v1/rewards`` answers them): counted, exported, and, when they may
+        make groups ready (``may_train``; not the judge's scores beside external rewards), a job if due."""
+        if self._metrics is not None:
+            self._metrics.rewards_recorded([r["source"] for r in rewards])
+        if self._langfuse is not None:
+            self._langfuse.rewards_recorded(rewards)
+        if may_train:
+            await self.maybe_create_job()

@@ -12,11 +12,11 @@ corrects for it. ``StepWatch`` warns once when the gap stayed above
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections import deque
 from collections.abc import Iterable
 
+from proxy._periodic import every
 from store import JobState, Store
 
 log = logging.getLogger("tracetrain.training")
@@ -49,12 +49,7 @@ class StepWatch:
         self.warned = False
 
     async def run(self) -> None:
-        while True:
-            try:
-                await self.check_once()
-            except Exception:  # the store may be briefly unavailable: the next poll tries again
-                log.exception("reading the last training step failed")
-            await asyncio.sleep(self._poll_s)
+        await every(self._poll_s, self.check_once, log, "reading the last training step failed")
 
     async def check_once(self) -> None:
         job = await self._store.jobs.last(JobState.SUCCEEDED)

@@ -17,9 +17,9 @@ The batch never waits for such a group: a job is made from *ready* groups only
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
+from proxy._periodic import every
 from proxy._settings import Settings
 from proxy.errors import ProxyError
 from proxy.judge._service import JudgeService
@@ -42,12 +42,7 @@ class RewardTimeout:
         self._poll_s = min(max(self._timeout_s / 4, 0.05), 5.0)
 
     async def run(self) -> None:
-        while True:
-            try:
-                await self.check_once()
-            except Exception:  # the store may be briefly unavailable: the next poll tries again
-                log.exception("looking for groups past --reward-timeout failed")
-            await asyncio.sleep(self._poll_s)
+        await every(self._poll_s, self.check_once, log, "looking for groups past --reward-timeout failed")
 
     async def check_once(self) -> dict[str, str]:
         """Deal with every overdue group now; group id -> "judged" or "unrewarded" (the ones this call settled)."""

@@ -14,14 +14,13 @@ The Responses API and Anthropic's Messages API (``/v1/responses``, ``/v1/message
 
 The plain paths (``POST /v1/chat/completions``, ``POST /v1/completions`` and the three above)
 skip even Starlette's middleware and route matching (~12% of the proxy under load): the app hands
-them to ``serve_generation`` first (``proxy._app``), which answers errors the way the app's
-handlers do (``ProxyError`` in its own shape, anything else a logged 500).
+them to ``serve_generation`` first (``proxy._app``), which answers errors as the app's handlers
+do: both call ``proxy.errors.response_for``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import re
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -32,19 +31,18 @@ from fastapi.routing import APIRoute
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from proxy._deps import Services, ServicesDep, require_inference_key
 from proxy._params import ID_PATTERN, json_body
-from proxy.errors import InvalidRequest, ProxyError, UpstreamError
+from proxy._services import Services
+from proxy.api._deps import ServicesDep, require_inference_key
+from proxy.errors import InvalidRequest, ProxyError, UpstreamError, response_for
+from proxy.gateway import KeyHints
 from proxy.gateway._capture import Endpoint
 from proxy.gateway._dialect import Dialect
-from proxy.gateway._forward import error_response, server_error_response
-from proxy.gateway._keying import KeyHints
 from proxy.gateway._messages import MESSAGES, count_tokens_chat
 from proxy.gateway._messages_wire import CountTokensRequest, MessagesRequest
 from proxy.gateway._responses import RESPONSES, ResponsesRequest
+from proxy.gateway._translated import handle as handle_translated
 from proxy.gateway._wire import ChatCompletionRequest, CompletionRequest, json_object
-
-log = logging.getLogger("tracetrain.proxy")
 
 router = APIRouter(dependencies=[Depends(require_inference_key)], tags=["openai"])
 
@@ -111,7 +109,7 @@ async def _translated(dialect: Dialect, request: Request, services: Services) ->
     """A call in an API the proxy translates to chat; every error in that API's own shape."""
     try:
         await require_inference_key(request, services)
-        return await services.forwarder.translated(dialect, await request.body(), key_hints(request))
+        return await handle_translated(services.forwarder, dialect, await request.body(), key_hints(request))
     except ProxyError as exc:
         return dialect.error(exc)
 
@@ -189,11 +187,8 @@ async def serve_generation(serving: Serve, scope: Scope, receive: Receive, send:
     request = Request(scope, receive)
     try:
         response = await serving(request, scope["app"].state.services)
-    except ProxyError as exc:
-        response = error_response(exc)
-    except Exception:
-        log.exception("unexpected error on %s %s", request.method, request.url.path)
-        response = server_error_response()
+    except Exception as exc:
+        response = response_for(exc, request.method, request.url.path)
     await response(scope, receive, send)
 
 

@@ -9,8 +9,8 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Response
 
-from proxy._deps import ServicesDep, require_adapter_reader
 from proxy._params import FileName, PolicyName, Version
+from proxy.api._deps import ServicesDep, require_adapter_reader
 from proxy.training import _adapter_files as _files
 
 router = APIRouter(dependencies=[Depends(require_adapter_reader)], tags=["adapters"])

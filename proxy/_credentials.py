@@ -1,6 +1,18 @@
-"""Who may use the dashboard and the admin API, and how a browser proves it.
+"""Every credential the proxy checks, in one place: API keys, the admin token, dashboard sessions.
 
-Two ways in, both checked in constant time:
+``Credentials`` is built once from the settings (``proxy._services``); each route's dependency
+(``proxy.api._deps``) asks it one question. Keys are compared in constant time against every
+configured key, and never logged.
+
+- Inference keys (``--api-key``) admit the generation calls; Anthropic's clients send theirs
+  as ``x-api-key``, everyone else as ``Authorization: Bearer``.
+- Reward keys (``--reward-key``) admit ``POST /v1/rewards`` and the data reads; without them,
+  the inference rule (so a loopback default just works).
+- Adapter keys (``--adapter-key``) read adapter files and nothing else: the key every vLLM
+  server holds cannot roll back, train or read trajectories if it leaks. The admin token
+  reads them too; without adapter keys, the admin rule alone.
+
+The dashboard and the admin API (``AdminAuth``) have two ways in, both checked in constant time:
 
 - ``Authorization: Bearer <admin token>``: scripts and the admin JSON API. Browsers never
   attach it on their own, so such requests cannot be forged cross-site.
@@ -30,9 +42,10 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from fastapi import Request
 from pydantic import SecretStr
+from starlette.requests import Request
 
+from proxy._settings import Settings, is_loopback
 from proxy.errors import AuthenticationFailed, PermissionDenied
 
 COOKIE = "tracetrain_admin"
@@ -57,6 +70,50 @@ def presented_token(request: Request) -> str | None:
         return None
     scheme, _, token = header.partition(" ")
     return token.strip() if scheme.lower() == "bearer" else None
+
+
+class Credentials:
+    """The keys and the admin token of one app; raises ``AuthenticationFailed`` (401) or ``PermissionDenied`` (403)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._inference = settings.api_keys
+        self._reward = settings.reward_keys
+        self._adapter = settings.adapter_keys
+        self.admin = AdminAuth(settings.admin_token, loopback=is_loopback(settings.host))
+
+    def inference(self, request: Request) -> None:
+        _check_key(request, self._inference, "inference key")
+
+    def reward(self, request: Request) -> None:
+        """Reward keys when configured; otherwise the inference rule."""
+        if self._reward:
+            _check_key(request, self._reward, "reward key")
+        else:
+            _check_key(request, self._inference, "key")
+
+    def adapter_reader(self, request: Request) -> None:
+        """An adapter key or the admin token; without adapter keys, the admin rule alone."""
+        if not self._adapter:
+            self.admin.admit(request)
+            return
+        presented = presented_token(request)
+        if presented is not None and self.admin.token_matches(presented):
+            return
+        _check_key(request, self._adapter, "adapter key")
+
+
+def _check_key(request: Request, keys: tuple[SecretStr, ...], what: str) -> None:
+    if not keys:
+        return
+    # Anthropic's clients (its SDK, Claude Code) send their key as x-api-key.
+    presented = presented_token(request) or request.headers.get("x-api-key")
+    if presented is None:
+        raise AuthenticationFailed(f"Missing {what}: send it as 'Authorization: Bearer <key>' (or 'x-api-key: <key>').")
+    matched = False
+    for key in keys:  # no early exit: the time taken does not depend on which key matched
+        matched |= hmac.compare_digest(presented.encode(), key.get_secret_value().encode())
+    if not matched:
+        raise AuthenticationFailed(f"Invalid {what}.")
 
 
 class AdminAuth:

@@ -6,8 +6,8 @@ from typing import Any
 
 from fastapi import APIRouter, Depends
 
-from proxy._deps import ServicesDep, require_admin
 from proxy._params import Id, JudgementStateName, Limit
+from proxy.api._deps import ServicesDep, require_admin
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], tags=["admin"])
 

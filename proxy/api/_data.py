@@ -6,11 +6,10 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
-from proxy._deps import ServicesDep, require_reward_key
 from proxy._params import Cursor, GroupViewState, Id, Limit, json_body
+from proxy.api._deps import ServicesDep, require_reward_key
+from proxy.data import RewardBatch, RewardPost
 from proxy.data import _service as _data
-from proxy.data._wire import RewardBatch, RewardPost
-from proxy.judge._service import refuse_external_rewards
 
 router = APIRouter(dependencies=[Depends(require_reward_key)], tags=["data"])
 
@@ -32,10 +31,9 @@ async def post_rewards(request: Request, services: ServicesDep) -> dict[str, Any
     When enough groups become ready, a training job is queued. With `--reward-source judge`
     rewards come from the judge, and a posted one is refused (409).
     """
-    refuse_external_rewards(services.settings)
+    _data.refuse_external_rewards(services.settings.reward_source)
     result = await _data.post_rewards(services.store, await request.body())
-    services.report_rewards(result["data"])
-    await services.scheduler.maybe_create_job()
+    await services.scheduler.rewards_written(result["data"])
     return result
 
 

@@ -1,6 +1,6 @@
 """The admin dashboard: server-rendered HTML at ``/admin`` and ``/admin/ui/...``.
 
-Each page renders one result of ``proxy.admin._service`` (the admin JSON API returns the same).
+Each page renders one result of ``proxy.admin`` (the admin JSON API, ``proxy.api._admin``, returns the same).
 Jinja2 escapes everything it prints: captured content is attacker-controlled. The
 pages run no JavaScript, and their Content-Security-Policy allows none, nor any style
 but the page's own stylesheet (by hash), so a payload that got past escaping would
@@ -24,11 +24,12 @@ from fastapi.templating import Jinja2Templates
 from pydantic import TypeAdapter, ValidationError
 from starlette.responses import RedirectResponse, Response
 
-from proxy._deps import Services, ServicesDep
+from proxy._credentials import COOKIE, SESSION_S, Admin, AdminAuth, cookie_is_secure
 from proxy._params import Cursor, Id, Version
+from proxy._services import Services
 from proxy.admin import _service as _admin
-from proxy.admin._auth import COOKIE, SESSION_S, Admin, AdminAuth, cookie_is_secure
 from proxy.admin._svg import line_chart
+from proxy.api._deps import ServicesDep
 from proxy.errors import AuthenticationFailed, InvalidRequest, ProxyError
 from store import call_reply
 
@@ -74,8 +75,8 @@ templates.env.filters["ago"] = _ago
 
 
 def _auth(request: Request) -> AdminAuth:
-    auth: AdminAuth = request.app.state.admin_auth
-    return auth
+    services: Services = request.app.state.services
+    return services.credentials.admin
 
 
 def _render(request: Request, name: str, status: int = 200, **context: Any) -> Response:

@@ -3,7 +3,7 @@
 Reads: overview, trajectories, groups, training jobs, adapters, training state. Actions:
 train now, activate a version (rollback/forward), and resume training after the regression
 guard paused it. The admin token (``Authorization: Bearer``)
-or a dashboard session with its CSRF token admits a request (``proxy.admin._auth``).
+or a dashboard session with its CSRF token admits a request (``proxy._credentials``).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
 
-from proxy._deps import ServicesDep, require_admin
 from proxy._params import Cursor, GroupViewState, Id, Limit, UnixTime, Version
 from proxy.admin import _service as _admin
+from proxy.api._deps import ServicesDep, require_admin
 from proxy.errors import InvalidRequest
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], tags=["admin"])
