@@ -24,8 +24,8 @@ _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 # The newest step's metrics /metrics shows (a fixed set: the series do not grow with the steps).
 LAST_STEP_METRICS = (
     "logprob_mismatch_mean", "logprob_mismatch_max", "logprob_mismatch_on_policy", "sampler_weight_mean",
-    "calls_per_trajectory", "samples_per_trajectory", "samples_split_rerendered", "samples_split_not_extended",
-    "trained_tokens", "trained_token_share",
+    "calls_per_trajectory", "samples_per_trajectory", "samples_merged_retokenized", "samples_split_rerendered",
+    "samples_split_not_extended", "trained_tokens", "trained_token_share",
 )  # fmt: skip
 _HANDOVER_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
@@ -86,7 +86,8 @@ class Metrics:
             "tracetrain_training_last_step", "The newest training step's metrics (store), by name: "
             "logprob_mismatch_mean and _max (|learner - sampler| nats per sampled token), logprob_mismatch_on_policy "
             "(over the tokens its own version sampled), sampler_weight_mean, calls_per_trajectory, "
-            "samples_per_trajectory, samples_split_rerendered, samples_split_not_extended, trained_tokens, "
+            "samples_per_trajectory, samples_merged_retokenized (calls merged across a turn re-rendered in other "
+            "token ids), samples_split_rerendered, samples_split_not_extended, trained_tokens, "
             "trained_token_share.", ["policy", "metric"], registry=r,
         )  # fmt: skip
         self.loaded = Gauge("tracetrain_versions_loaded", "Versions this proxy has loaded in vLLM.", registry=r)
