@@ -154,3 +154,16 @@ def test_the_summary_without_held_out_evaluations_still_writes_the_numbers_and_t
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["before"] is None and [s["version"] for s in results["steps"]] == [1, 2]
     assert (tmp_path / "reward-curve.png").stat().st_size > 0
+
+
+def test_the_city_task_samples_in_bf16_only_where_the_cpu_has_bf16_units(tmp_path: Path) -> None:
+    from tracetrain_demo.tasks import TASKS, sampler_dtype
+
+    bf16, avx2 = tmp_path / "bf16", tmp_path / "avx2"
+    bf16.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n")
+    avx2.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2\n")
+    assert sampler_dtype(TASKS["city"], "auto", bf16) == "bfloat16"
+    assert sampler_dtype(TASKS["city"], "auto", avx2) is None  # serve's default: the trainer's float32
+    assert sampler_dtype(TASKS["lookup"], "auto", bf16) is None  # measured in float32 only
+    assert sampler_dtype(TASKS["city"], "float32", bf16) == "float32"  # the user's choice wins
+    assert sampler_dtype(TASKS["city"], "auto", tmp_path / "missing") is None

@@ -37,7 +37,7 @@ import httpx
 from tqdm import tqdm  # type: ignore[import-untyped]  # no stubs in the train extra
 
 from tracetrain_demo.report import HEADER, HeldOut, Report, Step, busy_cpu_seconds, row, summary
-from tracetrain_demo.tasks import TASKS, Scored
+from tracetrain_demo.tasks import TASKS, Scored, sampler_dtype
 from tracetrain_proc import ChildProcess
 
 _SERVE_READY = "ready: agents use OPENAI_BASE_URL"
@@ -120,9 +120,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--learning-rate", type=float, default=3e-4, help="the LoRA's AdamW learning rate (default 3e-4)")
     p.add_argument(
         "--sampler-dtype",
-        choices=["float32", "bfloat16"],
-        help="force vLLM's dtype (serve --sampler-dtype; default: the trainer's, float32), e.g. to measure the "
-        "sampler correction",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="vLLM's dtype (serve --sampler-dtype). auto (default): bfloat16 for the city task on a CPU with bf16 "
+        "units (avx512_bf16, amx_bf16: about twice the steps; the trainer stays in float32 and its loss corrects for "
+        "the gap), else the trainer's, float32",
     )
     p.add_argument(
         "--sampler-correction",
@@ -142,6 +144,9 @@ def _start_serve(args: argparse.Namespace, data_dir: Path, run_dir: Path, childr
         elif path.exists():
             path.unlink()
     run_dir.mkdir(parents=True, exist_ok=True)
+    sampler = sampler_dtype(TASKS[args.task], args.sampler_dtype)
+    if args.sampler_dtype == "auto" and sampler:
+        _say(f"vLLM samples in {sampler}: this CPU has bf16 units (--sampler-dtype float32 for the trainer's dtype)")
     config = run_dir / "train-config.json"
     config.write_text(json.dumps({**_TRAIN_CONFIG, "learning_rate": args.learning_rate,
                                   "sampler_correction": args.sampler_correction
@@ -150,7 +155,7 @@ def _start_serve(args: argparse.Namespace, data_dir: Path, run_dir: Path, childr
         sys.executable, "-m", "tracetrain_cli", "serve", "--model", str(model_dir), "--data-dir", str(run_dir),
         "--port", str(args.port), "--group-size", str(args.attempts), "--min-group-size", str(args.attempts),
         "--batch-groups", str(args.questions), f"--trainer-arg=--config={config}", *TASKS[args.task].serve_args,
-        *([f"--sampler-dtype={args.sampler_dtype}"] if args.sampler_dtype else []),
+        *([f"--sampler-dtype={sampler}"] if sampler else []),
     ]  # fmt: skip
     serve = ChildProcess("tracetrain serve", command, dict(os.environ), run_dir / "logs" / "serve.log")
     _say(f"starting tracetrain serve on port {args.port} (vLLM on the CPU: ~1 min; log: {serve.log_path})")

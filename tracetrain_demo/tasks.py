@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from tracetrain import Trajectory
@@ -34,6 +35,9 @@ class Task:
     max_tokens: int  # per call
     serve_args: tuple[str, ...] = ()  # added to `tracetrain serve`'s command line
     sampler_correction: str = "auto"  # the trainer's default for this task (TrainConfig.sampler_correction)
+    # On a CPU with bf16 units vLLM samples in bf16 (the trainer stays in float32; TIS corrects the gap): the city
+    # task made 35 steps and +90 points where float32 sampling made 17 and +68 (docs/BENCHMARKS.md, issue 22).
+    bf16_sampling: bool = False
 
 
 def _city_episode(episode: dict[str, Any]) -> Scored:
@@ -80,7 +84,9 @@ def _lookup_attempt(*args: Any, **kwargs: Any) -> dict[str, object]:
 
 
 TASKS: dict[str, Task] = {
-    "city": Task("city", task.scenarios, _city_attempt, _city_episode, _city_trajectory, max_tokens=24),
+    "city": Task(
+        "city", task.scenarios, _city_attempt, _city_episode, _city_trajectory, max_tokens=24, bf16_sampling=True
+    ),
     "lookup": Task(
         "lookup",
         lookup.scenarios,
@@ -94,3 +100,18 @@ TASKS: dict[str, Task] = {
         sampler_correction="tis",
     ),
 }
+
+
+def sampler_dtype(task: Task, chosen: str, cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
+    """vLLM's dtype for the demo: ``chosen`` unless "auto"; then bf16 where the task gains by it and the CPU has
+    bf16 units (``avx512_bf16`` or ``amx_bf16``), else None (serve's default: the trainer's float32)."""
+    if chosen != "auto":
+        return chosen
+    if not task.bf16_sampling:
+        return None
+    try:
+        flags = {flag for line in cpuinfo.read_text().splitlines() if line.startswith("flags")
+                 for flag in line.split(":", 1)[1].split()}  # fmt: skip
+    except OSError:  # not Linux: no way to tell, so the safe default
+        return None
+    return "bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else None
