@@ -283,4 +283,4 @@ def test_entry_point_is_installed_for_vllm() -> None:
 
 
 def test_public_names() -> None:
-    assert tracetrain_vllm.__all__ == ["register"]
+    assert tracetrain_vllm.__all__ == ["cpu_has_bf16", "register"]  # cpu_has_bf16: for serve and the demo

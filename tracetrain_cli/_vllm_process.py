@@ -55,6 +55,7 @@ import httpx
 
 from tracetrain_cli._gpu_estimate import VLLM_LORA_RANKS
 from tracetrain_proc import ChildProcess
+from tracetrain_vllm import cpu_has_bf16
 
 __all__ = ["Device", "VLLMLaunch", "VLLMProcess", "VLLMStartError", "url_host"]
 
@@ -304,15 +305,6 @@ def _without_expandable_segments(env: dict[str, str]) -> None:
             env[name] = ",".join(kept)
         else:
             del env[name]
-
-
-def cpu_has_bf16() -> bool:
-    """Whether this CPU computes in bf16 natively (AVX512-BF16 or AMX), from /proc/cpuinfo."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def url_host(host: str) -> str:

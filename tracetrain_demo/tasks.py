@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from tracetrain import Trajectory
 from tracetrain_demo import lookup, task
+from tracetrain_vllm import cpu_has_bf16
 
 
 class Scored(Protocol):
@@ -104,14 +105,7 @@ TASKS: dict[str, Task] = {
 
 def sampler_dtype(task: Task, chosen: str, cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
     """vLLM's dtype for the demo: ``chosen`` unless "auto"; then bf16 where the task gains by it and the CPU has
-    bf16 units (``avx512_bf16`` or ``amx_bf16``), else None (serve's default: the trainer's float32)."""
+    bf16 units (``tracetrain_vllm.cpu_has_bf16``), else None (serve's default: the trainer's float32)."""
     if chosen != "auto":
         return chosen
-    if not task.bf16_sampling:
-        return None
-    try:
-        flags = {flag for line in cpuinfo.read_text().splitlines() if line.startswith("flags")
-                 for flag in line.split(":", 1)[1].split()}  # fmt: skip
-    except OSError:  # not Linux: no way to tell, so the safe default
-        return None
-    return "bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else None
+    return "bfloat16" if task.bf16_sampling and cpu_has_bf16(cpuinfo) else None

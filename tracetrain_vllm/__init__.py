@@ -24,7 +24,9 @@ import importlib
 import logging
 import os
 
-__all__ = ["register"]
+from tracetrain_vllm._cpu import cpu_has_bf16
+
+__all__ = ["cpu_has_bf16", "register"]
 
 # vLLM configures handlers for the "vllm" logger only; a child of it lands in vLLM's log.
 _logger = logging.getLogger("vllm.tracetrain_vllm")
