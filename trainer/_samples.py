@@ -24,9 +24,10 @@ learner scores it in a context that reads the same but is spelled in other ids: 
 measures (``logprob_mismatch``) and the sampler correction bounds, against forwarding the whole
 conversation again as a new sample.
 
-Each split costs training time (the shared prefix is forwarded again) and is what a token
-budget sees: ``call_tokens`` (every call's prompt plus completion, as captured) against
-``tokens`` (what the samples forward) and ``loss_tokens`` (what carries loss).
+Each split is what a token budget sees: ``call_tokens`` (every call's prompt plus completion, as
+captured) against ``tokens`` (the samples' tokens, each shared prefix counted in every sample that
+has it) and ``loss_tokens`` (what carries loss). The learner lays the split samples of a trajectory
+as one prefix tree (``trainer._prefix_tree``), so the prefix they share is forwarded once.
 
 Calls that cannot train are skipped and counted: failed (status != 200), inconsistent
 (logprobs not one per completion token, or an empty prompt: the first token of a
@@ -273,41 +274,3 @@ def pack(samples: Sequence[Sample], max_tokens: int) -> list[list[int]]:
             bins.append([i])
             room.append(max_tokens - n)
     return [sorted(b) for b in bins]
-
-
-def pack_shared(samples: Sequence[Sample], max_tokens: int) -> list[list[int]]:
-    """Micro-batches that put samples with the same prompt together, so the prompt is computed once.
-
-    The samples of a GRPO group start with the same prompt tokens (everything before the
-    first sampled token). Samples with an identical prompt fill micro-batches of their own,
-    costed as the prompt once plus each sample's rest; the others are packed as ``pack``
-    does. The scorer (``pack_row``) then lays the shared prefix once in the row.
-
-    >>> a, b, c = [7, 7, 1], [7, 7, 2], [9, 3]
-    >>> pack_shared([Sample(t, [False, False, True][: len(t)], [0.0] * len(t), 1, 0) for t in (a, b, c)], 4)
-    [[0, 1], [2]]
-    """
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
-    by_prompt: dict[tuple[int, ...], list[int]] = {}
-    for i, sample in enumerate(samples):
-        first_sampled = sample.loss_mask.index(True) if True in sample.loss_mask else len(sample.token_ids)
-        by_prompt.setdefault(tuple(sample.token_ids[:first_sampled]), []).append(i)
-    shared: list[list[int]] = []
-    alone: list[int] = []
-    for prompt, members in by_prompt.items():
-        if len(members) == 1 or not prompt:
-            alone += members
-            continue
-        row: list[int] = []
-        cost = len(prompt)
-        for i in members:
-            rest = len(samples[i].token_ids) - len(prompt)
-            if row and cost + rest > max_tokens:
-                shared.append(row)
-                row, cost = [], len(prompt)
-            row.append(i)
-            cost += rest
-        shared.append(row)
-    rest_bins = pack([samples[i] for i in alone], max_tokens)
-    return shared + [sorted(alone[j] for j in b) for b in rest_bins]
