@@ -26,6 +26,7 @@ samples sharing a prefix go together, each costed at what it adds to the tree.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -136,12 +137,13 @@ def tree_tokens(samples: Sequence[Sequence[int]]) -> int:
 def pack_tree(samples: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
     """Micro-batches of sample indices whose prefix tree holds at most ``max_tokens`` tokens each.
 
-    The samples are taken in the order of their token ids, so that those sharing a prefix are
-    neighbours, and each joins the current micro-batch at what it adds to the tree (its length
-    minus the prefix it shares with the sample before it, which shares the most of all those
-    before it); when it does not fit, the next micro-batch starts (and lays that prefix again). A
-    sample longer than ``max_tokens`` gets a micro-batch of its own. Indices within a micro-batch
-    are ascending; the result is deterministic.
+    First-fit decreasing, costed by the tree: longest samples first, each into the micro-batch to
+    which it adds the fewest tokens (its length minus the longest prefix it shares with a sample
+    already there; the first such micro-batch on a tie), among those with room; else into a new
+    one. So the samples of a GRPO group, or the split samples of one trajectory, gather where their
+    prefix already is, and unrelated samples fill what room is left. A sample longer than
+    ``max_tokens`` gets a micro-batch of its own. Indices within a micro-batch are ascending; the
+    result is deterministic.
 
     >>> pack_tree([[7, 7, 1], [9, 3], [7, 7, 2]], 4)
     [[0, 2], [1]]
@@ -149,16 +151,23 @@ def pack_tree(samples: Sequence[Sequence[int]], max_tokens: int) -> list[list[in
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     lists = [list(s) for s in samples]
-    order = sorted(range(len(lists)), key=lists.__getitem__)
     bins: list[list[int]] = []
-    cost = 0
-    previous: int | None = None
-    for i in order:
-        adds = len(lists[i]) - (shared_prefix(lists[previous], lists[i]) if previous is not None else 0)
-        if not bins or cost + adds > max_tokens:
+    room: list[int] = []
+    held: list[list[list[int]]] = []  # each micro-batch's samples in token order: the best match is a neighbour
+    for i in sorted(range(len(lists)), key=lambda i: -len(lists[i])):  # stable: ties keep input order
+        tokens = lists[i]
+        best, adds = None, len(tokens)
+        for b, members in enumerate(held):
+            at = bisect.bisect_left(members, tokens)
+            shared = max((shared_prefix(members[j], tokens) for j in (at - 1, at) if 0 <= j < len(members)), default=0)
+            if len(tokens) - shared <= room[b] and (best is None or len(tokens) - shared < adds):
+                best, adds = b, len(tokens) - shared
+        if best is None:
             bins.append([])
-            cost, adds = 0, len(lists[i])
-        bins[-1].append(i)
-        cost += adds
-        previous = i
+            held.append([])
+            room.append(max_tokens)
+            best = len(bins) - 1
+        bins[best].append(i)
+        bisect.insort(held[best], tokens)
+        room[best] -= adds
     return [sorted(b) for b in bins]
