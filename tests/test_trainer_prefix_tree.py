@@ -157,9 +157,13 @@ def assert_same_step(shared: Learner, alone: Learner, items: list[TrainItem], rt
     return a.forwarded_tokens, b.forwarded_tokens
 
 
+def shared_and_alone(model_dir: Path, cfg: TrainConfig) -> tuple[Learner, Learner]:
+    return Learner(model_dir, cfg), Learner(model_dir, cfg.model_copy(update={"share_prefix": False}))
+
+
 def test_a_step_over_split_trajectories_equals_each_sample_forwarded_alone(tiny_model_dir: Path) -> None:
     cfg = TrainConfig(lora_r=8, dtype="float32", micro_batch_tokens=4096)
-    shared, alone = Learner(tiny_model_dir, cfg), Learner(tiny_model_dir, cfg.model_copy(update={"share_prefix": False}))
+    shared, alone = shared_and_alone(tiny_model_dir, cfg)
     items = trajectory_batch(shared)
     samples = [i.sample.token_ids for i in items]
     forwarded, forwarded_alone = assert_same_step(shared, alone, items)
@@ -171,7 +175,7 @@ def test_a_step_over_split_trajectories_equals_each_sample_forwarded_alone(tiny_
 
 def test_a_tree_cut_over_several_micro_batches_still_equals_the_step_alone(tiny_model_dir: Path) -> None:
     cfg = TrainConfig(lora_r=8, dtype="float32", micro_batch_tokens=60)
-    shared, alone = Learner(tiny_model_dir, cfg), Learner(tiny_model_dir, cfg.model_copy(update={"share_prefix": False}))
+    shared, alone = shared_and_alone(tiny_model_dir, cfg)
     items = trajectory_batch(shared)
     samples = [i.sample.token_ids for i in items]
     assert len(shared._pack([i.sample for i in items])) > 2
@@ -179,8 +183,10 @@ def test_a_tree_cut_over_several_micro_batches_still_equals_the_step_alone(tiny_
     assert tree_tokens(samples) < forwarded < forwarded_alone  # each row lays the prefix its samples need
 
 
-def reference_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
-                     dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False) -> Tensor:  # fmt: skip
+def reference_varlen(
+    q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
+    dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
+) -> Tensor:  # fmt: skip
     """flash_attn_varlen_func's contract in torch: each sequence alone, causal from the bottom right, GQA."""
     assert causal and dropout_p == 0.0 and q.dtype in (torch.float16, torch.bfloat16)  # flash's own limits
     heads, out = q.shape[1], []
@@ -212,8 +218,9 @@ def fake_flash_attn(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-def test_the_flash_layout_gathers_each_segments_path_and_scores_as_alone(tiny_model_dir: Path,
-                                                                         fake_flash_attn: list[int]) -> None:  # fmt: skip
+def test_the_flash_layout_gathers_each_segments_path_and_scores_as_alone(
+    tiny_model_dir: Path, fake_flash_attn: list[int]
+) -> None:
     name = Attention("flash_attention_2", "a stand-in kernel").load_as()
     flash = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.bfloat16, attn_implementation=name)
     plain = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.bfloat16, attn_implementation="sdpa")
@@ -236,7 +243,7 @@ def test_a_flash_step_over_split_trajectories_equals_the_flash_step_alone(
     """The learner's flash branch: a model loaded as FLASH_TREE, varlen rows, attention cast to bf16 and back."""
     cfg = TrainConfig(lora_r=8, dtype="float32", micro_batch_tokens=4096)
     monkeypatch.setattr(_learner, "choose_attention", lambda *_: Attention("flash_attention_2", "a stand-in kernel"))
-    shared, alone = Learner(tiny_model_dir, cfg), Learner(tiny_model_dir, cfg.model_copy(update={"share_prefix": False}))
+    shared, alone = shared_and_alone(tiny_model_dir, cfg)
     assert shared.model.config._attn_implementation == "tracetrain_varlen_tree"
     items = trajectory_batch(shared)
     forwarded, forwarded_alone = assert_same_step(shared, alone, items, rtol=1e-3)
