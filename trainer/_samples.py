@@ -50,6 +50,9 @@ from dataclasses import dataclass, field, fields
 
 # vLLM samples greedily below this temperature (its _SAMPLING_EPS); such a call's logprobs are not a sampler's.
 GREEDY_BELOW = 1e-5
+# How many tokens at the end of a prompt may open the answer (a reasoning template's "<think>\n") and be left out
+# when the template renders that turn as history: such a split still counts as the template's re-rendering.
+OPENING_TOKENS = 4
 
 # Token ids to text, special tokens kept (the model's tokenizer): what lets a re-tokenized turn merge.
 Decode = Callable[[Sequence[int]], str]
@@ -128,9 +131,14 @@ class _Open:
         n = len(self.token_ids)
         return len(prompt) >= n and prompt[:n] == self.token_ids
 
-    def rerendered(self, prompt: list[int]) -> bool:
-        """The prompt keeps everything before the last completion, but not the completion as sampled."""
+    def keeps_context(self, prompt: list[int]) -> bool:
+        """The prompt starts with everything before the last completion."""
         n = self.context_len
+        return len(prompt) >= n and prompt[:n] == self.token_ids[:n]
+
+    def rerendered(self, prompt: list[int]) -> bool:
+        """The prompt keeps what came before the last completion (but for the answer's opening), not the completion."""
+        n = self.context_len - min(OPENING_TOKENS, self.context_len // 2)
         return len(prompt) >= n and prompt[:n] == self.token_ids[:n]
 
     def retokenized_end(self, prompt: list[int], decode: Decode) -> int | None:
@@ -140,7 +148,7 @@ class _Open:
         too: the re-rendered turn is the prompt from ``context_len`` to that token's first occurrence.
         """
         completion = self.token_ids[self.context_len :]
-        if not completion or not self.rerendered(prompt):
+        if not completion or not self.keeps_context(prompt):
             return None
         try:
             end = prompt.index(completion[-1], self.context_len) + 1
