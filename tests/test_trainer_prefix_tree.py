@@ -75,6 +75,16 @@ def test_a_prefix_tree_holds_each_shared_prefix_once_and_every_sample_whole() ->
     assert starts == [0, *ends[:-1]] and ends[-1] == len(layout.ids)  # the segments cut the row in order
 
 
+def test_the_shared_prefix_of_two_samples_is_counted_token_for_token() -> None:
+    rng = random.Random(1)
+    for _ in range(2000):
+        base = [rng.randrange(3) for _ in range(rng.randrange(70))]
+        a, b = ([*base[: rng.randrange(len(base) + 1)], *(rng.randrange(3) for _ in range(rng.randrange(4)))]
+                for _ in range(2))  # fmt: skip
+        expected = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        assert shared_prefix(a, b) == expected, (a, b)
+
+
 def test_samples_laid_whole_are_end_to_end_with_positions_restarting() -> None:
     samples = [[1, 2, 3], [1, 2, 4]]
     layout = lay_out(samples, share=False)

@@ -76,13 +76,19 @@ class TreeLayout:
 
 
 def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share (slices compared in C, by halving: O(n log n) at C speed)."""
-    lo, hi = 0, min(len(a), len(b))
-    if a[:hi] == b[:hi]:
-        return hi
-    while lo < hi:  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    """How many leading tokens ``a`` and ``b`` share.
+
+    Slices are compared in C, over doubling lengths and then by halving: O(k log k) for a shared
+    prefix of k tokens, so two samples that share nothing cost two small comparisons.
+    """
+    limit = min(len(a), len(b))
+    lo, hi = 0, 1  # a[:lo] == b[:lo]; hi: the next length to try
+    while hi <= limit and a[lo:hi] == b[lo:hi]:
+        lo, hi = hi, 2 * hi
+    hi = min(hi, limit + 1) - 1  # a[:hi + 1] differs, or hi is the whole of the shorter
+    while lo < hi:
         mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
+        if a[lo:mid] == b[lo:mid]:
             lo = mid
         else:
             hi = mid - 1
