@@ -196,9 +196,11 @@ def test_a_tree_cut_over_several_micro_batches_still_equals_the_step_alone(tiny_
 def reference_varlen(
     q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
     dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
 ) -> Tensor:  # fmt: skip
     """flash_attn_varlen_func's contract in torch: each sequence alone, causal from the bottom right, GQA."""
     assert causal and dropout_p == 0.0 and q.dtype in (torch.float16, torch.bfloat16)  # flash's own limits
+    assert window_size == (-1, -1) and softcap == 0.0  # what a Llama asks (no sliding window, no soft cap)
     heads, out = q.shape[1], []
     for (q0, q1), (k0, k1) in zip(zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), strict=True),
                                   zip(cu_k[:-1].tolist(), cu_k[1:].tolist(), strict=True), strict=True):  # fmt: skip

@@ -80,6 +80,9 @@ def flash_tree_attention(
     attention_mask: Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: Tensor | None = None,
     *,
     varlen_keys: Tensor | None = None,
     varlen_cu_q: Tensor | None = None,
@@ -91,10 +94,14 @@ def flash_tree_attention(
     """Attention over a packed row's prefix tree with flash-attn's varlen kernel (transformers' interface).
 
     ``query`` (1, H, T, D), ``key`` and ``value`` (1, H_kv, T, D) -> (1, T, H, D). The ``varlen_*``
-    arguments are ``trainer._logprobs.Varlen``'s: the learner forwards packed rows only.
+    arguments are ``trainer._logprobs.Varlen``'s: the learner forwards packed rows only. A segment's
+    gathered keys are its sample's tokens in order, so a sliding window counts in positions, as
+    transformers' own flash attention does (``sliding_window - 1`` to the left of each query).
     """
     if varlen_keys is None or varlen_cu_q is None or varlen_cu_k is None:
         raise ValueError("a model loaded for the learner's flash attention forwards packed rows only (pack_row)")
+    if s_aux is not None:
+        raise NotImplementedError("attention sinks (s_aux) are not supported by the learner's flash attention")
     from flash_attn import flash_attn_varlen_func  # type: ignore[import-not-found]  # CUDA only
 
     half = next((p.dtype for p in module.parameters() if p.dtype in _HALF), torch.bfloat16)
@@ -103,8 +110,10 @@ def flash_tree_attention(
     v = value[0].transpose(0, 1)[varlen_keys]  # (K, H_kv, D)
     if q.dtype not in _HALF:  # peft's float32 LoRA output: flash attention runs in half precision only
         q, k, v = q.to(half), k.to(half), v.to(half)
-    out = flash_attn_varlen_func(q, k, v, varlen_cu_q, varlen_cu_k, varlen_max_q, varlen_max_k,
-                                 dropout_p=dropout, softmax_scale=scaling, causal=True)  # fmt: skip
+    window = (sliding_window - 1, sliding_window - 1) if sliding_window is not None else (-1, -1)
+    out = flash_attn_varlen_func(q, k, v, varlen_cu_q, varlen_cu_k, varlen_max_q, varlen_max_k, dropout_p=dropout,
+                                 softmax_scale=scaling, causal=True, window_size=window,
+                                 softcap=softcap or 0.0)  # fmt: skip
     return out[None].to(query.dtype), None  # (1, T, H, D), in the dtype the layer computes in
 
 
