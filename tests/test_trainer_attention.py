@@ -15,7 +15,7 @@ from test_trainer_learner import group, reference_logprobs, sample
 from transformers import AutoModelForCausalLM
 
 from trainer import _attention
-from trainer._attention import Attention, choose_attention
+from trainer._attention import choose_attention
 from trainer._config import TrainConfig
 from trainer._learner import Learner
 from trainer._logprobs import chunked_logprobs, hidden_states, pack_row
@@ -40,7 +40,7 @@ def test_auto_picks_flash_attention_on_cuda_in_half_precision_when_installed(
     monkeypatch.setattr(_attention, "flash_attn_available", lambda: flash)
     chosen = choose_attention("auto", device, dtype)
     assert chosen.implementation == expected
-    assert chosen.shares_prefix == (expected != "flash_attention_2")
+    assert chosen.varlen == (expected == "flash_attention_2")
     assert chosen.why
 
 
@@ -77,18 +77,16 @@ def test_the_flash_layout_lays_each_sample_whole_and_scores_it_as_alone(tiny_mod
 
 
 def test_sdpa_and_eager_learners_give_the_same_logprobs_of_packed_rows_shared_or_not(tiny_model_dir: Path) -> None:
-    cfg = TrainConfig(lora_r=8, dtype="float32", micro_batch_tokens=64)
     samples = [*group(12, [6, 9, 4], seed=5), *group(7, [5, 8], seed=6), sample(20, 8, seed=7), sample(15, 4, seed=8)]
     scores = {}
     for attn in ("sdpa", "eager"):
-        learner = Learner(tiny_model_dir, cfg, attn_implementation=attn)
-        assert learner.attention.implementation == attn and learner.attention.shares_prefix
-        assert learner._pack(samples) != [[i] for i in range(len(samples))]  # rows really hold several samples
-        scores[attn] = learner.logprobs(samples)
-        # The layout flash attention would get, scored by this kernel: no shared prompt, no mask.
-        learner.attention = Attention("flash_attention_2", "its packing only; the kernel stays " + attn)
-        scores[f"{attn}, each sample whole"] = learner.logprobs(samples)
-    expected = scores.pop("sdpa")
+        for share in (True, False):
+            cfg = TrainConfig(lora_r=8, dtype="float32", micro_batch_tokens=64, share_prefix=share)
+            learner = Learner(tiny_model_dir, cfg, attn_implementation=attn)
+            assert learner.attention.implementation == attn and not learner.attention.varlen
+            assert learner._pack(samples) != [[i] for i in range(len(samples))]  # rows really hold several samples
+            scores[f"{attn}, {'shared prefixes' if share else 'each sample whole'}"] = learner.logprobs(samples)
+    expected = scores.pop("sdpa, shared prefixes")
     assert all(float(lp[1:].abs().max()) > 0 for lp in expected)  # scored, not left at zero
     for name, got in scores.items():
         for k, (g, e) in enumerate(zip(got, expected, strict=True)):

@@ -3,8 +3,8 @@
 Each test starts torchrun once (~15 s on 2 cores: every rank imports torch and loads the
 tiny model); the one-process reference runs in this process.
 
-Why the comparisons have a tolerance: one process adds the 7 micro-batches' float32
-gradients in sequence; two ranks each add their own share (4 and 3 micro-batches) and
+Why the comparisons have a tolerance: one process adds the micro-batches' float32
+gradients in sequence; two ranks each add their own share (4 and 3 of 7 micro-batches) and
 all_reduce adds the two partial sums. Float addition is not associative, so the sums
 differ in their last bits (relative 1e-7 or so), and so do the AdamW updates built from
 them. The tolerance follows each tensor's magnitude: a sum that lost or doubled a rank's
@@ -66,7 +66,7 @@ def assert_same_lora(one: dict[str, torch.Tensor], two: dict[str, torch.Tensor],
 def assert_same_metrics(one: dict[str, Any], two: dict[str, Any]) -> None:
     for name in METRICS:
         assert two[name] == pytest.approx(one[name], rel=1e-5, abs=1e-7), name
-    for name in ("tokens", "loss_tokens", "samples", "micro_batches"):
+    for name in ("tokens", "forwarded_tokens", "loss_tokens", "samples", "micro_batches"):
         assert two[name] == one[name], name
 
 

@@ -143,15 +143,16 @@ def test_a_shared_prompt_gives_the_lora_the_same_gradient_as_separate_rows(tiny_
 
 
 def test_micro_batches_group_samples_by_their_prompt() -> None:
-    from trainer._samples import pack_shared
+    from trainer._prefix_tree import pack_tree
 
     a = group(8, [3, 4], seed=1)
     b = group(6, [5, 2, 4], seed=2)
     lone = [sample(9, 4, seed=3)]
     samples = [a[0], b[0], lone[0], a[1], b[1], b[2]]
-    rows = pack_shared(samples, 64)
-    assert sorted(map(sorted, rows)) == [[0, 3], [1, 4, 5], [2]]
-    assert pack_shared(samples, 12)[:2] == [[0], [3]]  # a prompt + both rests exceeds 12: split
+    rows = pack_tree([s.token_ids for s in samples], 64)
+    assert rows == [[0, 1, 2, 3, 4, 5]]  # 8 + 3 + 4, 6 + 5 + 2 + 4 and 9 tokens: one tree of 41
+    rows = pack_tree([s.token_ids for s in samples], 20)
+    assert sorted(map(sorted, rows)) == [[0, 3], [1, 4, 5], [2]]  # each group's prompt once, the lone one apart
 
 
 def test_learner_logprobs_of_a_packed_batch_equal_each_sample_alone(tiny_model_dir: Path) -> None:

@@ -310,6 +310,18 @@ def test_a_re_rendered_turn_with_no_stop_token_after_it_splits() -> None:
     assert (stats.samples, stats.merged_retokenized, stats.split_rerendered) == (2, 0, 1)
 
 
+def test_a_reasoning_templates_dropped_thinking_and_its_opened_answer_are_a_re_rendering() -> None:
+    # DeepSeek-R1's template opens each answer with <think> (99) and renders an earlier turn from its content
+    # alone: the next prompt keeps neither the thinking (97, 98) nor the <think> that opened it.
+    prompt = turn(USER, 21) + header(ASSISTANT)
+    first = call([*prompt, 99], [97, 98, 96, 30, IM_END])  # thinking, </think> (96), the answer
+    second = call([*prompt, 30, IM_END, NL, *turn(USER, 22), *header(ASSISTANT), 99], [31, IM_END])
+    samples, stats = build_samples([first, second])
+    assert (stats.samples, stats.split_rerendered, stats.split_not_extended) == (2, 1, 0)
+    assert samples[0].token_ids == [*prompt, 99, 97, 98, 96, 30, IM_END]  # the thinking trains, in its own prompt
+    assert samples[0].loss_mask[len(prompt) + 1 :] == [True] * 5
+
+
 def test_a_prompt_that_drops_earlier_turns_is_a_split_of_another_kind() -> None:
     first = call(turn(SYSTEM, 20) + turn(USER, 21) + header(ASSISTANT), [30, IM_END])
     summarized = call(turn(USER, 22) + header(ASSISTANT), [31, IM_END])  # the agent dropped the history

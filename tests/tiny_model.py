@@ -6,6 +6,11 @@ head size vLLM's CPU attention accepts), a byte-level BPE tokenizer trained here
 the small corpus below, and a ChatML chat template with Hermes-style tool calls.
 Its outputs are random text, but every token id, logprob and template path is real.
 
+`build_tiny_model(..., reasoning=True)` is a reasoning model's variant: ``<think>`` and ``</think>``
+added as tokens (plain added tokens, as in Qwen3 and DeepSeek-R1), and a template that drops earlier
+turns' thinking (``REASONING_DROPS_TEMPLATE``); ``REASONING_KEEPS_TEMPLATE`` keeps it. vLLM's
+``deepseek_r1`` and ``qwen3`` reasoning parsers find both tokens in its vocabulary.
+
 `build_tiny_lora` writes a peft LoRA adapter on all seven projections with non-zero
 B matrices, so serving it changes the model's outputs.
 
@@ -20,12 +25,21 @@ import os
 import shutil
 from pathlib import Path
 
-__all__ = ["CHAT_TEMPLATE", "LORA_TARGET_MODULES", "build_tiny_lora", "build_tiny_model"]
+__all__ = [
+    "CHAT_TEMPLATE",
+    "LORA_TARGET_MODULES",
+    "REASONING_DROPS_TEMPLATE",
+    "REASONING_KEEPS_TEMPLATE",
+    "THINK_TOKENS",
+    "build_tiny_lora",
+    "build_tiny_model",
+]
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # Plain added tokens (not special), as in Qwen/Hermes: they survive detokenization,
 # so vLLM's `hermes` tool-call parser can find them in the generated text.
 TOOL_TOKENS = ("<tool_call>", "</tool_call>")
+THINK_TOKENS = ("<think>", "</think>")
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 VOCAB_SIZE = 1024
@@ -67,6 +81,27 @@ CHAT_TEMPLATE = (
     "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# A reasoning model's ChatML. The answer starts thinking at once (the generation prompt ends with <think>, as
+# DeepSeek-R1's and Qwen3-Thinking-2507's do); an earlier assistant turn is rendered from its content alone, its
+# thinking dropped (DeepSeek-R1's template always, Qwen3's for the turns before the last user message).
+_REASONING_HEAD = "{%- for message in messages %}{%- if message.role == 'assistant' %}{{- '<|im_start|>assistant\\n' }}"
+_REASONING_TAIL = (
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>' }}{%- endif %}"
+)
+REASONING_DROPS_TEMPLATE = _REASONING_HEAD + "{{- message.content or '' }}" + _REASONING_TAIL
+# The same, but an earlier turn keeps its thinking as the model wrote it (vLLM hands the template the
+# `reasoning` a client sends back): the history then reads as sampled, and the next prompt extends it.
+REASONING_KEEPS_TEMPLATE = (
+    _REASONING_HEAD
+    + "{{- '<think>' + (message.reasoning or '') + '</think>' + (message.content or '') }}"
+    + _REASONING_TAIL
 )
 
 _CORPUS = """\
@@ -112,12 +147,13 @@ ABCDEFGHIJKLMNOPQRSTUVWXYZ abcdefghijklmnopqrstuvwxyz .,;:!?'"()[]{}<>-_=+*/\\|@
 """
 
 
-def build_tiny_model(out_dir: Path, *, seed: int = 0, vocab_size: int | None = None) -> Path:
+def build_tiny_model(out_dir: Path, *, seed: int = 0, vocab_size: int | None = None, reasoning: bool = False) -> Path:
     """Build the tiny model directory at `out_dir` (or reuse a complete one) and return it.
 
     ``vocab_size`` pads the embedding beyond the tokenizer's ids, as real models pad theirs
     (Qwen2.5: 151,936 rows for 151,665 tokens); the fake vLLM's token ids (below
     ``fake_vllm_text.TOKEN_ID_LIMIT``) then fit, so the trainer can learn from what it captured.
+    ``reasoning`` adds ``THINK_TOKENS`` and makes ``REASONING_DROPS_TEMPLATE`` the chat template.
 
     Example:
         model_dir = build_tiny_model(tmp_path_factory.getbasetemp() / "tiny-llama")
@@ -131,13 +167,13 @@ def build_tiny_model(out_dir: Path, *, seed: int = 0, vocab_size: int | None = N
 
     work = _fresh_work_dir(out_dir)
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=_train_tokenizer(),
+        tokenizer_object=_train_tokenizer(THINK_TOKENS if reasoning else ()),
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         model_max_length=MAX_POSITIONS,
         clean_up_tokenization_spaces=False,
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = REASONING_DROPS_TEMPLATE if reasoning else CHAT_TEMPLATE
     tokenizer.save_pretrained(work)
 
     im_start, im_end, endoftext = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>", "<|endoftext|>"])
@@ -198,8 +234,8 @@ def build_tiny_lora(model_dir: Path, out_dir: Path, *, r: int = 8, seed: int = 0
     return _publish(work, out_dir, _LORA_FILES)
 
 
-def _train_tokenizer() -> object:
-    """A byte-level BPE tokenizer trained on `_CORPUS`, with the ChatML and tool tokens."""
+def _train_tokenizer(extra_tokens: tuple[str, ...] = ()) -> object:
+    """A byte-level BPE tokenizer trained on `_CORPUS`, with the ChatML and tool tokens (and ``extra_tokens``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -213,7 +249,7 @@ def _train_tokenizer() -> object:
         show_progress=False,
     )
     tokenizer.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer=trainer)
-    tokenizer.add_tokens(list(TOOL_TOKENS))
+    tokenizer.add_tokens([*TOOL_TOKENS, *extra_tokens])
     return tokenizer
 
 

@@ -29,9 +29,15 @@ def settings_from(args: argparse.Namespace) -> Any:
             "proxy routes calls over them itself (a trajectory stays on one server, for its prefix cache) and "
             "loads every adapter into each. Do not put a load balancer in front of them."
         )
+    if given := [a for a in args.vllm_arg if a.split("=", 1)[0] == "--reasoning-parser"]:
+        raise SystemExit(
+            f"tracetrain serve: --vllm-arg={given[0]}: pass serve's own --reasoning-parser NAME instead, so that the "
+            "proxy knows the parser too"
+        )
     flags = {
         "upstreams": tuple(args.upstream) if args.upstream else None,
         "served_model": args.served_model,
+        "reasoning_parser": args.reasoning_parser,
         "host": args.host,
         "port": args.port,
         "data_dir": args.data_dir,
@@ -150,6 +156,7 @@ def _vllm_child(args: argparse.Namespace, settings: Any, model_dir: Path, device
         device=device,
         dtype=dtype,
         tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
+        reasoning_parser=settings.reasoning_parser,
         sleep_mode=settings.share_gpu,
         extra_args=tuple(args.vllm_arg),
         **launch_options(devices),

@@ -106,6 +106,16 @@ def _add_vllm_flags(p: argparse.ArgumentParser) -> None:
         "tools are refused by vLLM) (default hermes, for ChatML/Qwen-style templates)",
     )
     p.add_argument(
+        "--reasoning-parser",
+        metavar="NAME",
+        help="vLLM's parser for a reasoning model's thinking, as vLLM names it: qwen3 (Qwen3, QwQ), deepseek_r1 "
+        "(DeepSeek-R1 and its distills), ... (vLLM lists them all when it refuses a name). A chat answer then "
+        "carries the thinking in message.reasoning and its content without it; every sampled token, thinking "
+        "included, still trains. With --upstream, name the parser your vLLM runs. Such templates drop earlier "
+        "turns' thinking, so each call of a trajectory trains as a sample of its own; the trainer forwards the "
+        "prefix they share once (docs/TRAINING.md) (default: none)",
+    )
+    p.add_argument(
         "--dtype",
         choices=["auto", "float32", "bfloat16"],
         default="auto",

@@ -88,6 +88,8 @@ class VLLMLaunch:
     `tool_call_parser` (e.g. "hermes") must match the model's chat template: without
     one, vLLM answers 400 to every request with `tools` unless `tool_choice` is "none"
     (no tool_choice means "auto").
+    `reasoning_parser` (e.g. "qwen3", "deepseek_r1") splits a reasoning model's thinking out of its answer
+    into `message.reasoning`; the sampled token ids keep both.
     `sleep_mode` serves the pause and sleep endpoints a GPU hand-over needs (see above).
     `extra_args` are appended last, so they can override anything above.
     """
@@ -106,6 +108,7 @@ class VLLMLaunch:
     max_loras: int = 4
     max_model_len: int | None = None
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     kv_cache_space_gib: int = 1
     sleep_mode: bool = False
     offline: bool = True
@@ -176,6 +179,8 @@ class VLLMLaunch:
             args += ["--max-model-len", str(self.max_model_len)]
         if self.tool_call_parser is not None:
             args += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_call_parser]
+        if self.reasoning_parser is not None:
+            args += ["--reasoning-parser", self.reasoning_parser]
         if self.device == "cpu":
             # vLLM's CPU default block is 128 tokens: a prompt shorter than that never hits the prefix
             # cache (0% on the demo's ~80-token prompts; 72% with 32, the attempts of a group sharing it).

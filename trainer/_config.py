@@ -77,6 +77,10 @@ class TrainConfig(BaseModel):
     # --- efficiency ---
     # Token budget of one packed forward (a micro-batch); a longer sample gets a micro-batch of its own.
     micro_batch_tokens: int = Field(default=4096, ge=1)
+    # Lay the samples of a micro-batch as their prefix tree, so that a prefix several share (a GRPO group's
+    # prompt, the prompts of a trajectory's split samples) is forwarded once. False: each sample laid whole
+    # (the same step, slower; for comparison).
+    share_prefix: bool = True
     # Vocabulary logits are materialized for this many positions at a time, never for the whole batch.
     logprob_chunk_tokens: int = Field(default=1024, ge=1)
     # auto: bfloat16 weights on CUDA with bf16 support, float32 elsewhere (on a CPU without bf16 units,

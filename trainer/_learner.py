@@ -6,7 +6,8 @@ packing and chunked log-probs from ``trainer._logprobs``, the peft model from ``
 and adapter files from ``trainer._adapters``. It knows no store and no HTTP; the worker feeds it.
 
 One step: the batch's samples are packed into micro-batches of at most
-``cfg.micro_batch_tokens`` tokens (one row each, no padding); each micro-batch's loss is
+``cfg.micro_batch_tokens`` tokens (one row each, no padding: the samples' prefix tree, so a
+prefix they share is forwarded once, ``trainer._prefix_tree``); each micro-batch's loss is
 its share of the whole batch's loss (``policy_loss``'s ``batch_tokens`` /
 ``batch_sequences``), so the accumulated gradient equals the gradient of the batch taken
 at once. Then the global gradient norm is clipped and AdamW steps once.
@@ -43,7 +44,8 @@ from trainer._distributed import all_or_none, max_over_ranks, rank_and_world, su
 from trainer._logprobs import PackedRow, pack_row
 from trainer._lora import load_lora_model, precision
 from trainer._losses import logprob_mismatch, policy_loss
-from trainer._samples import Sample, pack, pack_shared
+from trainer._prefix_tree import pack_tree
+from trainer._samples import Sample, pack
 from trainer._step import PeakMemoryKind, StepResult, TrainItem, check_item
 
 log = logging.getLogger("tracetrain.trainer")
@@ -65,8 +67,8 @@ class Learner:
 
     ``attn_implementation``: "auto" (or None) lets ``trainer._attention.choose_attention`` pick:
     flash_attention_2 on CUDA in half precision when flash_attn is installed, else sdpa. A
-    name forces it. Under flash attention a micro-batch never lays a shared prompt once
-    (that needs an explicit mask, which flash attention does not take).
+    name forces it. Each kernel reads a row's prefix tree its own way (a mask, or flash-attn's
+    variable-length sequences with gathered keys): the step is the same.
 
     ``shard``: under torchrun, split the base and the LoRA over the ranks (FSDP2) instead of
     each rank holding the whole model; for a base that does not fit one device. Every rank
@@ -103,7 +105,7 @@ class Learner:
         with torch.random.fork_rng(devices=[]):  # LoRA init is seeded without touching the caller's RNG
             torch.manual_seed(cfg.seed)
             model = load_lora_model(base_model, cfg, adapter=adapter, dtype=weights_dtype,
-                                    attention=self.attention.implementation)  # fmt: skip
+                                    attention=self.attention.load_as())  # fmt: skip
         causal_lm = cast(PreTrainedModel, model.get_base_model())
         lm_head = causal_lm.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated upstream
         if not isinstance(lm_head, torch.nn.Linear):
@@ -152,7 +154,7 @@ class Learner:
 
         self.model.train()
         totals = dict.fromkeys(("loss", "clipped", "ratio", "kl", "entropy", "mismatch", "clamped", "weight",
-                                "over_cap", "on_policy_mismatch", "on_policy_tokens"), 0.0)  # fmt: skip
+                                "over_cap", "on_policy_mismatch", "on_policy_tokens", "forwarded"), 0.0)  # fmt: skip
         mismatch_max = 0.0
         try:
             with all_or_none():  # several ranks: one failing rank fails the step on all of them
@@ -207,6 +209,8 @@ class Learner:
             sampler_weight_mean=totals["weight"] / loss_tokens,
             sampler_over_cap=totals["over_cap"] / loss_tokens,
             tokens=tokens,
+            forwarded_tokens=int(totals["forwarded"]),
+            forwarded_per_sampled_token=totals["forwarded"] / loss_tokens,
             loss_tokens=loss_tokens,
             samples=len(samples),
             micro_batches=micro_batches,
@@ -248,6 +252,7 @@ class Learner:
             torch.autograd.backward(loss * 0.0)
             return 0.0
         torch.autograd.backward(loss)
+        totals["forwarded"] += row.tokens
         ratio_weight = m["sequences"] / len(samples) if self.cfg.loss == "gspo" else m["tokens"] / loss_tokens
         totals["loss"] += m["loss"]
         totals["clipped"] += m["clip_fraction"] * m["tokens"]
@@ -309,14 +314,14 @@ class Learner:
                           lora_state=lora, optimizer_state=optimizer)  # fmt: skip
 
     def _pack(self, samples: Sequence[Sample]) -> list[list[int]]:
-        """Micro-batches; samples of one prompt together where the kernel lets a row lay the prompt once."""
-        if self.attention.shares_prefix:
-            return pack_shared(samples, self.cfg.micro_batch_tokens)
+        """Micro-batches: samples that share a prefix together, each shared prefix laid once (``share_prefix``)."""
+        if self.cfg.share_prefix:
+            return pack_tree([s.token_ids for s in samples], self.cfg.micro_batch_tokens)
         return pack(samples, self.cfg.micro_batch_tokens)
 
     def _row(self, samples: Sequence[Sample], members: Sequence[int], *, loss_only: bool) -> PackedRow:
         return pack_row(samples, members, loss_only=loss_only, device=self.device,
-                        share_prefix=self.attention.shares_prefix)  # fmt: skip
+                        share_prefix=self.cfg.share_prefix, varlen=self.attention.varlen)  # fmt: skip
 
     def _score(self, row: PackedRow) -> tuple[Tensor, Tensor]:
         logp, entropy = self._scorer(row)  # (P,), (P,)

@@ -1,15 +1,18 @@
 """Log-probs of packed samples, scored in chunks so a batch's vocabulary logits never exist whole.
 
-A micro-batch is one row. When its samples share a prefix (a GRPO group's prompt),
-the prefix is laid once and an explicit mask lets each sample see it and itself (see
-``pack_row``). Otherwise the samples' token ids go end to end, with ``position_ids``
-restarting at 0 for each sample. transformers 5's ``masking_utils`` reads each restart
-as a sequence boundary and builds a block-diagonal causal mask, so attention never
-crosses samples and no padding is spent. It does so only when the decoder gets no
-``attention_mask`` *and no cache*: the decoder's default ``use_cache=True`` creates an
-empty ``DynamicCache``, which switches the detection off and lets every token attend to
-the samples before it. Hence ``use_cache=False`` below; ``tests/test_trainer_learner.py``
-pins that a sample scored beside another equals it scored alone (sdpa and eager).
+A micro-batch is one row. Its samples are laid as their prefix tree (``trainer._prefix_tree``):
+a prefix several samples share (a GRPO group's prompt; the prompts the split samples of one
+trajectory share) is laid once, and each token attends to its own sample's path only, so every
+sample is scored exactly as alone. The kernel gets those paths as an explicit (T, T) mask (sdpa,
+eager) or as one variable-length sequence per segment with its keys gathered (flash attention:
+``Varlen``, read by ``trainer._attention``). Where no sample forks off another, no mask is needed:
+the samples go end to end with ``position_ids`` restarting at 0 for each, and transformers 5's
+``masking_utils`` reads each restart as a sequence boundary and builds a block-diagonal causal mask,
+so attention never crosses samples and no padding is spent. It does so only when the decoder gets
+no ``attention_mask`` *and no cache*: the decoder's default ``use_cache=True`` creates an empty
+``DynamicCache``, which switches the detection off and lets every token attend to the samples
+before it. Hence ``use_cache=False`` below; ``tests/test_trainer_learner.py`` pins that a sample
+scored beside another equals it scored alone (sdpa and eager).
 
 Scoring runs the decoder body once, then ``lm_head`` + ``log_softmax`` + gather on the
 hidden states of the scored positions only (in training: the sampled tokens; a prompt's
@@ -24,34 +27,58 @@ is the distribution vLLM sampled from, and the one its processed logprobs descri
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
-from store import common_prefix
+from trainer._prefix_tree import TreeLayout, lay_out
 from trainer._samples import Sample
+
+
+@dataclass(frozen=True, slots=True)
+class Varlen:
+    """A row as flash attention's variable-length input: each segment one query sequence, its keys gathered."""
+
+    keys: Tensor  # (K,) long: row positions of each segment's keys (its path to the fork, then itself), in turn
+    cu_seqlens_q: Tensor  # (S + 1,) int32: where each segment starts and ends in the row
+    cu_seqlens_k: Tensor  # (S + 1,) int32: where each segment's keys start and end in ``keys``
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    def kwargs(self) -> dict[str, Any]:
+        """The decoder's extra keyword arguments: transformers hands them to every attention call."""
+        return {"varlen_keys": self.keys, "varlen_cu_q": self.cu_seqlens_q, "varlen_cu_k": self.cu_seqlens_k,
+                "varlen_max_q": self.max_seqlen_q, "varlen_max_k": self.max_seqlen_k}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
 class PackedRow:
     """Several samples as one row, and which of its tokens are scored."""
 
-    input_ids: Tensor  # (1, T) long: the shared prefix once, then each member's rest
-    position_ids: Tensor  # (1, T) long: each member's own positions
-    # (1, 1, T, T) bool, True = may attend: each member sees the shared prefix and its own
-    # tokens, causally. None when nothing is shared (transformers then derives the
-    # block-diagonal mask from the position restarts).
+    input_ids: Tensor  # (1, T) long: the samples' prefix tree, each shared prefix once
+    position_ids: Tensor  # (1, T) long: each token's position in its own sample
+    # (1, 1, T, T) bool, True = may attend: each token sees the tokens of its own sample's path,
+    # causally. None when no sample forks off another (transformers then derives the block-diagonal
+    # mask from the position restarts) or when ``varlen`` stands for it.
     attention_mask: Tensor | None
+    varlen: Varlen | None  # flash attention's layout of the same paths; None for the mask kernels
     score_at: Tensor  # (P,) long: row position of the hidden state that predicts each scored token
     targets: Tensor  # (P,) long: the scored tokens
     seq: Tensor  # (P,) long in [0, len(members)): the member each scored token belongs to
     offset: Tensor  # (P,) long: each scored token's index within its own sample
     members: tuple[int, ...]  # indices into the caller's samples, in row order
     temperature: Tensor  # (P,) float32: the temperature each scored token was sampled at (1.0 if not sampled)
+
+    @property
+    def tokens(self) -> int:
+        """The tokens this row forwards."""
+        return int(self.input_ids.shape[1])
 
 
 def pack_row(
@@ -61,27 +88,18 @@ def pack_row(
     loss_only: bool,
     device: torch.device,
     share_prefix: bool = True,
+    varlen: bool = False,
 ) -> PackedRow:
-    """Lay ``samples[i] for i in members`` in one row, their common prefix only once (if ``share_prefix``).
+    """Lay ``samples[i] for i in members`` in one row: as their prefix tree (``share_prefix``), else each whole.
 
-    The samples of a GRPO group share their prompt: the row holds it once, then each
-    member's remaining tokens, positioned as if they followed the prefix directly, and
-    attention lets every member see the prefix and its own tokens only. Without a common
-    prefix, or without ``share_prefix`` (flash attention takes no explicit mask:
-    ``trainer._attention``), the members are simply laid end to end.
+    ``varlen``: describe the paths as flash attention's variable-length sequences instead of a mask.
 
     Scored tokens: the sampled ones (``loss_mask``) when ``loss_only``, else every token
     but each sample's first, which has no prefix to predict it from. A scored token's
-    ``score_at`` is the row position whose hidden state predicts it: for a member's first
-    token after the prefix, that is the prefix's last position, shared by all members.
+    ``score_at`` is the row position whose hidden state predicts it: the position of the token
+    before it in its own sample, which a shared prefix holds once for every sample that has it.
     """
-    token_lists = [samples[i].token_ids for i in members]
-    shared = 0
-    if share_prefix and len(token_lists) > 1:
-        shared = common_prefix(*token_lists)
-    ids: list[int] = list(token_lists[0][:shared])
-    positions: list[int] = list(range(shared))
-    starts: list[int] = []  # row position of each member's first token after the prefix
+    layout = lay_out([samples[i].token_ids for i in members], share=share_prefix)
     score_at: list[int] = []
     targets: list[int] = []
     seq: list[int] = []
@@ -90,13 +108,10 @@ def pack_row(
     for k, i in enumerate(members):
         sample = samples[i]
         temperatures = sample.temperatures or [1.0] * len(sample.token_ids)
-        start = len(ids)
-        starts.append(start)
-        ids += sample.token_ids[shared:]
-        positions += range(shared, len(sample.token_ids))
+        where = layout.where[k]
         for t in range(1, len(sample.token_ids)):
             if sample.loss_mask[t] or not loss_only:
-                score_at.append(t - 1 if t <= shared else start + t - shared - 1)
+                score_at.append(where[t - 1])
                 targets.append(sample.token_ids[t])
                 seq.append(k)
                 offset.append(t)
@@ -105,25 +120,45 @@ def pack_row(
     def longs(values: list[int]) -> Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
 
-    mask = None
-    if shared:
-        n = len(ids)
-        mask = torch.zeros(n, n, dtype=torch.bool, device=device)  # (T, T)
-        mask[:, :shared] = True  # everyone sees the prefix ...
-        for start, end in zip(starts, [*starts[1:], n], strict=True):
-            mask[start:end, start:end] = True  # ... and its own tokens
-        mask &= torch.ones(n, n, dtype=torch.bool, device=device).tril()  # (T, T) causally
-        mask = mask[None, None]  # (1, 1, T, T)
+    forks = any(segment.fork >= 0 for segment in layout.segments)
     return PackedRow(
-        input_ids=longs(ids)[None],  # (1, T)
-        position_ids=longs(positions)[None],  # (1, T)
-        attention_mask=mask,
+        input_ids=longs(layout.ids)[None],  # (1, T)
+        position_ids=longs(layout.positions)[None],  # (1, T)
+        attention_mask=_tree_mask(layout, device) if forks and not varlen else None,
+        varlen=_varlen(layout, device) if varlen else None,
         score_at=longs(score_at),  # (P,)
         targets=longs(targets),  # (P,)
         seq=longs(seq),  # (P,)
         offset=longs(offset),  # (P,)
         members=tuple(members),
         temperature=torch.tensor(temperature, dtype=torch.float32, device=device),  # (P,)
+    )
+
+
+def _tree_mask(layout: TreeLayout, device: torch.device) -> Tensor:
+    """(1, 1, T, T) bool: row token i may attend row token j iff j is on i's path (itself included)."""
+    n = len(layout.ids)
+    mask = torch.zeros(n, n, dtype=torch.bool, device=device)  # (T, T)
+    for segment in layout.segments:  # in row order: a fork's row is complete before its branches copy it
+        rows = slice(segment.start, segment.end)
+        if segment.fork >= 0:
+            mask[rows] = mask[segment.fork]  # the path up to the fork ...
+        length = segment.end - segment.start
+        mask[rows, rows] = torch.ones(length, length, dtype=torch.bool, device=device).tril()  # ... then causally
+    return mask[None, None]  # (1, 1, T, T)
+
+
+def _varlen(layout: TreeLayout, device: torch.device) -> Varlen:
+    per_segment = [layout.keys(segment) for segment in layout.segments]
+    keys = [i for segment_keys in per_segment for i in segment_keys]
+    cu_q = [0, *(segment.end for segment in layout.segments)]  # the segments cut the row in order
+    cu_k = [0, *itertools.accumulate(len(k) for k in per_segment)]
+    return Varlen(
+        keys=torch.tensor(keys, dtype=torch.long, device=device),  # (K,)
+        cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=device),  # (S + 1,)
+        cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=device),  # (S + 1,)
+        max_seqlen_q=max((segment.end - segment.start for segment in layout.segments), default=0),
+        max_seqlen_k=max((len(k) for k in per_segment), default=0),
     )
 
 
@@ -136,7 +171,9 @@ def hidden_states(model: PreTrainedModel, row: PackedRow) -> Tensor:
         mask = torch.zeros(mask.shape, dtype=model.dtype, device=mask.device).masked_fill(
             ~mask, torch.finfo(model.dtype).min
         )  # (1, 1, T, T)
-    out = decoder(input_ids=row.input_ids, position_ids=row.position_ids, attention_mask=mask, use_cache=False)
+    extra = row.varlen.kwargs() if row.varlen is not None else {}
+    out = decoder(input_ids=row.input_ids, position_ids=row.position_ids, attention_mask=mask, use_cache=False,
+                  **extra)  # fmt: skip
     hidden: Tensor = out.last_hidden_state[0]  # (T, H)
     return hidden[row.score_at]  # (P, H)
 

@@ -24,9 +24,10 @@ learner scores it in a context that reads the same but is spelled in other ids: 
 measures (``logprob_mismatch``) and the sampler correction bounds, against forwarding the whole
 conversation again as a new sample.
 
-Each split costs training time (the shared prefix is forwarded again) and is what a token
-budget sees: ``call_tokens`` (every call's prompt plus completion, as captured) against
-``tokens`` (what the samples forward) and ``loss_tokens`` (what carries loss).
+Each split is what a token budget sees: ``call_tokens`` (every call's prompt plus completion, as
+captured) against ``tokens`` (the samples' tokens, each shared prefix counted in every sample that
+has it) and ``loss_tokens`` (what carries loss). The learner lays the split samples of a trajectory
+as one prefix tree (``trainer._prefix_tree``), so the prefix they share is forwarded once.
 
 Calls that cannot train are skipped and counted: failed (status != 200), inconsistent
 (logprobs not one per completion token, or an empty prompt: the first token of a
@@ -49,6 +50,9 @@ from dataclasses import dataclass, field, fields
 
 # vLLM samples greedily below this temperature (its _SAMPLING_EPS); such a call's logprobs are not a sampler's.
 GREEDY_BELOW = 1e-5
+# How many tokens at the end of a prompt may open the answer (a reasoning template's "<think>\n") and be left out
+# when the template renders that turn as history: such a split still counts as the template's re-rendering.
+OPENING_TOKENS = 4
 
 # Token ids to text, special tokens kept (the model's tokenizer): what lets a re-tokenized turn merge.
 Decode = Callable[[Sequence[int]], str]
@@ -127,9 +131,14 @@ class _Open:
         n = len(self.token_ids)
         return len(prompt) >= n and prompt[:n] == self.token_ids
 
-    def rerendered(self, prompt: list[int]) -> bool:
-        """The prompt keeps everything before the last completion, but not the completion as sampled."""
+    def keeps_context(self, prompt: list[int]) -> bool:
+        """The prompt starts with everything before the last completion."""
         n = self.context_len
+        return len(prompt) >= n and prompt[:n] == self.token_ids[:n]
+
+    def rerendered(self, prompt: list[int]) -> bool:
+        """The prompt keeps what came before the last completion (but for the answer's opening), not the completion."""
+        n = self.context_len - min(OPENING_TOKENS, self.context_len // 2)
         return len(prompt) >= n and prompt[:n] == self.token_ids[:n]
 
     def retokenized_end(self, prompt: list[int], decode: Decode) -> int | None:
@@ -139,7 +148,7 @@ class _Open:
         too: the re-rendered turn is the prompt from ``context_len`` to that token's first occurrence.
         """
         completion = self.token_ids[self.context_len :]
-        if not completion or not self.rerendered(prompt):
+        if not completion or not self.keeps_context(prompt):
             return None
         try:
             end = prompt.index(completion[-1], self.context_len) + 1
@@ -273,41 +282,3 @@ def pack(samples: Sequence[Sample], max_tokens: int) -> list[list[int]]:
             bins.append([i])
             room.append(max_tokens - n)
     return [sorted(b) for b in bins]
-
-
-def pack_shared(samples: Sequence[Sample], max_tokens: int) -> list[list[int]]:
-    """Micro-batches that put samples with the same prompt together, so the prompt is computed once.
-
-    The samples of a GRPO group start with the same prompt tokens (everything before the
-    first sampled token). Samples with an identical prompt fill micro-batches of their own,
-    costed as the prompt once plus each sample's rest; the others are packed as ``pack``
-    does. The scorer (``pack_row``) then lays the shared prefix once in the row.
-
-    >>> a, b, c = [7, 7, 1], [7, 7, 2], [9, 3]
-    >>> pack_shared([Sample(t, [False, False, True][: len(t)], [0.0] * len(t), 1, 0) for t in (a, b, c)], 4)
-    [[0, 1], [2]]
-    """
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
-    by_prompt: dict[tuple[int, ...], list[int]] = {}
-    for i, sample in enumerate(samples):
-        first_sampled = sample.loss_mask.index(True) if True in sample.loss_mask else len(sample.token_ids)
-        by_prompt.setdefault(tuple(sample.token_ids[:first_sampled]), []).append(i)
-    shared: list[list[int]] = []
-    alone: list[int] = []
-    for prompt, members in by_prompt.items():
-        if len(members) == 1 or not prompt:
-            alone += members
-            continue
-        row: list[int] = []
-        cost = len(prompt)
-        for i in members:
-            rest = len(samples[i].token_ids) - len(prompt)
-            if row and cost + rest > max_tokens:
-                shared.append(row)
-                row, cost = [], len(prompt)
-            row.append(i)
-            cost += rest
-        shared.append(row)
-    rest_bins = pack([samples[i] for i in alone], max_tokens)
-    return shared + [sorted(alone[j] for j in b) for b in rest_bins]

@@ -48,12 +48,16 @@ class StepResult:
     sampler_correction: str
     sampler_weight_mean: float
     sampler_over_cap: float
-    tokens: int  # all tokens forwarded (prompts included)
+    tokens: int  # the samples' tokens, prompts included (what forwarding each sample alone would cost)
+    # What the step's rows laid, each prefix that samples share once (trainer._prefix_tree); the reference
+    # forward of kl_coef > 0 runs them again. Per sampled (loss) token: 1 plus the context each one needed.
+    forwarded_tokens: int
+    forwarded_per_sampled_token: float
     loss_tokens: int
     samples: int
     micro_batches: int
     seconds: float
-    tokens_per_second: float
+    tokens_per_second: float  # the samples' tokens (``tokens``) per second
     # CUDA: torch.cuda.max_memory_allocated during this step. CPU: the process's peak
     # resident set size since it started (getrusage), an upper bound, not this step's own.
     peak_memory_bytes: int | None

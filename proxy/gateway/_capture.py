@@ -36,6 +36,7 @@ class ChoiceCapture:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     text: str = ""  # message content (chat) or completion text
+    reasoning: str = ""  # a chat answer's thinking, with vLLM's --reasoning-parser (its ids are in token_ids)
     role: str = "assistant"
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     prompt_token_ids: list[int] | None = None  # completions carry the prompt per choice
@@ -43,6 +44,8 @@ class ChoiceCapture:
     def message(self) -> dict[str, Any]:
         """The assistant message as a client would send it back in its next request."""
         msg: dict[str, Any] = {"role": self.role, "content": self.text or None}
+        if self.reasoning:
+            msg["reasoning"] = self.reasoning
         if self.tool_calls:
             msg["tool_calls"] = self.tool_calls
         return msg
@@ -138,6 +141,7 @@ def capture_response(data: dict[str, Any], endpoint: Endpoint) -> Capture:
             message = raw.get("message") or {}
             c.role = message.get("role") or "assistant"
             c.text = message.get("content") or ""
+            c.reasoning = message.get("reasoning") or ""
             c.tool_calls = list(message.get("tool_calls") or ())
         else:
             c.text = raw.get("text") or ""
@@ -220,6 +224,8 @@ def _add_delta(c: ChoiceCapture, delta: dict[str, Any]) -> None:
         c.role = delta["role"]
     if delta.get("content"):
         c.text += delta["content"]
+    if delta.get("reasoning"):
+        c.reasoning += delta["reasoning"]
     for part in delta.get("tool_calls") or ():
         index = int(part.get("index", 0))
         while len(c.tool_calls) <= index:

@@ -25,7 +25,8 @@ _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 LAST_STEP_METRICS = (
     "logprob_mismatch_mean", "logprob_mismatch_max", "logprob_mismatch_on_policy", "sampler_weight_mean",
     "calls_per_trajectory", "samples_per_trajectory", "samples_merged_retokenized", "samples_split_rerendered",
-    "samples_split_not_extended", "trained_tokens", "trained_token_share",
+    "samples_split_not_extended", "trained_tokens", "trained_token_share", "forwarded_tokens",
+    "forwarded_per_sampled_token",
 )  # fmt: skip
 _HANDOVER_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
@@ -88,7 +89,8 @@ class Metrics:
             "(over the tokens its own version sampled), sampler_weight_mean, calls_per_trajectory, "
             "samples_per_trajectory, samples_merged_retokenized (calls merged across a turn re-rendered in other "
             "token ids), samples_split_rerendered, samples_split_not_extended, trained_tokens, "
-            "trained_token_share.", ["policy", "metric"], registry=r,
+            "trained_token_share, forwarded_tokens (what the step's rows forwarded, each shared prefix once) and "
+            "forwarded_per_sampled_token.", ["policy", "metric"], registry=r,
         )  # fmt: skip
         self.loaded = Gauge("tracetrain_versions_loaded", "Versions this proxy has loaded in vLLM.", registry=r)
 
