@@ -15,13 +15,13 @@ from sqlalchemy import and_, case, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from store._compact import expand
-from store._conversation import call_reply
 from store._jobs import ready_condition
 from store._lifecycle import GroupState
 from store._tables import calls as C
 from store._tables import groups as G
 from store._tables import rewards as R
 from store._tables import trajectories as T
+from tracetrain_core import call_reply
 
 # What a group's ``state`` filter may say: the stored states plus "ready", derived.
 GROUP_VIEW_STATES = ("open", "ready", *(s.value for s in GroupState if s is not GroupState.OPEN))

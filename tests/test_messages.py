@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from proxy.errors import AuthenticationFailed, GpuBusy, InvalidRequest, ModelNotFound, UpstreamError, UpstreamHTTPError
 from proxy.gateway._messages import MESSAGES, count_tokens_chat
-from store import anthropic_chat_messages, anthropic_reply
+from tracetrain_core import anthropic_chat_messages, anthropic_reply
 
 CAPTURES = Path(__file__).parent / "data" / "vllm_protocol"
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

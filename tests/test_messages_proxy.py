@@ -22,7 +22,7 @@ from conftest import RunningProxy
 from fake_vllm import EOS_TOKEN_ID, FakeVLLM, Reply, ToolCall
 
 from proxy.gateway._messages import MESSAGES
-from store import anthropic_chat_messages
+from tracetrain_core import anthropic_chat_messages
 
 SYSTEM = "Answer in one sentence."
 QUESTION: list[Any] = [{"role": "user", "content": "What is the capital of France?"}]

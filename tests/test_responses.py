@@ -17,7 +17,7 @@ from conftest import RunningProxy
 from fake_vllm import EOS_TOKEN_ID, FakeVLLM, Reply, ToolCall
 from test_capture import stored_calls
 
-from store import call_messages, call_reply
+from tracetrain_core import call_messages, call_reply
 
 INSTRUCTIONS = "Answer in one sentence."
 WEATHER_TOOL = {

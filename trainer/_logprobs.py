@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
-from store import common_prefix
+from tracetrain_core import common_prefix
 from trainer._samples import Sample
 
 

@@ -4,7 +4,7 @@ vLLM's own ``/v1/messages`` returns no token ids, so each call goes to vLLM as a
 on the chat path, which captures the exact prompt ids, sampled ids and logprobs
 (docs/ARCHITECTURE.md, "Every API on the chat path"). The request's turn:
 
-- ``system`` and ``messages`` become chat messages (``store.anthropic_chat_messages``, which the
+- ``system`` and ``messages`` become chat messages (``tracetrain_core.anthropic_chat_messages``, which the
   readers share); image and document blocks are refused (the policy reads text only);
 - ``max_tokens`` (required, as in Anthropic's API), ``stop_sequences`` -> ``stop``,
   ``temperature``, ``top_p``, ``top_k``; ``tools`` (``input_schema`` -> ``parameters``) and
@@ -29,7 +29,7 @@ from proxy.errors import InvalidRequest, ProxyError
 from proxy.gateway import _messages_out as out
 from proxy.gateway._messages_stream import MessagesStream
 from proxy.gateway._messages_wire import CountTokensRequest, MessagesRequest, ToolChoice
-from store import anthropic_chat_messages
+from tracetrain_core import anthropic_chat_messages
 
 _REFUSED_BLOCKS = {
     "image": "Image blocks are not supported: the policy reads text only.",

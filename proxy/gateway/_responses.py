@@ -31,7 +31,7 @@ from proxy.gateway._responses_shape import (
     usage_of,
 )
 from proxy.gateway._responses_stream import ResponsesStream
-from store import responses_chat_messages
+from tracetrain_core import responses_chat_messages
 
 
 class _Open(BaseModel):

@@ -16,7 +16,7 @@ so every reader sees exactly the messages vLLM got:
 - anything else (images, documents, blocks of newer API versions) is skipped here: the proxy
   refuses images and documents before this runs, and readers must never fail on a stored body.
 
-Pure Python (stdlib only): the store imports no proxy.
+Pure Python (stdlib only): no store, proxy, web framework or torch.
 """
 
 from __future__ import annotations
