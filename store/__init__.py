@@ -25,7 +25,7 @@ from store._judgements import JUDGEMENT_STATES, DueRule, GroupCalls, GroupChange
 from store._lifecycle import MOVES, AdapterState, GpuHandover, GroupState, JobState, TrainingState, allowed
 from store._reads import GROUP_VIEW_STATES, GroupRecord, Reads, TrajectoryFilter, TrajectoryRecord
 from store._retention import PruneReport, PruneRule
-from store._rewards import RewardIn
+from store._rewards import RewardIn, RewardRecord
 from store._store import Store
 from store._tables import Call
 from store._timeouts import RewardTimeouts
@@ -65,6 +65,7 @@ __all__ = [
     "PruneRule",
     "Reads",
     "RewardIn",
+    "RewardRecord",
     "RewardSummary",
     "RewardTimeouts",
     "RewardedTrajectory",

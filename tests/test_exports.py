@@ -55,7 +55,7 @@ def test_store_public_names() -> None:
         "FILE_NAME_PATTERN", "FileEntry",
         "GROUP_VIEW_STATES", "GpuHandover", "GroupCalls", "GroupChanged", "GroupRecord",
         "GroupState", "Guards", "JOB_FIELDS", "JUDGEMENT_STATES", "JobState", "Jobs", "Judgements", "MOVES",
-        "Policies", "PruneReport", "PruneRule", "Reads", "RewardIn", "RewardSummary", "RewardTimeouts",
+        "Policies", "PruneReport", "PruneRule", "Reads", "RewardIn", "RewardRecord", "RewardSummary", "RewardTimeouts",
         "RewardedTrajectory", "SchemaTooNew", "Store", "StoreError", "StoreFull", "StoreUnavailable", "StoredCall",
         "TRAINING_FIELDS", "TrainingState", "TrajectoryFilter", "TrajectoryRecord", "TransitionRefused",
         "UnknownTrajectories", "allowed", "connect", "is_disk_full",
