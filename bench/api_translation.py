@@ -90,8 +90,7 @@ def per_call_us(fn: Callable[[], object], number: int = 2000, repeat: int = 7) -
 
 
 def ours() -> dict[str, Callable[[], object]]:
-    from proxy.gateway._messages import MESSAGES
-    from proxy.gateway._responses import RESPONSES
+    from proxy.gateway.dialects import MESSAGES, RESPONSES
 
     return {
         "responses: request -> chat": lambda: RESPONSES.to_chat(RESPONSES_BODY),

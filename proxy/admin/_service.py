@@ -17,7 +17,7 @@ from proxy.data import _service as _data
 from proxy.data._wire import trajectory_view
 from proxy.errors import Conflict, NotFound, ProxyError
 from proxy.gateway import PolicyRegistry
-from proxy.gateway._router import Router, Server
+from proxy.gateway.upstream import Router, Server
 from proxy.judge import JudgeService
 from proxy.observability import Metrics
 from proxy.observability._disk import DiskWatch

@@ -37,12 +37,17 @@ from proxy.api._deps import ServicesDep, require_inference_key
 from proxy.errors import InvalidRequest, ProxyError, UpstreamError, response_for
 from proxy.gateway import KeyHints
 from proxy.gateway._capture import Endpoint
-from proxy.gateway._dialect import Dialect
-from proxy.gateway._messages import MESSAGES, count_tokens_chat
-from proxy.gateway._messages_wire import CountTokensRequest, MessagesRequest
-from proxy.gateway._responses import RESPONSES, ResponsesRequest
 from proxy.gateway._translated import handle as handle_translated
 from proxy.gateway._wire import ChatCompletionRequest, CompletionRequest, json_object
+from proxy.gateway.dialects import (
+    MESSAGES,
+    RESPONSES,
+    CountTokensRequest,
+    Dialect,
+    MessagesRequest,
+    ResponsesRequest,
+    count_tokens_chat,
+)
 
 router = APIRouter(dependencies=[Depends(require_inference_key)], tags=["openai"])
 

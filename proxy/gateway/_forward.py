@@ -36,14 +36,13 @@ from proxy.gateway._capture import (
     strip_response,
     without_token_fields,
 )
-from proxy.gateway._dialect import Dialect, StreamTranslator
 from proxy.gateway._gate import Gate
 from proxy.gateway._keying import Conversation, Key, Keyer, KeyHints, new_trajectory_id
 from proxy.gateway._policies import PolicyRegistry, Route
 from proxy.gateway._relay import Relay, RelayResponse, TranslatedRelay, close_unused
-from proxy.gateway._router import Router
-from proxy.gateway._upstream import Upstream, UpstreamStream
 from proxy.gateway._wire import ChatCompletionRequest, CompletionRequest, json_object
+from proxy.gateway.dialects import Dialect, StreamTranslator
+from proxy.gateway.upstream import Router, Upstream, UpstreamStream
 from proxy.observability._langfuse import LangfuseExporter
 from proxy.observability._metrics import Metrics
 from store import CallWrite, Store, StoreError, StoreFull

@@ -21,10 +21,9 @@ from starlette.types import Receive, Scope, Send
 from proxy.errors import ProxyError, UpstreamError, error_body
 from proxy.gateway._call import Call, call_write
 from proxy.gateway._capture import StreamCapture
-from proxy.gateway._dialect import StreamTranslator
 from proxy.gateway._policies import PolicyRegistry
-from proxy.gateway._sse import SSEDecoder
-from proxy.gateway._upstream import UpstreamStream
+from proxy.gateway.dialects import StreamTranslator
+from proxy.gateway.upstream import SSEDecoder, UpstreamStream
 from store import CallWrite
 
 _DONE = b"data: [DONE]\n\n"

@@ -20,10 +20,10 @@ from starlette.responses import Response
 from proxy.errors import ProxyError
 from proxy.gateway._call import Call, call_write
 from proxy.gateway._capture import Asked, capture_response, prepare_upstream_body, without_token_fields
-from proxy.gateway._dialect import Dialect
 from proxy.gateway._forward import Forwarder
 from proxy.gateway._keying import Conversation, KeyHints
 from proxy.gateway._wire import json_object
+from proxy.gateway.dialects import Dialect
 
 # What a translated client "asked" of chat: no token fields, and the usage chunk (its translator reads usage).
 _ASKED = Asked(token_ids=False, logprobs=False, usage_chunk=True)

@@ -27,7 +27,7 @@ from typing import Any
 
 from proxy._settings import Settings
 from proxy.errors import Conflict, GroupNotFound
-from proxy.gateway._policies import PolicyRegistry
+from proxy.gateway import PolicyRegistry
 from proxy.judge._client import Judge, JudgeFailed
 from proxy.judge._prompt import (
     DEFAULT_RUBRIC,

@@ -15,7 +15,7 @@ on the chat path, which captures the exact prompt ids, sampled ids and logprobs
 - whatever else the client sends (``metadata``, ``thinking``, ``cache_control``...) is kept in
   the record and not sent to vLLM.
 
-The answer's turn is ``_messages_out`` (non-streamed) and ``_messages_stream`` (events).
+The answer's turn is ``_shape`` (non-streamed) and ``_stream`` (events).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
 from proxy.errors import InvalidRequest, ProxyError
-from proxy.gateway import _messages_out as out
-from proxy.gateway._messages_stream import MessagesStream
-from proxy.gateway._messages_wire import CountTokensRequest, MessagesRequest, ToolChoice
+from proxy.gateway.dialects.messages import _shape as out
+from proxy.gateway.dialects.messages._stream import MessagesStream
+from proxy.gateway.dialects.messages._wire import CountTokensRequest, MessagesRequest, ToolChoice
 from tracetrain_core import anthropic_chat_messages
 
 _REFUSED_BLOCKS = {
@@ -123,7 +123,7 @@ def count_tokens_chat(body: dict[str, Any]) -> dict[str, Any]:
 
 
 class MessagesDialect:
-    """Anthropic's Messages API on the chat path (``proxy.gateway._dialect.Dialect``)."""
+    """Anthropic's Messages API on the chat path (``proxy.gateway.dialects._dialect.Dialect``)."""
 
     endpoint = "messages"
 
