@@ -25,7 +25,7 @@ error's HTTP response is made here: ``error_response()`` for a ``ProxyError``,
 500 without its detail), ``http_error_response()`` for Starlette's own (404 and 405). An
 error with ``retry_after_s`` also sends a ``Retry-After`` header (OpenAI's SDKs wait that
 long, up to a minute, before their automatic retry). The APIs translated to chat answer in
-their own error shape (``Dialect.error``, ``proxy.gateway.dialects._dialect``).
+their own error shape (``Dialect.error``, ``proxy.gateway.dialects``).
 """
 
 from __future__ import annotations

@@ -278,6 +278,12 @@ async def test_a_stream_cancelled_before_its_first_event_is_recorded_and_closed(
     class Forwarder:
         _in_flight = 0
 
+        def streaming(self) -> None:
+            self._in_flight += 1
+
+        def streamed(self) -> None:
+            self._in_flight -= 1
+
         def record_nowait(self, write) -> None:
             written.append(write)
 

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
 from proxy.errors import InvalidRequest, ProxyError
+from proxy.gateway.dialects._dialect import ChatTranslation
 from proxy.gateway.dialects.messages import _shape as out
 from proxy.gateway.dialects.messages._stream import MessagesStream
 from proxy.gateway.dialects.messages._wire import CountTokensRequest, MessagesRequest, ToolChoice
@@ -122,8 +123,8 @@ def count_tokens_chat(body: dict[str, Any]) -> dict[str, Any]:
     return {"model": request.model, "messages": _messages(request, body), **_chat_tools(request)}
 
 
-class MessagesDialect:
-    """Anthropic's Messages API on the chat path (``proxy.gateway.dialects._dialect.Dialect``)."""
+class MessagesDialect(ChatTranslation):
+    """Anthropic's Messages API, translated to chat completions (a ``proxy.gateway.dialects.Dialect``)."""
 
     endpoint = "messages"
 

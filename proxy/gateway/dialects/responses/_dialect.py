@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import Response
 
 from proxy.errors import InvalidRequest, ProxyError, error_response
+from proxy.gateway.dialects._dialect import ChatTranslation
 from proxy.gateway.dialects.responses._shape import (
     function_call_item,
     message_item,
@@ -240,8 +241,8 @@ def from_chat(chat: dict[str, Any], body: dict[str, Any], model: str) -> dict[st
     )
 
 
-class ResponsesDialect:
-    """The Responses API on the chat path (``proxy.gateway.dialects._dialect.Dialect``)."""
+class ResponsesDialect(ChatTranslation):
+    """The Responses API, translated to chat completions (a ``proxy.gateway.dialects.Dialect``)."""
 
     endpoint = "responses"
 
