@@ -1,7 +1,7 @@
 """What translating one call costs: tracetrain's Responses and Messages translators against LiteLLM's.
 
 Each call on ``/v1/responses`` or ``/v1/messages`` is turned into a chat completion for vLLM and
-its answer turned back (proxy.gateway._translated). LiteLLM ships both translations
+its answer turned back (proxy.gateway.dialects). LiteLLM ships both translations
 (``LiteLLMCompletionResponsesConfig`` for the Responses API, ``LiteLLMAnthropicMessagesAdapter``
 for Anthropic's Messages): this times both sides, request and response, on the same agent turn
 (instructions/system, a user message, a tool call and its result, one function tool; a reply with
@@ -90,8 +90,7 @@ def per_call_us(fn: Callable[[], object], number: int = 2000, repeat: int = 7) -
 
 
 def ours() -> dict[str, Callable[[], object]]:
-    from proxy.gateway._messages import MESSAGES
-    from proxy.gateway._responses import RESPONSES
+    from proxy.gateway.dialects import MESSAGES, RESPONSES
 
     return {
         "responses: request -> chat": lambda: RESPONSES.to_chat(RESPONSES_BODY),

@@ -3,7 +3,7 @@
 Two parts, each comparing the placements side by side in one run:
 
 1. **Cost of a pick**, per call, for 2, 4 and 8 servers: the router's choice now
-   (``proxy.gateway._placement.choose``: one blake2b per server) against the previous one (a
+   (``proxy.gateway.upstream._placement.choose``: one blake2b per server) against the previous one (a
    dictionary of trajectory -> server in each proxy, and for a new trajectory a scan of the
    in-flight counters; copied below as ``StickyLeastBusy``).
 2. **Two proxies behind a round-robin balancer**, simulated (an event queue, no network): multi-turn
@@ -26,7 +26,7 @@ import timeit
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from proxy.gateway._placement import choose, rank, server_salt
+from proxy.gateway.upstream._placement import choose, rank, server_salt
 
 
 @dataclass(eq=False)
@@ -63,7 +63,7 @@ class StickyLeastBusy:
 
 
 class Hashed:
-    """The router's pick now (``proxy.gateway._placement.choose``), at a given load factor."""
+    """The router's pick now (``proxy.gateway.upstream._placement.choose``), at a given load factor."""
 
     def __init__(self, servers: Sequence[Box], load_factor: float | None) -> None:
         self.servers = list(servers)

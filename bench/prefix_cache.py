@@ -43,7 +43,7 @@ from fake_vllm import serve_in_thread
 from tiny_model import build_tiny_model
 
 from proxy import Settings, create_app
-from proxy.gateway._router import Router, Server
+from proxy.gateway.upstream import Router, Server
 from tracetrain_cli import VLLMLaunch, VLLMProcess
 
 _WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar".split()  # noqa: SIM905

@@ -27,7 +27,7 @@ from proxy._settings import Settings
 from proxy.admin import TokenTexts
 from proxy.errors import UpstreamError
 from proxy.gateway import Forwarder, Gate, Keyer, PolicyRegistry, Upstream
-from proxy.gateway._router import Router
+from proxy.gateway.upstream import Router
 from proxy.judge import JudgeService
 from proxy.judge._timeout import RewardTimeout
 from proxy.observability import LangfuseExporter, Metrics, start_langfuse

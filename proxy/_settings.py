@@ -40,7 +40,7 @@ class Settings(BaseSettings):
 
     # Where requests go: OpenAI-compatible base URLs ending in /v1 (vLLM servers in production). Calls of one
     # trajectory go to one server, chosen by hashing its id (the same on every replica listing the same URLs) with
-    # a bound on load (proxy.gateway._placement); every server loads every adapter. `upstream=URL` is accepted
+    # a bound on load (proxy.gateway.upstream._placement); every server loads every adapter. `upstream=URL` is accepted
     # for one; env TRACETRAIN_UPSTREAMS (comma-separated) or TRACETRAIN_UPSTREAM.
     upstreams: Annotated[tuple[str, ...], NoDecode] = Field(
         default=("http://127.0.0.1:8000/v1",),

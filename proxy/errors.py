@@ -25,7 +25,7 @@ error's HTTP response is made here: ``error_response()`` for a ``ProxyError``,
 500 without its detail), ``http_error_response()`` for Starlette's own (404 and 405). An
 error with ``retry_after_s`` also sends a ``Retry-After`` header (OpenAI's SDKs wait that
 long, up to a minute, before their automatic retry). The APIs translated to chat answer in
-their own error shape (``Dialect.error``, ``proxy.gateway._dialect``).
+their own error shape (``Dialect.error``, ``proxy.gateway.dialects``).
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ async def upstream_errors(upstream: str) -> AsyncIterator[None]:
         yield
     except (httpx.TimeoutException, TimeoutError) as exc:
         raise UpstreamTimeout(f"the upstream at {upstream} did not answer in time ({type(exc).__name__})") from exc
-    except (httpx.TransportError, ConnectionError) as exc:  # ConnectionError: proxy.gateway._http1's
+    except (httpx.TransportError, ConnectionError) as exc:  # ConnectionError: proxy.gateway.upstream._http1's
         raise UpstreamUnreachable(
             f"cannot reach the upstream at {upstream} ({type(exc).__name__}: {exc}); is vLLM running?"
         ) from exc

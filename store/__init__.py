@@ -7,19 +7,7 @@ the proxy, and the proxy never loads torch. ``Store.open(url)`` is the way in.
 
 from store._adapter_files import FILE_NAME_PATTERN, AdapterFile, AdapterFiles, FileEntry
 from store._adapters import ADAPTER_FIELDS, Adapters, Policies
-from store._advantages import ADVANTAGE_EPS, GroupAdvantages, group_advantages
-from store._anthropic import anthropic_chat_messages, anthropic_reply
 from store._compact import COMPACT_COLUMNS
-from store._conversation import (
-    call_messages,
-    call_reply,
-    call_tools,
-    canonical_message,
-    common_prefix,
-    first_choice,
-    reply_message,
-    same_message,
-)
 from store._engine import connect
 from store._errors import (
     SchemaTooNew,
@@ -36,9 +24,8 @@ from store._jobs import JOB_FIELDS, Jobs, RewardedTrajectory, StoredCall
 from store._judgements import JUDGEMENT_STATES, DueRule, GroupCalls, GroupChanged, Judgements
 from store._lifecycle import MOVES, AdapterState, GpuHandover, GroupState, JobState, TrainingState, allowed
 from store._reads import GROUP_VIEW_STATES, GroupRecord, Reads, TrajectoryFilter, TrajectoryRecord
-from store._responses_api import responses_chat_messages, responses_reply
 from store._retention import PruneReport, PruneRule
-from store._rewards import RewardIn
+from store._rewards import RewardIn, RewardRecord
 from store._store import Store
 from store._tables import Call
 from store._timeouts import RewardTimeouts
@@ -46,7 +33,6 @@ from store._writer import CallWrite
 
 __all__ = [
     "ADAPTER_FIELDS",
-    "ADVANTAGE_EPS",
     "COMPACT_COLUMNS",
     "FILE_NAME_PATTERN",
     "GROUP_VIEW_STATES",
@@ -66,7 +52,6 @@ __all__ = [
     "ExportReads",
     "FileEntry",
     "GpuHandover",
-    "GroupAdvantages",
     "GroupCalls",
     "GroupChanged",
     "GroupRecord",
@@ -80,6 +65,7 @@ __all__ = [
     "PruneRule",
     "Reads",
     "RewardIn",
+    "RewardRecord",
     "RewardSummary",
     "RewardTimeouts",
     "RewardedTrajectory",
@@ -95,19 +81,6 @@ __all__ = [
     "TransitionRefused",
     "UnknownTrajectories",
     "allowed",
-    "anthropic_chat_messages",
-    "anthropic_reply",
-    "call_messages",
-    "call_reply",
-    "call_tools",
-    "canonical_message",
-    "common_prefix",
     "connect",
-    "first_choice",
-    "group_advantages",
     "is_disk_full",
-    "reply_message",
-    "responses_chat_messages",
-    "responses_reply",
-    "same_message",
 ]

@@ -24,6 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from store._compact import expand
 from store._errors import StoreError
 from store._lifecycle import GroupState
+from store._rewards import RewardRecord
 from store._tables import calls as C
 from store._tables import groups as G
 from store._tables import judgements as JG
@@ -129,19 +130,18 @@ class Judgements:
 
     async def write_scores(
         self, row: dict[str, Any], judged: Sequence[str], *, scores_are_rewards: bool, owner: str
-    ) -> list[dict[str, Any]]:
+    ) -> list[RewardRecord]:
         """The scores as ``rewards`` rows (and, if they are the rewards, the trajectories'), with the judgement.
 
-        Returns the reward rows written. Raises ``GroupChanged`` if the group is not as it was judged,
+        Returns the rewards written. Raises ``GroupChanged`` if the group is not as it was judged,
         or if ``owner``'s claim on it was taken over.
         """
         now = time.time()
         group_id = row["group_id"]
         rewards = [
-            {"trajectory_id": s["trajectory_id"], "group_id": group_id, "value": s["score"], "metrics": {},
-             "source": "judge", "explanation": s["explanation"], "created_at": now}
+            RewardRecord(s["trajectory_id"], group_id, s["score"], {}, "judge", s["explanation"], now)
             for s in row["scores"]
-        ]  # fmt: skip
+        ]
         async with self._engine.begin() as conn:
             # Locks the group's row until the commit: nobody takes the claim over meanwhile.
             still_mine = await conn.execute(
@@ -156,7 +156,7 @@ class Judgements:
                 raise GroupChanged("the group changed while it was judged; it will be judged again")
             if scores_are_rewards and state != GroupState.OPEN.value:
                 raise GroupChanged(f"the group became {state} while it was judged; its rewards were left as they were")
-            await conn.execute(insert(R), rewards)
+            await conn.execute(insert(R), [reward.row() for reward in rewards])
             if scores_are_rewards:
                 await conn.execute(
                     update(T)

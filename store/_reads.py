@@ -15,13 +15,14 @@ from sqlalchemy import and_, case, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from store._compact import expand
-from store._conversation import call_reply
 from store._jobs import ready_condition
 from store._lifecycle import GroupState
+from store._rewards import RewardRecord
 from store._tables import calls as C
 from store._tables import groups as G
 from store._tables import rewards as R
 from store._tables import trajectories as T
+from tracetrain_core import call_reply
 
 # What a group's ``state`` filter may say: the stored states plus "ready", derived.
 GROUP_VIEW_STATES = ("open", "ready", *(s.value for s in GroupState if s is not GroupState.OPEN))
@@ -41,7 +42,7 @@ class TrajectoryFilter:
 class TrajectoryRecord:
     trajectory: dict[str, Any]
     calls: list[dict[str, Any]]  # in the order they were made
-    rewards: list[dict[str, Any]]  # every reward it got, oldest first
+    rewards: list[RewardRecord]  # every reward it got, oldest first
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +88,7 @@ class Reads:
             return TrajectoryRecord(
                 dict(row._mapping),
                 expand([dict(c._mapping) for c in calls.all()]),
-                [dict(r._mapping) for r in rewards.all()],
+                [RewardRecord.of_row(dict(r._mapping)) for r in rewards.all()],
             )
 
     async def groups(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,11 +24,36 @@ class RewardIn:
     explanation: str | None = None
 
 
-async def add_rewards(engine: AsyncEngine, rewards: Iterable[RewardIn]) -> list[dict[str, Any]]:
+@dataclass(frozen=True, slots=True)
+class RewardRecord:
+    """A reward as written: posted (source "external") or a judge's score (source "judge")."""
+
+    trajectory_id: str
+    group_id: str
+    reward: float
+    metrics: dict[str, float]
+    source: str
+    explanation: str | None
+    created_at: float
+
+    @classmethod
+    def of_row(cls, row: Mapping[str, Any]) -> RewardRecord:
+        """A row of the ``rewards`` table."""
+        return cls(row["trajectory_id"], row["group_id"], row["value"], row["metrics"], row["source"],
+                   row["explanation"], row["created_at"])  # fmt: skip
+
+    def row(self) -> dict[str, Any]:
+        """Its row of the ``rewards`` table."""
+        return {"trajectory_id": self.trajectory_id, "group_id": self.group_id, "value": self.reward,
+                "metrics": self.metrics, "source": self.source, "explanation": self.explanation,
+                "created_at": self.created_at}  # fmt: skip
+
+
+async def add_rewards(engine: AsyncEngine, rewards: Iterable[RewardIn]) -> list[RewardRecord]:
     """Record rewards in one transaction; any unknown trajectory id rejects the whole batch.
 
     An external reward becomes the trajectory's reward (and ends its threading: a rewarded
-    trajectory takes no more calls by continuation). Returns the rows written.
+    trajectory takes no more calls by continuation). Returns the rewards written.
     """
     items = list(rewards)
     wanted = {r.trajectory_id for r in items}
@@ -39,11 +64,11 @@ async def add_rewards(engine: AsyncEngine, rewards: Iterable[RewardIn]) -> list[
         if missing := wanted - group_of.keys():
             raise UnknownTrajectories(list(missing))
         created = [
-            {"trajectory_id": r.trajectory_id, "group_id": group_of[r.trajectory_id], "value": r.reward,
-             "metrics": r.metrics, "source": r.source, "explanation": r.explanation, "created_at": now}
+            RewardRecord(r.trajectory_id, group_of[r.trajectory_id], r.reward, r.metrics, r.source, r.explanation,
+                         now)
             for r in items
-        ]  # fmt: skip
-        await conn.execute(insert(R), created)
+        ]
+        await conn.execute(insert(R), [reward.row() for reward in created])
         if external := [r for r in items if r.source == "external"]:
             await conn.execute(
                 update(T)

@@ -41,7 +41,7 @@ from store._jobs import Jobs
 from store._judgements import Judgements
 from store._reads import Reads
 from store._retention import PruneReport, PruneRule, prune_trajectories, vacuum
-from store._rewards import RewardIn, add_rewards
+from store._rewards import RewardIn, RewardRecord, add_rewards
 from store._tables import adapters as A
 from store._tables import policies as P
 from store._tables import trajectories as T
@@ -169,7 +169,7 @@ class Store:
         """Bytes of the store by part: calls, adapter_files, database (``store._usage``)."""
         return await store_bytes(self.engine)
 
-    async def add_rewards(self, rewards: Iterable[RewardIn]) -> list[dict[str, Any]]:
+    async def add_rewards(self, rewards: Iterable[RewardIn]) -> list[RewardRecord]:
         return await add_rewards(self.engine, rewards)
 
     # -- lookups for keying -------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Group advantages (``store._advantages``) on hand-made lists: the math the trainer trains on and the dashboard shows.
+"""Group advantages (``tracetrain_core``) on hand-made lists: the math the trainer trains on and the dashboard shows.
 
 Expected values are computed by hand (with ``math``) in each test, never by the code under test.
 """
@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from store._advantages import group_advantages
+from tracetrain_core import group_advantages
 
 
 def test_unscaled_advantages_are_rewards_minus_group_mean() -> None:

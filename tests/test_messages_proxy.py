@@ -1,6 +1,6 @@
 """Anthropic's Messages API (``/v1/messages``) through the real anthropic SDK, against the fake vLLM.
 
-Each call goes to vLLM as a chat completion (proxy.gateway._messages): these tests check what the
+Each call goes to vLLM as a chat completion (proxy.gateway.dialects.messages._dialect): these tests check what the
 SDK reads back, that the record is token-exact (the prompt ids are the chat template's rendering
 of the translated messages), the tool loop's threading and ids, ``count_tokens``, the beta
 surface Claude Code uses, and errors as the SDK's own exceptions.
@@ -21,8 +21,8 @@ from claude_code import claude_env, needs_claude, run_claude
 from conftest import RunningProxy
 from fake_vllm import EOS_TOKEN_ID, FakeVLLM, Reply, ToolCall
 
-from proxy.gateway._messages import MESSAGES
-from store import anthropic_chat_messages
+from proxy.gateway.dialects.messages._dialect import MESSAGES
+from tracetrain_core import anthropic_chat_messages
 
 SYSTEM = "Answer in one sentence."
 QUESTION: list[Any] = [{"role": "user", "content": "What is the capital of France?"}]

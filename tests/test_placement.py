@@ -1,4 +1,4 @@
-"""The choice of a trajectory's vLLM server (``proxy.gateway._placement``), on hand-made servers and loads."""
+"""The choice of a trajectory's vLLM server (``proxy.gateway.upstream._placement``), on hand-made servers and loads."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from proxy.gateway._placement import choose, load_bound, rank, score, server_salt
+from proxy.gateway.upstream._placement import choose, load_bound, rank, score, server_salt
 
 
 @dataclass

@@ -137,7 +137,7 @@ async def test_the_publisher_syncs_wholly_only_when_the_store_changed(
 
     import proxy.training._publisher as publishing
     from proxy.gateway import PolicyRegistry, Upstream
-    from proxy.gateway._router import Router
+    from proxy.gateway.upstream._router import Router
     from store import Store
 
     monkeypatch.setattr(publishing, "_FULL_SYNC_S", 3600.0)  # no whole sync on the clock: only on a change

@@ -30,7 +30,7 @@ from test_publishing import wait_for
 from proxy import Settings
 from proxy.gateway import Keyer, KeyHints, PolicyRegistry, Upstream
 from proxy.gateway._keying import Conversation
-from proxy.gateway._router import Router
+from proxy.gateway.upstream._router import Router
 from proxy.judge._service import JudgeService
 from proxy.training._publisher import Publisher
 from proxy.training._scheduler import JobScheduler

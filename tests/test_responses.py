@@ -1,6 +1,6 @@
 """The Responses API (``/v1/responses``), through the real openai SDK, against the fake vLLM.
 
-Each call goes to vLLM as a chat completion (proxy.gateway._translated): these tests check the
+Each call goes to vLLM as a chat completion (proxy.gateway.dialects.responses): these tests check the
 Responses grammar the SDK reads back, that the record is token-exact (the prompt ids are the
 chat template's rendering of the translated messages), keying and threading, and the 4xx
 answers for what the proxy does not serve.
@@ -17,7 +17,7 @@ from conftest import RunningProxy
 from fake_vllm import EOS_TOKEN_ID, FakeVLLM, Reply, ToolCall
 from test_capture import stored_calls
 
-from store import call_messages, call_reply
+from tracetrain_core import call_messages, call_reply
 
 INSTRUCTIONS = "Answer in one sentence."
 WEATHER_TOOL = {

@@ -1,6 +1,6 @@
 """Responses API calls read back as conversations: the dashboard, the judge, export, the SFT path, Langfuse.
 
-Every reader goes through one function (``store.call_messages`` / ``call_reply`` / ``call_tools``),
+Every reader goes through one function (``tracetrain_core.call_messages`` / ``call_reply`` / ``call_tools``),
 so a call made through ``/v1/responses`` shows as the chat messages vLLM was sent.
 """
 

@@ -1,6 +1,6 @@
 """Several vLLM servers behind one proxy: stickiness by hash, the load bound, failover, restore, data parallel.
 
-Two fake vLLM servers on loopback; the real proxy routes over both (``proxy.gateway._router``).
+Two fake vLLM servers on loopback; the real proxy routes over both (``proxy.gateway.upstream._router``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from fake_vllm import FakeVLLM, serve_in_thread
 from test_publishing import adapters, record_trained_adapter, wait_for
 
 from proxy import Settings
-from proxy.gateway._placement import score, server_salt
+from proxy.gateway.upstream._placement import score, server_salt
 
 
 class Server:
@@ -82,7 +82,7 @@ def states(proxy: RunningProxy) -> dict[str, str]:
 
 
 def ranked(trajectory: str, servers: Sequence[Server]) -> list[Server]:
-    """The servers in the trajectory's own order (``proxy.gateway._placement``: its hash, load aside)."""
+    """The servers in the trajectory's own order (``proxy.gateway.upstream._placement``: its hash, load aside)."""
     return sorted(servers, key=lambda s: score(trajectory, server_salt(s.v1)), reverse=True)
 
 

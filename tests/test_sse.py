@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.gateway._sse import ServerSentEvent, SSEDecoder
+from proxy.gateway.upstream._sse import ServerSentEvent, SSEDecoder
 
 
 def decode(stream: bytes, chunk_size: int | None = None) -> list[ServerSentEvent]:

@@ -13,7 +13,7 @@ import torch
 from pydantic import ValidationError
 from torch import Tensor
 
-from store._advantages import group_advantages as store_advantages
+from tracetrain_core import group_advantages as store_advantages
 from trainer._advantages import group_advantages
 from trainer._config import LossVariant, TrainConfig
 from trainer._logprobs import chunked_logprobs

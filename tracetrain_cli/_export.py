@@ -37,7 +37,8 @@ from typing import Any, Literal, Protocol
 
 import orjson
 
-from store import ExportFilter, Store, call_messages, call_reply, call_tools, first_choice
+from store import ExportFilter, Store
+from tracetrain_core import call_messages, call_reply, call_tools, first_choice
 
 ExportFormat = Literal["jsonl", "parquet"]
 FORMATS: tuple[ExportFormat, ...] = ("jsonl", "parquet")

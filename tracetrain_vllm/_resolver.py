@@ -6,7 +6,7 @@ loads what they return. This one answers names of the form ``policy@N`` (N >= 1)
 downloads the files the trainer recorded in the store from the proxy
 (``tracetrain_vllm._adapter_fetch``) into a local cache and returns a ``LoRARequest`` for
 that directory. The proxy's publisher triggers it with ``POST /tokenize`` (see
-``proxy.gateway._upstream.Upstream.resolve_lora``), so every vLLM holds a version before
+``proxy.gateway.upstream._client.Upstream.resolve_lora``), so every vLLM holds a version before
 the alias flips. Other names are left to other resolvers (None).
 
 Configured from the environment of the vLLM process (``register`` in ``tracetrain_vllm``):

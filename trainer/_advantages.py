@@ -1,6 +1,6 @@
 """Group-relative advantages as tensors, for callers that hold rewards and group ids as tensors.
 
-The math, and where it departs from the papers, is ``store.group_advantages``: pure Python, so
+The math, and where it departs from the papers, is ``tracetrain_core.group_advantages``: pure Python, so
 that the dashboard shows exactly what the trainer trains on. A step has one reward per
 trajectory, so the round trip through lists costs nothing that matters.
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-import store
+import tracetrain_core
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +27,7 @@ class GroupAdvantages:
 
 
 def group_advantages(
-    rewards: Tensor, group_ids: Tensor, *, scale: bool, eps: float = store.ADVANTAGE_EPS
+    rewards: Tensor, group_ids: Tensor, *, scale: bool, eps: float = tracetrain_core.ADVANTAGE_EPS
 ) -> GroupAdvantages:
     """Reward minus its group's mean, divided by the group's population std when ``scale``.
 
@@ -43,7 +43,7 @@ def group_advantages(
     if group_ids.dtype.is_floating_point or group_ids.dtype == torch.bool:
         raise ValueError(f"group_ids must be an integer tensor, got {group_ids.dtype}")
     out_dtype = rewards.dtype if rewards.dtype.is_floating_point else torch.get_default_dtype()
-    pure = store.group_advantages(rewards.tolist(), group_ids.tolist(), scale=scale, eps=eps)
+    pure = tracetrain_core.group_advantages(rewards.tolist(), group_ids.tolist(), scale=scale, eps=eps)
     return GroupAdvantages(
         advantages=torch.tensor(pure.advantages, dtype=out_dtype, device=rewards.device),  # (N,)
         keep=torch.tensor(pure.keep, dtype=torch.bool, device=rewards.device),  # (N,)

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from store import RewardedTrajectory, group_advantages
+from store import RewardedTrajectory
+from tracetrain_core import group_advantages
 from trainer._config import TrainConfig
 from trainer._samples import CapturedCall, Decode, Sample, SampleStats, build_samples
 from trainer._sampling import SamplingDefaults

@@ -17,7 +17,7 @@ from proxy.data import _service as _data
 from proxy.data._wire import trajectory_view
 from proxy.errors import Conflict, NotFound, ProxyError
 from proxy.gateway import PolicyRegistry
-from proxy.gateway._router import Router, Server
+from proxy.gateway.upstream import Router, Server
 from proxy.judge import JudgeService
 from proxy.observability import Metrics
 from proxy.observability._disk import DiskWatch
@@ -29,14 +29,9 @@ from store import (
     JobState,
     Store,
     TrainingState,
-    call_messages,
-    call_reply,
-    common_prefix,
-    same_message,
 )
-from store import (
-    group_advantages as advantages_of,
-)
+from tracetrain_core import call_messages, call_reply, common_prefix, same_message
+from tracetrain_core import group_advantages as advantages_of
 
 # What the training page plots, from each succeeded job's metrics.
 CURVES = ("reward_mean", "loss", "logprob_mismatch_mean")
@@ -237,7 +232,7 @@ def group_advantages(rewards: list[float | None]) -> tuple[list[float | None], l
     """Reward minus the group mean, and that over the population std: the trainer's two variants.
 
     None until every member is rewarded; 0.0 for a group whose rewards do not vary (the
-    trainer drops those: they carry no signal). The math is ``store._advantages``, the trainer's.
+    trainer drops those: they carry no signal). The math is ``tracetrain_core.group_advantages``, the trainer's.
     """
     values = [r for r in rewards if r is not None]
     if not rewards or len(values) < len(rewards):

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Sequence
 
 from proxy.errors import ProxyError
-from proxy.gateway._upstream import Upstream
+from proxy.gateway.upstream import Upstream
 
 log = logging.getLogger("tracetrain.proxy")
 

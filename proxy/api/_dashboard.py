@@ -31,7 +31,7 @@ from proxy.admin import _service as _admin
 from proxy.admin._svg import line_chart
 from proxy.api._deps import ServicesDep
 from proxy.errors import AuthenticationFailed, InvalidRequest, ProxyError
-from store import call_reply
+from tracetrain_core import call_reply
 
 router = APIRouter(prefix="/admin", include_in_schema=False)
 _T = TypeVar("_T")

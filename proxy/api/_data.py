@@ -31,10 +31,10 @@ async def post_rewards(request: Request, services: ServicesDep) -> dict[str, Any
     When enough groups become ready, a training job is queued. With `--reward-source judge`
     rewards come from the judge, and a posted one is refused (409).
     """
-    _data.refuse_external_rewards(services.settings.reward_source)
-    result = await _data.post_rewards(services.store, await request.body())
-    await services.scheduler.rewards_written(result["data"])
-    return result
+    return await _data.post_rewards(
+        services.store, await request.body(), reward_source=services.settings.reward_source,
+        written=services.scheduler.rewards_written,
+    )  # fmt: skip
 
 
 @router.get("/v1/trajectories")

@@ -11,8 +11,8 @@ from starlette.responses import Response
 
 from proxy.api._deps import ServicesDep
 from proxy.errors import GpuBusy, UpstreamError, UpstreamNotReady, error_response
-from proxy.gateway._gate import NOT_AWAKE, RETRY_AFTER_FAILED_S
-from proxy.gateway._router import UPSTREAM_STATES
+from proxy.gateway import NOT_AWAKE, RETRY_AFTER_FAILED_S
+from proxy.gateway.upstream import UPSTREAM_STATES
 
 router = APIRouter(tags=["health"])
 

@@ -1,21 +1,18 @@
-"""The OpenAI-compatible routes, under ``/v1`` and the keying path prefixes.
+"""The generation routes (OpenAI's, and Anthropic's Messages API), under ``/v1`` and the keying path prefixes.
 
-The two generation endpoints are FastAPI routes for everything but serving: FastAPI
-documents them (OpenAPI, the body examples) from the functions below, while each request
-goes straight to a plain ASGI callable (``_GenerationRoute``). That callable does what
-FastAPI's request handler did for these routes: the inference key check
-(``require_inference_key``), the raw body, the key hints; errors still reach the app's
-handlers, so they keep OpenAI's shape. FastAPI's per-request machinery (dependency
-solving, its request wrapper and exit stacks) cost more than our own code on this path.
+Each endpoint is one row of ``ENDPOINTS``: its path, the function that serves it, and what FastAPI
+documents of it (OpenAPI, the body examples). A call in one of the proxy's dialects is served by
+``_forwarding(name)``: the inference key checked (``require_inference_key``), the raw body and the key
+hints handed to ``Forwarder.handle``, the one call path of every API; every error it raises is
+answered in its dialect's shape (OpenAI's; Anthropic's on ``/v1/messages``). A new endpoint is a row
+here (and, for a new API, a dialect in ``proxy.gateway.dialects``).
 
-The Responses API and Anthropic's Messages API (``/v1/responses``, ``/v1/messages``,
-``/v1/messages/count_tokens``) are served the same way; their calls are translated to chat
-(``_translated``) and every error they raise is answered in their own API's shape.
-
-The plain paths (``POST /v1/chat/completions``, ``POST /v1/completions`` and the three above)
-skip even Starlette's middleware and route matching (~12% of the proxy under load): the app hands
-them to ``serve_generation`` first (``proxy._app``), which answers errors as the app's handlers
-do: both call ``proxy.errors.response_for``.
+The routes are FastAPI routes for everything but serving: each request goes straight to a plain
+ASGI callable (``_GenerationRoute``), since FastAPI's per-request machinery (dependency solving, its
+request wrapper and exit stacks) cost more than our own code on this path. The plain paths (no
+keying prefix) skip even Starlette's middleware and route matching (~12% of the proxy under load):
+the app hands them to ``serve_generation`` first (``proxy._app``), which answers errors as the app's
+handlers do: both call ``proxy.errors.response_for``.
 """
 
 from __future__ import annotations
@@ -23,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -36,31 +34,23 @@ from proxy._services import Services
 from proxy.api._deps import ServicesDep, require_inference_key
 from proxy.errors import InvalidRequest, ProxyError, UpstreamError, response_for
 from proxy.gateway import KeyHints
-from proxy.gateway._capture import Endpoint
-from proxy.gateway._dialect import Dialect
-from proxy.gateway._messages import MESSAGES, count_tokens_chat
-from proxy.gateway._messages_wire import CountTokensRequest, MessagesRequest
-from proxy.gateway._responses import RESPONSES, ResponsesRequest
-from proxy.gateway._translated import handle as handle_translated
-from proxy.gateway._wire import ChatCompletionRequest, CompletionRequest, json_object
+from proxy.gateway.dialects import (
+    DIALECTS,
+    MESSAGES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    CountTokensRequest,
+    DialectName,
+    MessagesRequest,
+    ResponsesRequest,
+    count_tokens_chat,
+    json_object,
+)
 
 router = APIRouter(dependencies=[Depends(require_inference_key)], tags=["openai"])
 
 PREFIXES = ("", "/t/{trajectory_id}", "/g/{group_id}/t/{trajectory_id}")
 _ID = re.compile(ID_PATTERN)
-# Bodies are forwarded as sent and validated by the forwarder; these only document them.
-_CHAT_BODY = json_body(
-    ChatCompletionRequest, {"chat": {"model": "agent", "messages": [{"role": "user", "content": "2+2?"}]}}
-)
-_COMPLETION_BODY = json_body(CompletionRequest, {"completion": {"model": "agent", "prompt": "2+2=", "max_tokens": 4}})
-_RESPONSES_BODY = json_body(ResponsesRequest, {"responses": {"model": "agent", "input": "2+2?"}})
-_MESSAGES_BODY = json_body(
-    MessagesRequest,
-    {"messages": {"model": "agent", "max_tokens": 64, "messages": [{"role": "user", "content": "2+2?"}]}},
-)
-_COUNT_BODY = json_body(
-    CountTokensRequest, {"count": {"model": "agent", "messages": [{"role": "user", "content": "2+2?"}]}}
-)
 
 
 def _checked(value: str | None, name: str) -> str | None:
@@ -84,34 +74,18 @@ def key_hints(request: Request) -> KeyHints:
 Serve = Callable[[Request, Services], Awaitable[Response]]
 
 
-def _forwarding(endpoint: Endpoint) -> Serve:
+def _forwarding(name: DialectName) -> Serve:
+    """The serving function of a call in the dialect ``name``: the forwarder's path, errors in the dialect's shape."""
+    dialect = DIALECTS[name]
+
     async def forward(request: Request, services: Services) -> Response:
-        await require_inference_key(request, services)
-        return await services.forwarder.handle(endpoint, await request.body(), key_hints(request))
+        try:
+            await require_inference_key(request, services)
+            return await services.forwarder.handle(name, await request.body(), key_hints(request))
+        except ProxyError as exc:
+            return dialect.error(exc)
 
     return forward
-
-
-_chat, _completions = _forwarding("chat.completions"), _forwarding("completions")
-
-
-async def chat_completions(request: Request, services: ServicesDep) -> Response:
-    """OpenAI's chat completions, forwarded to the policy's newest version and captured."""
-    return await _chat(request, services)
-
-
-async def completions(request: Request, services: ServicesDep) -> Response:
-    """OpenAI's (legacy) text completions, forwarded and captured."""
-    return await _completions(request, services)
-
-
-async def _translated(dialect: Dialect, request: Request, services: Services) -> Response:
-    """A call in an API the proxy translates to chat; every error in that API's own shape."""
-    try:
-        await require_inference_key(request, services)
-        return await handle_translated(services.forwarder, dialect, await request.body(), key_hints(request))
-    except ProxyError as exc:
-        return dialect.error(exc)
 
 
 async def _count_tokens(request: Request, services: Services) -> Response:
@@ -124,37 +98,55 @@ async def _count_tokens(request: Request, services: Services) -> Response:
     return Response(orjson.dumps({"input_tokens": count}), media_type="application/json")
 
 
-async def responses(request: Request, services: ServicesDep) -> Response:
-    """OpenAI's Responses API, translated to a chat completion for the policy and captured alike."""
-    return await _translated(RESPONSES, request, services)
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One generation endpoint: how it is served, and what FastAPI documents of it."""
+
+    path: str  # under /v1, and under each keying prefix
+    serve: Serve
+    name: str  # the OpenAPI operation's name
+    doc: str
+    body: dict[str, Any]  # its body's schema and examples (bodies are validated by their dialect, not by FastAPI)
 
 
-async def messages(request: Request, services: ServicesDep) -> Response:
-    """Anthropic's Messages API (``x-api-key`` accepted), translated to a chat completion and captured alike."""
-    return await _translated(MESSAGES, request, services)
+_USER = [{"role": "user", "content": "2+2?"}]
+
+ENDPOINTS = (
+    Endpoint(
+        "chat/completions", _forwarding("chat.completions"), "chat_completions",
+        "OpenAI's chat completions, forwarded to the policy's newest version and captured.",
+        json_body(ChatCompletionRequest, {"chat": {"model": "agent", "messages": _USER}}),
+    ),
+    Endpoint(
+        "completions", _forwarding("completions"), "completions",
+        "OpenAI's (legacy) text completions, forwarded and captured.",
+        json_body(CompletionRequest, {"completion": {"model": "agent", "prompt": "2+2=", "max_tokens": 4}}),
+    ),
+    Endpoint(
+        "responses", _forwarding("responses"), "responses",
+        "OpenAI's Responses API, translated to a chat completion for the policy and captured alike.",
+        json_body(ResponsesRequest, {"responses": {"model": "agent", "input": "2+2?"}}),
+    ),
+    Endpoint(
+        "messages", _forwarding("messages"), "messages",
+        "Anthropic's Messages API (``x-api-key`` accepted), translated to a chat completion and captured alike.",
+        json_body(MessagesRequest, {"messages": {"model": "agent", "max_tokens": 64, "messages": _USER}}),
+    ),
+    Endpoint(
+        "messages/count_tokens", _count_tokens, "count_tokens",
+        "Anthropic's token count of a Messages request, as vLLM renders its prompt.",
+        json_body(CountTokensRequest, {"count": {"model": "agent", "messages": _USER}}),
+    ),
+)  # fmt: skip
+
+# The paths served before the app's middleware and routing (see the module docstring).
+GENERATION_PATHS: dict[str, Serve] = {f"/v1/{endpoint.path}": endpoint.serve for endpoint in ENDPOINTS}
+_SERVE_BY_NAME: dict[str, Serve] = {endpoint.name: endpoint.serve for endpoint in ENDPOINTS}
 
 
-async def count_tokens(request: Request, services: ServicesDep) -> Response:
-    """Anthropic's token count of a Messages request, as vLLM renders its prompt."""
-    return await _count_tokens(request, services)
-
-
-async def _responses(request: Request, services: Services) -> Response:
-    return await _translated(RESPONSES, request, services)
-
-
-async def _messages(request: Request, services: Services) -> Response:
-    return await _translated(MESSAGES, request, services)
-
-
-# What serves each documented route, without FastAPI's request handling (see the module docstring).
-_SERVE: dict[Callable[..., Any], Serve] = {
-    chat_completions: _chat,
-    completions: _completions,
-    responses: _responses,
-    messages: _messages,
-    count_tokens: _count_tokens,
-}
+async def _documented(request: Request, services: ServicesDep) -> Response:
+    """What FastAPI documents of every generation route; its ``_GenerationRoute`` serves it instead."""
+    raise NotImplementedError
 
 
 class _GenerationRoute(APIRoute):
@@ -162,7 +154,7 @@ class _GenerationRoute(APIRoute):
 
     def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
         super().__init__(path, endpoint, **kwargs)
-        serving = _SERVE[endpoint]
+        serving = _SERVE_BY_NAME[self.name]
 
         async def serve(scope: Scope, receive: Receive, send: Send) -> None:
             services: Services = scope["app"].state.services
@@ -170,16 +162,6 @@ class _GenerationRoute(APIRoute):
             await response(scope, receive, send)
 
         self.app = serve
-
-
-# The paths served before the app's middleware and routing (see the module docstring).
-GENERATION_PATHS: dict[str, Serve] = {
-    "/v1/chat/completions": _chat,
-    "/v1/completions": _completions,
-    "/v1/responses": _responses,
-    "/v1/messages": _messages,
-    "/v1/messages/count_tokens": _count_tokens,
-}
 
 
 async def serve_generation(serving: Serve, scope: Scope, receive: Receive, send: Send) -> None:
@@ -202,18 +184,10 @@ async def list_models(services: ServicesDep) -> dict[str, object]:
 
 
 for _prefix in PREFIXES:
-    router.add_api_route(
-        f"{_prefix}/v1/chat/completions", chat_completions, methods=["POST"], include_in_schema=not _prefix,
-        openapi_extra=_CHAT_BODY, route_class_override=_GenerationRoute,
-    )  # fmt: skip
-    router.add_api_route(
-        f"{_prefix}/v1/completions", completions, methods=["POST"], include_in_schema=not _prefix,
-        openapi_extra=_COMPLETION_BODY, route_class_override=_GenerationRoute,
-    )  # fmt: skip
-    for _path, _endpoint, _body in (("responses", responses, _RESPONSES_BODY), ("messages", messages, _MESSAGES_BODY),
-                                    ("messages/count_tokens", count_tokens, _COUNT_BODY)):  # fmt: skip
+    for _endpoint in ENDPOINTS:
         router.add_api_route(
-            f"{_prefix}/v1/{_path}", _endpoint, methods=["POST"], include_in_schema=not _prefix,
-            openapi_extra=_body, route_class_override=_GenerationRoute,
+            f"{_prefix}/v1/{_endpoint.path}", _documented, methods=["POST"], name=_endpoint.name,
+            description=_endpoint.doc, include_in_schema=not _prefix, openapi_extra=_endpoint.body,
+            route_class_override=_GenerationRoute,
         )  # fmt: skip
     router.add_api_route(f"{_prefix}/v1/models", list_models, methods=["GET"], include_in_schema=not _prefix)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import orjson
@@ -11,10 +12,14 @@ from pydantic import ValidationError
 from proxy._params import MAX_INT
 from proxy.data._wire import RewardBatch, RewardPost, call_view, group_view, reward_view, trajectory_view
 from proxy.errors import Conflict, InvalidRequest, TrajectoryNotFound, store_errors
-from store import GROUP_VIEW_STATES, RewardIn, Store, TrajectoryFilter
+from store import GROUP_VIEW_STATES, RewardIn, RewardRecord, Store, TrajectoryFilter
 
 # ASCII digits, few enough for int() and the store: str.isdigit() also takes "²".
 _PK_CURSOR = re.compile(r"[0-9]{1,10}")
+
+
+# Told of every reward written (``proxy.training.JobScheduler.rewards_written``: metrics, Langfuse, a job when due).
+RewardsWritten = Callable[[Sequence[RewardRecord]], Awaitable[None]]
 
 
 def refuse_external_rewards(reward_source: str) -> None:
@@ -28,8 +33,10 @@ def refuse_external_rewards(reward_source: str) -> None:
         )
 
 
-async def post_rewards(store: Store, raw: bytes) -> dict[str, Any]:
-    """Validate a single or batch reward post completely, then record it atomically."""
+async def post_rewards(store: Store, raw: bytes, *, reward_source: str, written: RewardsWritten) -> dict[str, Any]:
+    """``POST /v1/rewards``: refused with ``--reward-source judge``; else validated completely (one reward or a
+    batch), recorded atomically, and told to ``written``."""
+    refuse_external_rewards(reward_source)
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -43,8 +50,9 @@ async def post_rewards(store: Store, raw: bytes) -> dict[str, Any]:
         hint = "A reward is a finite JSON number; metrics map names to finite numbers. Nothing was recorded."
         raise InvalidRequest.from_validation(exc.errors(), hint) from exc
     with store_errors():
-        rows = await store.add_rewards(RewardIn(r.trajectory_id, r.reward, dict(r.metrics)) for r in items)
-    return {"object": "list", "data": [reward_view(row) for row in rows]}
+        rewards = await store.add_rewards(RewardIn(r.trajectory_id, r.reward, dict(r.metrics)) for r in items)
+    await written(rewards)
+    return {"object": "list", "data": [reward_view(reward) for reward in rewards]}
 
 
 def _page(rows: list[Any], limit: int, cursor_of: Any) -> tuple[list[Any], bool, str | None]:

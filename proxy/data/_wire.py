@@ -8,7 +8,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat
 
 from proxy._params import Id
-from store import COMPACT_COLUMNS, Call
+from store import COMPACT_COLUMNS, Call, RewardRecord
 
 # A JSON number that is finite and not a boolean or a string.
 Finite = Annotated[StrictFloat, Field(allow_inf_nan=False)]
@@ -28,16 +28,16 @@ class RewardBatch(BaseModel):
     rewards: list[RewardPost] = Field(min_length=1, max_length=10_000)
 
 
-def reward_view(row: dict[str, Any]) -> dict[str, Any]:
+def reward_view(reward: RewardRecord) -> dict[str, Any]:
     return {
         "object": "reward",
-        "trajectory_id": row["trajectory_id"],
-        "group_id": row["group_id"],
-        "reward": row["value"],
-        "metrics": row["metrics"],
-        "source": row["source"],
-        "explanation": row.get("explanation"),
-        "created_at": row["created_at"],
+        "trajectory_id": reward.trajectory_id,
+        "group_id": reward.group_id,
+        "reward": reward.reward,
+        "metrics": reward.metrics,
+        "source": reward.source,
+        "explanation": reward.explanation,
+        "created_at": reward.created_at,
     }
 
 

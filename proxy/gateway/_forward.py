@@ -1,18 +1,17 @@
-"""Forwarding one OpenAI call to vLLM and recording it.
+"""The one call path: every call, in any API the proxy speaks, forwarded to vLLM and recorded.
 
-For every call: parse and validate, resolve the model to a policy version, key the
-call to a trajectory and group, forward with capture flags added, strip those from
-what the client gets, and record the call. The record is durable before the
-response's last byte leaves: non-streamed responses are sent after the commit;
-streams hold back only the final ``data: [DONE]`` until the commit (their relay: ``_relay``).
+``Forwarder.handle(dialect, raw, hints)`` takes each call through the same steps: parse and
+validate its body (its dialect's ``request``: the identity for chat and text completions, a
+translation to chat for the Responses and Messages APIs), admit it past the gate, resolve its model
+to a policy version, key it to a trajectory and group (threading on the messages vLLM is sent),
+forward it with the capture flags added, answer (whole, or relayed as its stream arrives, in its
+dialect's shape), and record it. The record is durable before the response's last byte leaves:
+non-streamed responses are sent after the commit; streams hold back only their closing event
+until the commit (their relay: ``_relay``). What a dialect is: ``proxy.gateway.dialects``.
 
 A lone call (the only one in flight: what latency is measured on) has its store writes
 committed on the event loop's thread instead of the writer's (``store._writer``): the
 trip to the writer's thread pays off only under load.
-
-The APIs translated to chat (``_translated``) go the same way through the public methods
-below (``admit``, ``route``, ``key``, ``ask``, ``stream``); the forwarder knows nothing of them
-but the stream translator it hands to their relay.
 """
 
 from __future__ import annotations
@@ -24,46 +23,28 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
-from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
-from proxy.errors import InvalidRequest, ProxyError, UpstreamHTTPError, error_response, store_errors
+from proxy.errors import ProxyError, UpstreamHTTPError, store_errors
 from proxy.gateway._call import Call, call_write
-from proxy.gateway._capture import (
-    Endpoint,
-    capture_response,
-    prepare_upstream_body,
-    strip_response,
-    without_token_fields,
-)
-from proxy.gateway._dialect import Dialect, StreamTranslator
+from proxy.gateway._capture import Endpoint, capture_response, prepare_upstream_body
 from proxy.gateway._gate import Gate
 from proxy.gateway._keying import Conversation, Key, Keyer, KeyHints, new_trajectory_id
 from proxy.gateway._policies import PolicyRegistry, Route
-from proxy.gateway._relay import Relay, RelayResponse, TranslatedRelay, close_unused
-from proxy.gateway._router import Router
-from proxy.gateway._upstream import Upstream, UpstreamStream
-from proxy.gateway._wire import ChatCompletionRequest, CompletionRequest, json_object
+from proxy.gateway._relay import Relay, RelayResponse, close_unused
+from proxy.gateway.dialects import DIALECTS, Dialect, DialectName, json_object
+from proxy.gateway.upstream import Router, Upstream, UpstreamStream
 from proxy.observability._langfuse import LangfuseExporter
 from proxy.observability._metrics import Metrics
 from store import CallWrite, Store, StoreError, StoreFull
 
 _PATHS: dict[Endpoint, str] = {"chat.completions": "/chat/completions", "completions": "/completions"}
-_MODELS: dict[Endpoint, type[BaseModel]] = {"chat.completions": ChatCompletionRequest, "completions": CompletionRequest}
 _COUNTING = "tracetrain-count-tokens"  # the router's key for token counts: any server tokenizes alike
 
 
-def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
-    """The request's JSON, validated against the endpoint's model."""
-    body = json_object(raw)
-    try:
-        _MODELS[endpoint].model_validate(body)
-    except ValidationError as exc:
-        raise InvalidRequest.from_validation(exc.errors()) from exc
-    return body
-
-
 class Forwarder:
+    """The call path of every API (``handle``), and the record of each call; one per app."""
+
     def __init__(
         self,
         upstream: Router | Upstream,
@@ -118,36 +99,50 @@ class Forwarder:
         if self._langfuse is not None:
             self._langfuse.call_recorded(write)
 
-    async def handle(self, endpoint: Endpoint, raw: bytes, hints: KeyHints) -> Response:
-        started_at, t0 = time.time(), time.perf_counter()
-        body = parse_body(raw, endpoint)
-        await self.admit()
-        try:
-            route = await self.route(str(body["model"]))
-            messages = body.get("messages") if endpoint == "chat.completions" else None
-            conversation = Conversation(route.policy, messages, body.get("prompt"))
-            key = await self.key(route.policy, hints, conversation)
-            upstream_body, asked = prepare_upstream_body(body, endpoint, route.served_model)
-            call = Call(endpoint, body, route, key, conversation, asked, started_at, t0)
-            payload = orjson.dumps(upstream_body)
-            if body.get("stream"):
-                return await self.stream(call, payload)
-            return await self._complete(call, payload)
-        finally:
-            self.release()
+    def streaming(self) -> None:
+        """A stream's relay starts: it counts in flight until its record is written (``streamed``)."""
+        self._in_flight += 1
 
-    async def admit(self) -> None:
+    def streamed(self) -> None:
+        self._in_flight -= 1
+
+    async def handle(self, dialect: DialectName, raw: bytes, hints: KeyHints) -> Response:
+        """One call in ``dialect``'s API, answered in that API's shape once it is recorded (see the module's
+        docstring). A ``ProxyError`` raised before the call goes to vLLM (bad input, an unknown model, a
+        store that cannot key it) propagates, unrecorded: its caller answers it (``Dialect.error``)."""
+        started_at, t0 = time.time(), time.perf_counter()
+        api = DIALECTS[dialect]
+        body = json_object(raw)
+        sent = api.request(body)
+        await self._admit()
+        try:
+            route = await self._route(str(sent["model"]))
+            messages = sent.get("messages") if api.upstream == "chat.completions" else None
+            conversation = Conversation(route.policy, messages, sent.get("prompt"))
+            key = await self._key(route.policy, hints, conversation)
+            upstream_body, asked = prepare_upstream_body(sent, api.upstream, route.served_model)
+            if api.asked is not None:
+                asked = api.asked
+            call = Call(api.upstream, body, route, key, conversation, asked, started_at, t0, api.endpoint)
+            payload = orjson.dumps(upstream_body)
+            if sent.get("stream"):
+                return await self._stream(api, call, payload)
+            return await self._complete(api, call, payload)
+        finally:
+            self._release()
+
+    async def _admit(self) -> None:
         """Let a call in: held here while a training step has the GPU, and routed after (the new version
-        serves it); counted in flight until ``release``."""
+        serves it); counted in flight until ``_release``."""
         await self._gate.enter()
         self._in_flight += 1
 
-    def release(self) -> None:
+    def _release(self) -> None:
         """The upstream answered (a stream: its headers): a hand-over may pause it now."""
         self._in_flight -= 1
         self._gate.leave()
 
-    async def route(self, model: str) -> Route:
+    async def _route(self, model: str) -> Route:
         """The policy version that serves ``model``."""
         if self._registry.base_model is None:
             self._registry.base_model = await self._router.base_model()
@@ -155,11 +150,11 @@ class Forwarder:
 
     async def count_tokens(self, chat: dict[str, Any]) -> int:
         """How many tokens vLLM renders ``chat``'s messages (and tools) into, under the model it names."""
-        route = await self.route(str(chat["model"]))
+        route = await self._route(str(chat["model"]))
         server = self._router.pick(_COUNTING)
         return await server.upstream.count_prompt_tokens({**chat, "model": route.served_model})
 
-    async def key(self, policy: str, hints: KeyHints, conversation: Conversation) -> Key:
+    async def _key(self, policy: str, hints: KeyHints, conversation: Conversation) -> Key:
         """The call's key; a lone call's new trajectory is seated later (``Keyer.resolve``'s ``defer_seat``)."""
         with store_errors():  # the call cannot be keyed, so it is not answered: a 503 in OpenAI's shape
             try:
@@ -175,39 +170,33 @@ class Forwarder:
             except StoreFull:
                 call.key = dataclasses.replace(call.key, seat_in=0)  # served unseated; its record will fail too
 
-    async def ask(self, call: Call, path: str, payload: bytes) -> dict[str, Any]:
+    async def _ask(self, call: Call, payload: bytes) -> dict[str, Any]:
         """vLLM's answer to a call that does not stream, parsed; an error status is an ``UpstreamHTTPError``."""
         with self._registry.serving(call.route.version):
-            upstream = await self._router.post(call.key.trajectory_id, path, payload)
+            upstream = await self._router.post(call.key.trajectory_id, _PATHS[call.endpoint], payload)
         if upstream.status_code != 200:
             raise UpstreamHTTPError(upstream.status_code, upstream.content)
         data: dict[str, Any] = orjson.loads(upstream.content)
         return data
 
-    async def _complete(self, call: Call, payload: bytes) -> Response:
+    async def _complete(self, dialect: Dialect, call: Call, payload: bytes) -> Response:
         try:
-            data = await self.ask(call, _PATHS[call.endpoint], payload)
+            data = await self._ask(call, payload)
         except ProxyError as exc:
-            await self.record_answer(call, call_write(call, None, None, exc.status_code, exc.message, None))
-            return error_response(exc, call.headers())
+            await self._record_answer(call, call_write(call, None, None, exc.status_code, exc.message, None))
+            return dialect.error(exc, call.headers())
         capture = capture_response(data, call.endpoint)
-        stored = without_token_fields(data)
-        await self.record_answer(call, call_write(call, capture, stored, 200, None, None))
-        return Response(
-            orjson.dumps(strip_response(data, call.asked, call.route.public_name)),
-            headers=call.headers(),
-            media_type="application/json",
-        )
+        recorded, sent = dialect.answer(data, call)
+        await self._record_answer(call, call_write(call, capture, recorded, 200, None, None))
+        return Response(orjson.dumps(sent), headers=call.headers(), media_type="application/json")
 
-    async def record_answer(self, call: Call, write: CallWrite) -> None:
+    async def _record_answer(self, call: Call, write: CallWrite) -> None:
         """Record a non-streamed call; a seat left to its record gives the call its group (``Keyer.resolve``)."""
         if await self.record(write) and call.key.seat_in:
             call.key = self._keyer.seated(call.key, write.group_id)
 
-    async def stream(
-        self, call: Call, payload: bytes, translator: StreamTranslator | None = None, dialect: Dialect | None = None
-    ) -> Response:
-        """Open vLLM's stream for ``call`` and relay it (through ``translator``: in a translated API's events)."""
+    async def _stream(self, dialect: Dialect, call: Call, payload: bytes) -> Response:
+        """Open vLLM's stream for ``call`` and relay it in ``dialect``'s events."""
         opening: Awaitable[tuple[UpstreamStream, Callable[[], None]]]
         opening = self._router.open_stream(call.key.trajectory_id, _PATHS[call.endpoint], payload)
         if call.key.seat_in:
@@ -225,10 +214,7 @@ class Forwarder:
             upstream, done = await opening
         except ProxyError as exc:
             await self.record(call_write(call, None, None, exc.status_code, exc.message, None))
-            return (dialect.error if dialect is not None else error_response)(exc, call.headers())
-        relay = (
-            Relay(self, self._registry, call, upstream, on_close=done)
-            if translator is None
-            else TranslatedRelay(self, self._registry, call, upstream, done, translator)
-        )
+            return dialect.error(exc, call.headers())
+        translator = dialect.stream(call.body, call.route.public_name)
+        relay = Relay(self, self._registry, call, upstream, on_close=done, translator=translator)
         return RelayResponse(relay, headers={**call.headers(), "Cache-Control": "no-cache"})

@@ -11,7 +11,7 @@ takes at most ``group_size`` trajectories, then the next one opens; a group that
 left the ``open`` state (a training job took it) takes no more. The store hands out
 the seats (``Store.join_task_group``), so replicas sharing it fill the same groups.
 
-Messages are compared in a canonical form (``store._conversation.canonical_message``):
+Messages are compared in a canonical form (``tracetrain_core.canonical_message``):
 content parts joined, tool-call ids dropped and arguments re-serialized, unknown fields
 ignored, so a framework that re-serializes the conversation still threads.
 """
@@ -28,7 +28,8 @@ from typing import Any
 
 import orjson
 
-from store import Store, canonical_message
+from store import Store
+from tracetrain_core import canonical_message
 
 _CACHE_SIZE = 100_000
 

@@ -1,9 +1,9 @@
-"""A streamed call's relay: vLLM's events forwarded as they arrive, the call recorded before ``[DONE]``.
+"""A streamed call's relay: vLLM's events forwarded as they arrive, the call recorded before the closing event.
 
-A chat stream's relay sends chat's own events; a translated API's (``TranslatedRelay``) its
-translator's. The relay knows the forwarder only as a ``Recorder``: the count of calls in
-flight (a lone call's record is committed on the event loop's thread, ``store._writer``) and
-the record itself.
+What the client is sent is its dialect's (``StreamTranslator``): chat's own chunks, or the events of
+the API it speaks. The relay knows the forwarder only as a ``Recorder``: the record itself, and the
+count of calls in flight, which a stream is part of until its record is written (a lone call's
+record is committed on the event loop's thread, ``store._writer``).
 """
 
 from __future__ import annotations
@@ -18,16 +18,13 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from proxy.errors import ProxyError, UpstreamError, error_body
+from proxy.errors import ProxyError, UpstreamError
 from proxy.gateway._call import Call, call_write
 from proxy.gateway._capture import StreamCapture
-from proxy.gateway._dialect import StreamTranslator
 from proxy.gateway._policies import PolicyRegistry
-from proxy.gateway._sse import SSEDecoder
-from proxy.gateway._upstream import UpstreamStream
+from proxy.gateway.dialects import PASSTHROUGH_EVENTS, StreamTranslator
+from proxy.gateway.upstream import SSEDecoder, UpstreamStream
 from store import CallWrite
-
-_DONE = b"data: [DONE]\n\n"
 
 
 def close_unused(opening: asyncio.Future[tuple[UpstreamStream, Callable[[], None]]]) -> None:
@@ -41,11 +38,17 @@ def close_unused(opening: asyncio.Future[tuple[UpstreamStream, Callable[[], None
 class Recorder(Protocol):
     """What a relay needs of the forwarder (``proxy.gateway._forward.Forwarder`` is one)."""
 
-    _in_flight: int  # calls being handled or streamed; a stream counts until its record is written
-
     async def record(self, write: CallWrite) -> bool: ...
 
     def record_nowait(self, write: CallWrite) -> None: ...
+
+    def streaming(self) -> None:
+        """A stream starts: one more call in flight, until ``streamed``."""
+        ...
+
+    def streamed(self) -> None:
+        """The stream's record is written (or handed to the writer): one call less in flight."""
+        ...
 
 
 class Relay:
@@ -63,9 +66,11 @@ class Relay:
         call: Call,
         upstream: UpstreamStream,
         on_close: Callable[[], None] = lambda: None,
+        translator: StreamTranslator = PASSTHROUGH_EVENTS,
     ) -> None:
         self._forwarder = forwarder
         self._on_close = on_close  # the router's count of the server's calls in flight
+        self._translator = translator  # what the client is sent: its dialect's events
         self._registry = registry
         self._call = call
         self._upstream = upstream
@@ -74,12 +79,13 @@ class Relay:
         self._recorded = False
         self._done = False  # [DONE] came: the upstream's body ends next
         registry.in_flight[call.route.version] += 1
-        forwarder._in_flight += 1
+        forwarder.streaming()
         self._counted = True  # in the forwarder's calls in flight, until its record is written
 
     async def events(self) -> AsyncIterator[bytes]:
         """Forward each SSE event as it arrives; commit the record before the closing event (chat: ``[DONE]``)."""
         call = self._call
+        translator = self._translator
         finished = False
         decoder = SSEDecoder()
         try:
@@ -91,50 +97,35 @@ class Relay:
                         finished = True
                         break
                     chunk = self._assembler.add(orjson.loads(event.data))
-                    if chunk is not None and (out := self._emit(chunk)):
+                    if chunk is not None and (out := b"".join(translator.feed(chunk))):
                         yield out
             if not finished:
                 raise UpstreamError("the upstream closed the stream before it finished")
         except (UpstreamError, orjson.JSONDecodeError) as exc:
             message = exc.message if isinstance(exc, ProxyError) else f"the upstream stream broke: {exc!r}"
             self._recorded = True
-            closing, response = self._failed(message)
+            closing = b"".join(translator.failed(message))  # its response is now a failed one, as recorded
             try:
-                await self._forwarder.record(self._record(502, message, response))
+                await self._forwarder.record(self._record(502, message, translator.response()))
             finally:
                 self._uncount()
             yield closing
             return
         self._recorded = True
+        response = translator.response()
         try:
-            await self._forwarder.record(self._record(200, None, self._response()))
+            await self._forwarder.record(
+                self._record(200, None, self._assembler.capture.as_response() if response is None else response)
+            )
         finally:
             self._uncount()  # before the closing event: the client's next call may arrive before close() runs
         self._done = True
-        yield self._closing()
-
-    # What the client is sent: chat's own events. A translated API's relay (``TranslatedRelay``, below)
-    # overrides these four with its translator's.
-
-    def _emit(self, chunk: dict[str, Any]) -> bytes:
-        """The bytes to send now for one chunk (token fields already stripped)."""
-        return b"data: " + orjson.dumps(chunk) + b"\n\n"
-
-    def _failed(self, message: str) -> tuple[bytes, dict[str, Any] | None]:
-        """The upstream broke: the closing event, and the response to record (none: chat records no body)."""
-        return b"data: " + orjson.dumps(error_body(message, "upstream_error", None, 502)) + b"\n\n", None
-
-    def _response(self) -> dict[str, Any]:
-        """The whole response as the client saw it, for the record."""
-        return self._assembler.capture.as_response()
-
-    def _closing(self) -> bytes:
-        return _DONE
+        yield b"".join(translator.finish())
 
     def _uncount(self) -> None:
         if self._counted:
             self._counted = False
-            self._forwarder._in_flight -= 1
+            self._forwarder.streamed()
 
     async def finish(self) -> None:
         """Once the response is sent: read the end of the upstream's body, so its connection is kept."""
@@ -153,35 +144,6 @@ class Relay:
 
     def _record(self, status: int, error: str | None, response: dict[str, Any] | None = None) -> CallWrite:
         return call_write(self._call, self._assembler.capture, response, status, error, self._ttft)
-
-
-class TranslatedRelay(Relay):
-    """A stream's relay whose events are the translator's: chat chunks in, the API's events out."""
-
-    def __init__(
-        self,
-        forwarder: Recorder,
-        registry: PolicyRegistry,
-        call: Call,
-        upstream: UpstreamStream,
-        on_close: Callable[[], None],
-        translator: StreamTranslator,
-    ) -> None:
-        super().__init__(forwarder, registry, call, upstream, on_close)
-        self._translator = translator
-
-    def _emit(self, chunk: dict[str, Any]) -> bytes:
-        return b"".join(self._translator.feed(chunk))
-
-    def _failed(self, message: str) -> tuple[bytes, dict[str, Any] | None]:
-        closing = b"".join(self._translator.failed(message))  # the response is now a failed one, as recorded
-        return closing, self._translator.response()
-
-    def _response(self) -> dict[str, Any]:
-        return self._translator.response()
-
-    def _closing(self) -> bytes:
-        return b"".join(self._translator.finish())
 
 
 class RelayResponse(StreamingResponse):

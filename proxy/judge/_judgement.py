@@ -26,9 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy._settings import Settings
-from proxy.data._wire import reward_view
 from proxy.errors import Conflict, GroupNotFound
-from proxy.gateway._policies import PolicyRegistry
+from proxy.gateway import PolicyRegistry
 from proxy.judge._client import Judge, JudgeFailed
 from proxy.judge._prompt import (
     DEFAULT_RUBRIC,
@@ -157,7 +156,7 @@ class GroupJudge:
         rewards = await self._store.judgements.write_scores(
             row, judged, scores_are_rewards=as_rewards, owner=self._owner
         )
-        await self._scheduler.rewards_written([reward_view(r) for r in rewards], may_train=as_rewards)
+        await self._scheduler.rewards_written(rewards, may_train=as_rewards)
 
     async def _record_failure(
         self, row: dict[str, Any], reason: str, *, attempts: int, usage: dict[str, int] | None = None

@@ -39,8 +39,8 @@ from typing import Annotated, Any
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from store import call_messages as request_messages
-from store import call_reply, common_prefix, first_choice
+from tracetrain_core import call_messages as request_messages
+from tracetrain_core import call_reply, common_prefix, first_choice
 
 DEFAULT_RUBRIC = """\
 - A trajectory that achieves the task's goal scores clearly higher than one that does not.

@@ -52,7 +52,7 @@ from typing import Any
 from proxy._periodic import every
 from proxy._settings import Settings
 from proxy.errors import Conflict, InvalidRequest, ProxyError
-from proxy.gateway._policies import PolicyRegistry
+from proxy.gateway import PolicyRegistry
 from proxy.judge._claims import JUDGE_LEASE_S, GroupClaims
 from proxy.judge._judgement import GroupJudge, judgement_view
 from proxy.training._scheduler import JobScheduler

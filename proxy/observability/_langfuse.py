@@ -161,7 +161,7 @@ class LangfuseExporter:
         self._put(write)
 
     def rewards_recorded(self, rewards: Iterable[Mapping[str, Any]]) -> None:
-        """Queue rewards (as ``POST /v1/rewards`` answers them) as scores: ``reward`` and one per metric."""
+        """Queue rewards (``store.RewardRecord``'s fields) as scores: ``reward`` and one per metric."""
         for reward in rewards:
             for score in reward_scores(reward):
                 self._put(score)

@@ -28,7 +28,8 @@ from typing import Any
 import httpx
 import orjson
 
-from store import CallWrite, call_messages, call_reply
+from store import CallWrite
+from tracetrain_core import call_messages, call_reply
 
 TRACES_PATH = "/api/public/otel/v1/traces"
 SCORES_PATH = "/api/public/scores"

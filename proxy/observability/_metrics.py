@@ -122,7 +122,7 @@ class Metrics:
         )  # fmt: skip
 
     def _upstreams(self, r: CollectorRegistry) -> None:
-        """Each vLLM server behind this proxy (proxy.gateway._router), named by its base URL."""
+        """Each vLLM server behind this proxy (proxy.gateway.upstream._router), named by its base URL."""
         self.upstream_up = Gauge(
             "tracetrain_upstream_up", "1 while the vLLM server is in rotation (healthy, holding every published "
             "adapter), else 0.", ["upstream"], registry=r,

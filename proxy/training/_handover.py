@@ -48,8 +48,8 @@ from typing import Any
 
 from proxy._periodic import every
 from proxy.errors import ProxyError, UpstreamHTTPError
-from proxy.gateway._gate import Gate
-from proxy.gateway._upstream import Upstream
+from proxy.gateway import Gate
+from proxy.gateway.upstream import Upstream
 from proxy.observability._metrics import Metrics
 from proxy.training._publisher import Publisher
 from store import GpuHandover, JobState, Store, TrainingState

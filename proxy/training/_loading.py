@@ -25,9 +25,8 @@ from pathlib import Path
 from typing import Literal
 
 from proxy.errors import ProxyError, UpstreamUnreachable
-from proxy.gateway._policies import PolicyRegistry
-from proxy.gateway._router import Router, Server
-from proxy.gateway._upstream import Upstream
+from proxy.gateway import PolicyRegistry
+from proxy.gateway.upstream import Router, Server, Upstream
 from store import Store
 
 log = logging.getLogger("tracetrain.publisher")

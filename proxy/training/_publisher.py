@@ -1,7 +1,7 @@
 """Publishing adapters: load into every vLLM, flip the alias, unload what fell out of the window.
 
 The trainer writes an adapter and records it (state ``trained``). The publisher claims
-it, loads it as ``policy@N`` into every vLLM server in rotation (``proxy.gateway._router``),
+it, loads it as ``policy@N`` into every vLLM server in rotation (``proxy.gateway.upstream._router``),
 and only when all loaded flips the policy's alias to N; a request already running finishes on the
 version it started with. Versions beyond the newest ``keep_versions`` (the active one
 always stays) are unloaded once no request of this proxy is running on them and they
@@ -45,8 +45,8 @@ from typing import Any
 
 from proxy._periodic import every
 from proxy.errors import Conflict, NotFound, ProxyError
-from proxy.gateway._policies import PolicyRegistry
-from proxy.gateway._router import Router, Server
+from proxy.gateway import PolicyRegistry
+from proxy.gateway.upstream import Router, Server
 from proxy.training._loading import AdapterDelivery, AdapterLoader, PublishError, already_loaded
 from proxy.training._regression import watch_record
 from store import AdapterState, Store, TrainingState

@@ -14,12 +14,14 @@ counted in ``/metrics``, sent to Langfuse, and a job is made if enough groups ar
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from proxy.observability._langfuse import LangfuseExporter
 from proxy.observability._metrics import Metrics
-from store import JobState, Store, TrainingState
+from store import JobState, RewardRecord, Store, TrainingState
 
 
 class JobScheduler:
@@ -71,12 +73,12 @@ class JobScheduler:
             return {"id": job_id, "policy": self._policy, "state": JobState.QUEUED.value, "group_ids": groups,
                     "created_at": time.time()}  # fmt: skip
 
-    async def rewards_written(self, rewards: list[dict[str, Any]], *, may_train: bool = True) -> None:
-        """Rewards just written (as ``POST /v1/rewards`` answers them): counted, exported, and, when they may
-        make groups ready (``may_train``; not the judge's scores beside external rewards), a job if due."""
+    async def rewards_written(self, rewards: Sequence[RewardRecord], *, may_train: bool = True) -> None:
+        """Rewards just written (posted or judged): counted, exported, and, when they may make groups
+        ready (``may_train``; not the judge's scores beside external rewards), a job if due."""
         if self._metrics is not None:
-            self._metrics.rewards_recorded([r["source"] for r in rewards])
+            self._metrics.rewards_recorded([r.source for r in rewards])
         if self._langfuse is not None:
-            self._langfuse.rewards_recorded(rewards)
+            self._langfuse.rewards_recorded(dataclasses.asdict(r) for r in rewards)
         if may_train:
             await self.maybe_create_job()

@@ -22,7 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import Response
 
 from proxy.errors import InvalidRequest, ProxyError, error_response
-from proxy.gateway._responses_shape import (
+from proxy.gateway.dialects._dialect import ChatTranslation
+from proxy.gateway.dialects.responses._shape import (
     function_call_item,
     message_item,
     new_id,
@@ -30,8 +31,8 @@ from proxy.gateway._responses_shape import (
     status_of,
     usage_of,
 )
-from proxy.gateway._responses_stream import ResponsesStream
-from store import responses_chat_messages
+from proxy.gateway.dialects.responses._stream import ResponsesStream
+from tracetrain_core import responses_chat_messages
 
 
 class _Open(BaseModel):
@@ -240,8 +241,8 @@ def from_chat(chat: dict[str, Any], body: dict[str, Any], model: str) -> dict[st
     )
 
 
-class ResponsesDialect:
-    """The Responses API on the chat path (``proxy.gateway._dialect.Dialect``)."""
+class ResponsesDialect(ChatTranslation):
+    """The Responses API, translated to chat completions (a ``proxy.gateway.dialects.Dialect``)."""
 
     endpoint = "responses"
 

@@ -1,7 +1,7 @@
 """The upstream OpenAI-compatible server (vLLM): generation over a lean HTTP/1.1 pool, the rest over httpx.
 
 The two calls on every agent's path (``post`` and ``open_stream``) go through
-``proxy.gateway._http1``'s kept connections: measured (docs/BENCHMARKS.md, issue 14), httpx +
+``proxy.gateway.upstream._http1``'s kept connections: measured (docs/BENCHMARKS.md, issue 14), httpx +
 httpcore + anyio cost the proxy 55-65% of its time under load, and aiohttp after them ~29%
 and 470-670 µs per exchange where a kept connection takes 290-440. The control endpoints
 (adapters, models, health, pause and sleep) are rare and stay on httpx, whose
@@ -20,7 +20,7 @@ import httpx
 import orjson
 
 from proxy.errors import UpstreamError, UpstreamHTTPError, UpstreamNotReady, upstream_errors
-from proxy.gateway._http1 import Exchange, Http1Pool, TransportError
+from proxy.gateway.upstream._http1 import Exchange, Http1Pool, TransportError
 
 _JSON = {"content-type": "application/json"}
 # How long a stream's end (the chunked body's last chunk) may take after its last event.

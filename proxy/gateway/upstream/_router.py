@@ -2,7 +2,7 @@
 
     pick(trajectory)   the first server of the trajectory's own ranking (rendezvous hashing of its
                        id over the servers in rotation) that is not over its load bound: the same
-                       server on every proxy, with no state shared (``proxy.gateway._placement``).
+                       server on every proxy, with no state shared (``proxy.gateway.upstream._placement``).
                        vLLM's prefix cache there holds the trajectory's history, whichever proxy
                        a balancer hands each call to. A new trajectory is placed the same way: the
                        hash spreads new ones, the bound keeps a burst off a server already busy.
@@ -42,9 +42,9 @@ import httpx
 
 from proxy._periodic import every
 from proxy.errors import ProxyError, UpstreamNotReady, UpstreamUnreachable
-from proxy.gateway._http1 import ConnectFailed
-from proxy.gateway._placement import choose, server_salt
-from proxy.gateway._upstream import Reply, Upstream, UpstreamStream
+from proxy.gateway.upstream._client import Reply, Upstream, UpstreamStream
+from proxy.gateway.upstream._http1 import ConnectFailed
+from proxy.gateway.upstream._placement import choose, server_salt
 
 log = logging.getLogger("tracetrain.router")
 
@@ -64,7 +64,7 @@ class Server:
     versions: set[int] = field(default_factory=set)  # adapter versions loaded into it (0, the base, always is)
     problem: str | None = "not checked yet"  # why it is out of rotation
     failovers: int = 0  # calls sent elsewhere because it refused their connection
-    salt: bytes = field(init=False)  # its scores' salt: the hash of its URL (proxy.gateway._placement)
+    salt: bytes = field(init=False)  # its scores' salt: the hash of its URL (proxy.gateway.upstream._placement)
 
     def __post_init__(self) -> None:
         self.salt = server_salt(self.upstream.base_url)

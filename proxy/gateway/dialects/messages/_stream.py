@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 
-from proxy.gateway import _messages_out as out
+from proxy.gateway.dialects.messages import _shape as out
 
 
 def event(kind: str, data: dict[str, Any]) -> bytes:

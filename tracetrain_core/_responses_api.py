@@ -1,11 +1,11 @@
 """The Responses API's conversations as chat messages: what vLLM is sent, and what every reader shows.
 
-One function each way, used by the proxy's translation (``proxy.gateway._responses``, after it
-validated the body) and by the store's readers (``store._conversation.call_messages``), so
+One function each way, used by the proxy's translation (``proxy.gateway.dialects.responses._dialect``, after it
+validated the body) and by every reader (``tracetrain_core.call_messages``), so
 threading, the dashboard, export and the SFT path see exactly the messages vLLM rendered.
 Lenient: what is not a known item or part is skipped (the proxy refused it before).
 
-Pure Python: no proxy, web framework or torch.
+Pure Python: no store, proxy, web framework or torch.
 """
 
 from __future__ import annotations

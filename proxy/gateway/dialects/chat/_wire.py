@@ -1,4 +1,4 @@
-"""Request models for the OpenAI endpoints: validation only, never re-serialization.
+"""Request models of chat completions and (legacy) text completions: validation only, never re-serialization.
 
 Models allow extra fields so a parameter a newer client sends passes through to vLLM
 untouched (the proxy forwards the client's own JSON, not these objects). Fields
@@ -10,10 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-import orjson
 from pydantic import BaseModel, ConfigDict, Field
-
-from proxy.errors import InvalidRequest
 
 # OpenAI's own limit on choices per request; without one, n=2**40 reaches vLLM as a request.
 MAX_N = 128
@@ -60,14 +57,3 @@ class CompletionRequest(_Open):
     stream_options: StreamOptions | None = None
     # vLLM's extension: the client itself wants token ids back.
     return_token_ids: bool | None = None
-
-
-def json_object(raw: bytes) -> dict[str, Any]:
-    """A request body's JSON object, or the 400 that says what is wrong with it."""
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"The request body is not valid JSON ({exc}).") from exc
-    if not isinstance(body, dict):
-        raise InvalidRequest("The request body must be a JSON object.")
-    return body

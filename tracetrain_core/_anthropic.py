@@ -1,6 +1,6 @@
 """Anthropic's Messages API as chat messages: what vLLM renders for a ``/v1/messages`` call, and what readers show.
 
-The proxy turns each Messages call into a chat completion (``proxy.gateway._messages``); these two
+The proxy turns each Messages call into a chat completion (``proxy.gateway.dialects.messages._dialect``); these two
 pure functions are that turn's message half, shared with the dashboard, export, SFT and Langfuse,
 so every reader sees exactly the messages vLLM got:
 
@@ -16,7 +16,7 @@ so every reader sees exactly the messages vLLM got:
 - anything else (images, documents, blocks of newer API versions) is skipped here: the proxy
   refuses images and documents before this runs, and readers must never fail on a stored body.
 
-Pure Python (stdlib only): the store imports no proxy.
+Pure Python (stdlib only): no store, proxy, web framework or torch.
 """
 
 from __future__ import annotations

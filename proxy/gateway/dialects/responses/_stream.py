@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from proxy.gateway._responses_shape import (
+from proxy.gateway.dialects.responses._shape import (
     function_call_item,
     message_item,
     new_id,
@@ -28,7 +28,7 @@ from proxy.gateway._responses_shape import (
 
 
 class ResponsesStream:
-    """One streamed call's translation (``proxy.gateway._dialect.StreamTranslator``)."""
+    """One streamed call's translation (``proxy.gateway.dialects._dialect.StreamTranslator``)."""
 
     def __init__(self, body: dict[str, Any], model: str) -> None:
         self._body = body

@@ -1,6 +1,6 @@
 """Group-relative advantages: reward minus the group mean, optionally over the group std.
 
-Pure Python, in the store beside the rewards it reads: the trainer trains on these
+Pure Python, below the store and the trainer: the trainer trains on these
 advantages (``trainer._batch``; ``trainer._advantages`` wraps them in tensors) and the
 dashboard shows the same numbers, so the two can never disagree.
 

@@ -4,7 +4,7 @@ vLLM's own ``/v1/messages`` returns no token ids, so each call goes to vLLM as a
 on the chat path, which captures the exact prompt ids, sampled ids and logprobs
 (docs/ARCHITECTURE.md, "Every API on the chat path"). The request's turn:
 
-- ``system`` and ``messages`` become chat messages (``store.anthropic_chat_messages``, which the
+- ``system`` and ``messages`` become chat messages (``tracetrain_core.anthropic_chat_messages``, which the
   readers share); image and document blocks are refused (the policy reads text only);
 - ``max_tokens`` (required, as in Anthropic's API), ``stop_sequences`` -> ``stop``,
   ``temperature``, ``top_p``, ``top_k``; ``tools`` (``input_schema`` -> ``parameters``) and
@@ -15,7 +15,7 @@ on the chat path, which captures the exact prompt ids, sampled ids and logprobs
 - whatever else the client sends (``metadata``, ``thinking``, ``cache_control``...) is kept in
   the record and not sent to vLLM.
 
-The answer's turn is ``_messages_out`` (non-streamed) and ``_messages_stream`` (events).
+The answer's turn is ``_shape`` (non-streamed) and ``_stream`` (events).
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
 from proxy.errors import InvalidRequest, ProxyError
-from proxy.gateway import _messages_out as out
-from proxy.gateway._messages_stream import MessagesStream
-from proxy.gateway._messages_wire import CountTokensRequest, MessagesRequest, ToolChoice
-from store import anthropic_chat_messages
+from proxy.gateway.dialects._dialect import ChatTranslation
+from proxy.gateway.dialects.messages import _shape as out
+from proxy.gateway.dialects.messages._stream import MessagesStream
+from proxy.gateway.dialects.messages._wire import CountTokensRequest, MessagesRequest, ToolChoice
+from tracetrain_core import anthropic_chat_messages
 
 _REFUSED_BLOCKS = {
     "image": "Image blocks are not supported: the policy reads text only.",
@@ -122,8 +123,8 @@ def count_tokens_chat(body: dict[str, Any]) -> dict[str, Any]:
     return {"model": request.model, "messages": _messages(request, body), **_chat_tools(request)}
 
 
-class MessagesDialect:
-    """Anthropic's Messages API on the chat path (``proxy.gateway._dialect.Dialect``)."""
+class MessagesDialect(ChatTranslation):
+    """Anthropic's Messages API, translated to chat completions (a ``proxy.gateway.dialects.Dialect``)."""
 
     endpoint = "messages"
 

@@ -1,6 +1,6 @@
 """A chat completion's answer in Anthropic's Messages shape: ids, stop reasons, content blocks, errors.
 
-Shared by the non-streamed translation (``_messages``) and the stream's (``_messages_stream``), so
+Shared by the non-streamed translation (``_dialect``) and the stream's (``_stream``), so
 both report a call alike.
 """
 

@@ -1,11 +1,11 @@
 """The shape of a captured conversation: a chat message's canonical form, a response's reply, shared prefixes.
 
-These live in the store because they are the shape of what it holds, read alike by the
-proxy (keying and threading, the judge, the dashboard), the trainer and the command line.
+These are the shape of what the store holds, read alike by the store's readers, the proxy
+(keying and threading, the judge, the dashboard), the trainer and the command line.
 The tail hashes the store keeps for threading are blake2b digests of ``canonical_message``
 bytes, so a change here would stop every open trajectory from threading after an upgrade.
 
-Pure Python (orjson only): no proxy, trainer, web framework or torch.
+Pure Python (orjson only): no store, proxy, trainer, web framework or torch.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any, TypeVar
 
 import orjson
 
-from store._anthropic import anthropic_chat_messages, anthropic_reply
-from store._responses_api import responses_chat_messages, responses_reply
+from tracetrain_core._anthropic import anthropic_chat_messages, anthropic_reply
+from tracetrain_core._responses_api import responses_chat_messages, responses_reply
 
 T = TypeVar("T")
 

@@ -1,0 +1,23 @@
+"""Reaching vLLM: one server's client, and the router over several.
+
+- ``Upstream`` (``_client``): one vLLM server; generation calls over ``_http1``'s kept HTTP/1.1
+  connections (parsed by llhttp), the control endpoints (adapters, pause, sleep, tokenize) over httpx;
+- ``Router`` (``_router``): every server behind the proxy, each call to the one ``_placement`` picks
+  for its trajectory (rendezvous hashing with a load bound), health checks and failover;
+- ``SSEDecoder`` (``_sse``): server-sent events parsed from the byte chunks a stream arrives in.
+"""
+
+from proxy.gateway.upstream._client import Reply, Upstream, UpstreamStream
+from proxy.gateway.upstream._router import UPSTREAM_STATES, Router, Server
+from proxy.gateway.upstream._sse import ServerSentEvent, SSEDecoder
+
+__all__ = [
+    "UPSTREAM_STATES",
+    "Reply",
+    "Router",
+    "SSEDecoder",
+    "Server",
+    "ServerSentEvent",
+    "Upstream",
+    "UpstreamStream",
+]

@@ -1,0 +1,43 @@
+"""What every part of tracetrain computes alike: pure functions over conversations and rewards.
+
+Below the store, the trainer and the proxy, and importing none of them (no I/O, no web framework,
+no torch), so that the proxy's threading, the store's readers, the judge, the dashboard, export,
+SFT and the trainer can never disagree:
+
+- a captured call of any API as chat messages (``call_messages``, ``call_reply``, ``call_tools``),
+  a message's canonical form for threading (``canonical_message``), the common prefix of sequences;
+- the Responses API's and Anthropic's Messages API's conversations as chat messages, and back;
+- group-relative advantages (``group_advantages``): what the trainer trains on and the dashboard shows.
+"""
+
+from tracetrain_core._advantages import ADVANTAGE_EPS, GroupAdvantages, group_advantages
+from tracetrain_core._anthropic import anthropic_chat_messages, anthropic_reply
+from tracetrain_core._conversation import (
+    call_messages,
+    call_reply,
+    call_tools,
+    canonical_message,
+    common_prefix,
+    first_choice,
+    reply_message,
+    same_message,
+)
+from tracetrain_core._responses_api import responses_chat_messages, responses_reply
+
+__all__ = [
+    "ADVANTAGE_EPS",
+    "GroupAdvantages",
+    "anthropic_chat_messages",
+    "anthropic_reply",
+    "call_messages",
+    "call_reply",
+    "call_tools",
+    "canonical_message",
+    "common_prefix",
+    "first_choice",
+    "group_advantages",
+    "reply_message",
+    "responses_chat_messages",
+    "responses_reply",
+    "same_message",
+]
