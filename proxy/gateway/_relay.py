@@ -86,6 +86,7 @@ class Relay:
         """Forward each SSE event as it arrives; commit the record before the closing event (chat: ``[DONE]``)."""
         call = self._call
         translator = self._translator
+        feed = translator.feed  # looked up once: the loop below runs per chunk
         finished = False
         decoder = SSEDecoder()
         try:
@@ -97,7 +98,7 @@ class Relay:
                         finished = True
                         break
                     chunk = self._assembler.add(orjson.loads(event.data))
-                    if chunk is not None and (out := b"".join(translator.feed(chunk))):
+                    if chunk is not None and (out := b"".join(feed(chunk))):
                         yield out
             if not finished:
                 raise UpstreamError("the upstream closed the stream before it finished")
