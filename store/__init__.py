@@ -6,9 +6,10 @@ the proxy, and the proxy never loads torch. ``Store.open(url)`` is the way in.
 """
 
 from store._adapter_files import FILE_NAME_PATTERN, AdapterFile, AdapterFiles, FileEntry
-from store._adapters import ADAPTER_FIELDS, Adapters, Policies
+from store._adapters import ADAPTER_FIELDS, POLICY_NAME_PATTERN, Adapters, Policies
 from store._advantages import ADVANTAGE_EPS, GroupAdvantages, group_advantages
 from store._anthropic import anthropic_chat_messages, anthropic_reply
+from store._batch import CallWrite
 from store._compact import COMPACT_COLUMNS
 from store._conversation import (
     call_messages,
@@ -22,6 +23,7 @@ from store._conversation import (
 )
 from store._engine import connect
 from store._errors import (
+    RecordRefused,
     SchemaTooNew,
     StoreError,
     StoreFull,
@@ -36,13 +38,14 @@ from store._jobs import JOB_FIELDS, Jobs, RewardedTrajectory, StoredCall
 from store._judgements import JUDGEMENT_STATES, DueRule, GroupCalls, GroupChanged, Judgements
 from store._lifecycle import MOVES, AdapterState, GpuHandover, GroupState, JobState, TrainingState, allowed
 from store._reads import GROUP_VIEW_STATES, GroupRecord, Reads, TrajectoryFilter, TrajectoryRecord
+from store._redact import redact
 from store._responses_api import responses_chat_messages, responses_reply
 from store._retention import PruneReport, PruneRule
 from store._rewards import RewardIn
+from store._sessions import Sessions
 from store._store import Store
 from store._tables import Call
 from store._timeouts import RewardTimeouts
-from store._writer import CallWrite
 
 __all__ = [
     "ADAPTER_FIELDS",
@@ -53,6 +56,7 @@ __all__ = [
     "JOB_FIELDS",
     "JUDGEMENT_STATES",
     "MOVES",
+    "POLICY_NAME_PATTERN",
     "TRAINING_FIELDS",
     "AdapterFile",
     "AdapterFiles",
@@ -79,11 +83,13 @@ __all__ = [
     "PruneReport",
     "PruneRule",
     "Reads",
+    "RecordRefused",
     "RewardIn",
     "RewardSummary",
     "RewardTimeouts",
     "RewardedTrajectory",
     "SchemaTooNew",
+    "Sessions",
     "Store",
     "StoreError",
     "StoreFull",
@@ -106,6 +112,7 @@ __all__ = [
     "first_choice",
     "group_advantages",
     "is_disk_full",
+    "redact",
     "reply_message",
     "responses_chat_messages",
     "responses_reply",

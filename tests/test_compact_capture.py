@@ -130,12 +130,12 @@ def test_metrics_show_what_compact_capture_holds_in_memory(proxy: RunningProxy, 
 
 
 def test_chains_forget_the_least_recently_used_trajectory_past_their_budget() -> None:
-    chains = Chains(max_tokens=10, max_trajectories=100)
+    chains = Chains(max_bytes=40, max_trajectories=100)
     call = {"id": "c-a", "status_code": 200, "prompt_token_ids": [1, 2, 3, 4], "completion_token_ids": [5],
             "request": {"messages": []}}  # fmt: skip
     chains.remember("a", call)
     chains.remember("b", call | {"id": "c-b"})
-    chains.remember("c", call | {"id": "c-c"})  # 15 ids held: "a" goes
+    chains.remember("c", call | {"id": "c-c"})  # 15 ids held, 60 bytes: "a" goes
     assert len(chains) == 2
     assert chains.stored_row("a", call)["prefix_of"] is None
     assert chains.stored_row("c", call | {"prompt_token_ids": [1, 2, 3, 4, 5, 6]})["prefix_tokens"] == 5

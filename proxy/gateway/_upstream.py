@@ -21,6 +21,7 @@ import orjson
 
 from proxy.errors import UpstreamError, UpstreamHTTPError, UpstreamNotReady, upstream_errors
 from proxy.gateway._http1 import Exchange, Http1Pool, TransportError
+from store import redact
 
 _JSON = {"content-type": "application/json"}
 # How long a stream's end (the chunked body's last chunk) may take after its last event.
@@ -68,6 +69,7 @@ class Upstream:
 
     def __init__(self, base_url: str, clients: Sequence[httpx.AsyncClient], *, timeout_s: float) -> None:
         self.base_url = base_url
+        self.name = redact(base_url)  # what logs, labels and messages show: the URL without its password
         self._clients = list(clients)
         self._next = itertools.cycle(self._clients)
         self._generation = Http1Pool(base_url, timeout_s=timeout_s)
@@ -185,7 +187,7 @@ class Upstream:
         for model in await self.models():
             if not model.get("parent"):
                 return str(model["id"])
-        raise UpstreamNotReady(f"the upstream at {self.base_url} lists no base model")
+        raise UpstreamNotReady(f"the upstream at {self.name} lists no base model")
 
     # -- a GPU hand-over (vLLM started with VLLM_SERVER_DEV_MODE=1; see proxy.training._handover) --
 

@@ -53,7 +53,7 @@ from proxy.observability._langfuse_wire import (
     rejected_spans,
     reward_scores,
 )
-from store import CallWrite
+from store import CallWrite, redact
 
 log = logging.getLogger("tracetrain.langfuse")
 
@@ -92,7 +92,7 @@ def start_langfuse(settings: Settings) -> LangfuseExporter | None:
     config = LangfuseConfig(settings.langfuse_public_key, settings.langfuse_secret_key, settings.langfuse_base_url)
     exporter = LangfuseExporter(config)
     exporter.start()
-    log.info("exporting trajectories to Langfuse at %s", config.base_url)
+    log.info("exporting trajectories to Langfuse at %s", redact(config.base_url))
     return exporter
 
 
@@ -134,7 +134,7 @@ class LangfuseExporter:
 
     def __repr__(self) -> str:
         return (
-            f"LangfuseExporter(base_url={self.config.base_url!r}, public_key={self.config.public_key!r}, "
+            f"LangfuseExporter(base_url={redact(self.config.base_url)!r}, public_key={self.config.public_key!r}, "
             f"queued={self.queued}, sent={self.sent}, dropped={self.dropped})"
         )
 
