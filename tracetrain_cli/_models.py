@@ -18,7 +18,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 def setting_default(field: str) -> str:
-    """ " (default X)" for a flag's help, from the proxy's settings."""
+    """" (default X)" for a flag's help, from the proxy's settings."""
     from proxy import Settings
 
     return f" (default {Settings.model_fields[field].default})"
