@@ -56,12 +56,13 @@ def test_store_public_names() -> None:
         "GROUP_VIEW_STATES", "GpuHandover", "GroupAdvantages", "GroupCalls", "GroupChanged", "GroupRecord",
         "GroupState", "Guards", "JOB_FIELDS", "JUDGEMENT_STATES", "JobState", "Jobs", "Judgements", "MOVES",
         "POLICY_NAME_PATTERN", "Policies", "PruneReport", "PruneRule", "Reads", "RecordRefused", "RewardIn",
-        "RewardSummary", "RewardTimeouts", "RewardedTrajectory", "SchemaTooNew", "Sessions", "Store", "StoreError", "StoreFull", "StoreUnavailable", "StoredCall",
+        "RewardSummary", "RewardTimeouts", "RewardedTrajectory", "SchemaTooNew", "Sessions", "Store",
+        "StoreError", "StoreFull", "StoreUnavailable", "StoredCall",
         "TRAINING_FIELDS", "TrainingState", "TrajectoryFilter", "TrajectoryRecord", "TransitionRefused",
         "UnknownTrajectories", "allowed", "anthropic_chat_messages", "anthropic_reply", "call_messages",
         "call_reply", "call_tools", "canonical_message", "common_prefix", "connect", "first_choice",
-        "group_advantages", "is_disk_full", "redact", "reply_message", "responses_chat_messages", "responses_reply",
-        "same_message",
+        "group_advantages", "is_disk_full", "redact", "reply_message", "responses_chat_messages",
+        "responses_reply", "same_message",
     ]  # fmt: skip
 
 
