@@ -7,7 +7,7 @@ here gives each request a deadline for its headers, counted from the connection'
 first byte (``header_timeout_s``), and one for its body, counted from the end of its headers
 (``body_timeout_s``); a request past either is cut off (the connection closed), and a request line
 plus headers of more than 64 KiB is answered 431. ``max_connections`` bounds the connections and
-requests served at once: past it uvicorn answers 503 (``limit_concurrency``). The body's size is
+requests served at once: a request past it is answered 503 (uvicorn's ``limit_concurrency``). The body's size is
 the app's to bound (``--max-body-mb``, ``proxy.api._door``). All of them: docs/OPERATIONS.md.
 """
 
@@ -106,7 +106,7 @@ def server_config(app: Any, settings: Settings, *, log_level: str = "info", loop
         port=settings.port,
         loop=loop,
         http=timed_protocol(settings),
-        limit_concurrency=settings.max_connections,
+        limit_concurrency=settings.max_connections + 1,  # uvicorn refuses the request that makes the count reach it
         log_level=log_level,
         access_log=False,
         timeout_graceful_shutdown=30,
