@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import errno
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+from sqlalchemy.exc import InterfaceError, OperationalError
 
 
 class StoreError(Exception):
@@ -53,6 +56,20 @@ def is_disk_full(exc: BaseException) -> bool:
 
 class RecordRefused(StoreError):
     """One call's record cannot be written, however often it is tried; the calls beside it are written."""
+
+
+@contextmanager
+def database_errors(doing: str) -> Iterator[None]:
+    """The database's own failures inside the block as the store's: ``StoreFull`` for a full disk, else
+    ``StoreUnavailable`` (the database gone, locked, refusing); ``doing`` says what failed."""
+    try:
+        yield
+    except StoreError:
+        raise
+    except (OperationalError, InterfaceError, sqlite3.OperationalError, OSError) as exc:
+        if is_disk_full(exc):
+            raise StoreFull(f"could not {doing}, the store's disk is full") from exc
+        raise StoreUnavailable(f"could not {doing}: {type(exc).__name__}") from exc
 
 
 class UnknownTrajectories(StoreError):

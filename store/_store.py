@@ -37,7 +37,7 @@ from store._batch import CallWrite
 from store._compact import Chains
 from store._derived import Seat, join_task_group, release_seats, release_stale_seats
 from store._engine import connect, sqlite_sync_engine
-from store._errors import RecordRefused
+from store._errors import RecordRefused, StoreUnavailable, database_errors
 from store._export import ExportReads
 from store._guard import Guards
 from store._jobs import Jobs
@@ -182,8 +182,14 @@ class Store:
 
     async def release_stale_seats(self, older_than_s: float) -> int:
         """Give back the seats taken more than ``older_than_s`` ago whose call was never recorded (a process
-        died between keying and recording): their groups stop waiting for them (``store._derived``)."""
-        return await release_stale_seats(self.engine, older_than_s)
+        died between keying and recording): their groups stop waiting for them (``store._derived``). A
+        database that cannot take it now (a full disk) is left for the next sweep, with a warning."""
+        try:
+            with database_errors("give back stale seats"):
+                return await release_stale_seats(self.engine, older_than_s)
+        except StoreUnavailable as exc:
+            log.warning("%s; the next sweep tries again", exc)
+            return 0
 
     # -- retention and disk -------------------------------------------------------------
 
@@ -207,7 +213,9 @@ class Store:
         return await store_bytes(self.engine)
 
     async def add_rewards(self, rewards: Iterable[RewardIn]) -> list[dict[str, Any]]:
-        return await add_rewards(self.engine, rewards)
+        """Record rewards (``store._rewards``); a failing database raises ``StoreFull`` or ``StoreUnavailable``."""
+        with database_errors("record the rewards"):
+            return await add_rewards(self.engine, rewards)
 
     # -- lookups for keying -------------------------------------------------------------
 

@@ -189,3 +189,23 @@ def test_a_seat_whose_call_never_came_is_given_back_after_the_seat_timeout(
         time.sleep(0.1)
     assert proxy.rows("SELECT seats FROM groups WHERE id = ?", group_id)[0]["seats"] == 2
     assert proxy.rows("SELECT * FROM trajectories WHERE id = 'crashed'") == []
+
+
+def test_a_reward_the_full_disk_cannot_take_is_a_503_to_retry(
+    start_proxy: Callable[..., RunningProxy], tmp_path: Path
+) -> None:
+    """It was a 500 whose exception left the app, and uvicorn dropped the kept-alive connection under the client."""
+    from test_full_disk import fill, mounted_small_disk
+
+    with mounted_small_disk(tmp_path / "small-disk") as disk:
+        proxy = start_proxy(data_dir=disk)
+        answer = httpx.post(f"{proxy.v1}/chat/completions", json={"model": "agent", "messages": TASK})
+        trajectory_id = answer.headers["X-Trajectory-Id"]
+        filler = fill(disk)
+        with httpx.Client(base_url=proxy.v1) as client:
+            refused = client.post("/rewards", json={"trajectory_id": trajectory_id, "reward": 1.0})
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "store_unavailable"
+            assert "disk is full" in refused.json()["error"]["message"]
+            filler.unlink()
+            taken = client.post("/rewards", json={"trajectory_id": trajectory_id, "reward": 1.0})
+            assert taken.status_code == 200  # on the same connection
