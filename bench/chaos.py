@@ -9,8 +9,9 @@ of ``tests/fake_vllm.py`` (``_chaos/fake.py``: it fails on request, as vLLM 0.32
   a reward for each trajectory as a reward service would;
 - ``--hostile`` workers send a stream of hostile and broken calls (``_chaos/hostile.py``: bodies
   nested too deep or too large, browsers' cross-site requests, DNS rebinding, huge prompt lists,
-  bad admin credentials, 2 MB fields vLLM never renders, engine failures inside streams, dropped
-  upstream connections, clients hanging up mid-stream) on the same tasks;
+  bad admin credentials, engine failures inside streams, dropped upstream connections, clients
+  hanging up mid-stream) on the same tasks, and in the run's first seconds 40 calls carry a 2 MB
+  field vLLM never renders (compact capture's memory);
 - 20 connections send half their headers and wait (Slowloris);
 - vLLM is killed (SIGKILL) at 35% of the run and started again 5 s later; the disk is filled for
   10 s at 65%.
@@ -42,7 +43,7 @@ import httpx
 # bench/ is not a package: its helpers import as top-level names (see proxy_overhead.py).
 from _chaos.calls import APIS, Outcome, call
 from _chaos.faults import PASSWORD, Proxy, Upstream, fill, proxy, small_disk
-from _chaos.hostile import Slowloris, pick
+from _chaos.hostile import Slowloris, memory_hog, pick
 from _chaos.verdict import judge, report
 from _host import free_port
 
@@ -61,18 +62,19 @@ class Run:
         self.disk_full: list[tuple[float, float]] = []
         self.memory: list[tuple[float, float]] = []  # (seconds into the run, RSS MB)
         self.stop = asyncio.Event()
-        self.hogs = 0
         self.started = time.monotonic()
 
     async def go(self) -> None:
-        limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
+        # Idle connections dropped before the proxy drops them (uvicorn: after 5 s), as well-behaved clients do.
+        limits = httpx.Limits(max_connections=256, max_keepalive_connections=64, keepalive_expiry=3.0)
         async with httpx.AsyncClient(base_url=self.proxy.url, limits=limits, timeout=60) as client:
             self.client = client
             slowloris = Slowloris("127.0.0.1", self.proxy.port)
             self.slowloris = slowloris
             work = [asyncio.create_task(self._ordinary(i)) for i in range(self.opts.concurrency)]
             work += [asyncio.create_task(self._hostile()) for _ in range(self.opts.hostile)]
-            work += [asyncio.create_task(slowloris.run(self.stop)), asyncio.create_task(self._sample_memory())]
+            work += [asyncio.create_task(slowloris.run(self.stop)), asyncio.create_task(self._sample_memory()),
+                     asyncio.create_task(self._memory_hogs())]  # fmt: skip
             await self._faults()
             self.stop.set()
             await asyncio.gather(*work)
@@ -90,15 +92,23 @@ class Run:
 
     async def _hostile(self) -> None:
         while not self.stop.is_set():
-            name, send, api = pick()
-            if name == "memory-hog" and self.hogs >= MEMORY_HOGS:
-                continue
-            self.hogs += name == "memory-hog"
+            _, send, api = pick()
             outcome = await send(self.client, random.choice(TASKS), api)
             self.outcomes.append(outcome)
             if outcome.trajectory_id:
                 await self._reward(outcome.trajectory_id, 0.0)
             await asyncio.sleep(random.uniform(0.02, 0.1))
+
+    async def _memory_hogs(self) -> None:
+        """The issue's case, early in the run: 40 calls carrying 2 MB that vLLM never renders. What compact capture
+        holds of them is bounded in bytes, so the proxy's memory stays flat from there on."""
+        for _ in range(MEMORY_HOGS):
+            if self.stop.is_set():
+                return
+            outcome = await memory_hog(self.client, random.choice(TASKS), "chat")
+            self.outcomes.append(outcome)
+            await self._reward(outcome.trajectory_id, 0.5)
+            await asyncio.sleep(0.1)
 
     async def _reward(self, trajectory_id: str, value: float) -> None:
         """A reward service's post; one not taken now (the store was down, the disk full) is posted again at the end."""
@@ -180,6 +190,29 @@ def _metrics(served: Proxy) -> dict[str, float]:
     return found
 
 
+def _notes(run: Run, metrics: dict[str, float], shown: list[str], tracebacks: int) -> list[str]:
+    """What else the run showed: the proxy's memory over it, the slow connections, secrets, counters."""
+    memory = [mb for _, mb in run.memory]
+    at = [memory[min(len(memory) - 1, int(len(memory) * q))] for q in (0.1, 0.25, 0.5, 0.75)] + [memory[-1]]
+    held_mb = metrics.get('tracetrain_compact_capture_held{what="bytes"}', 0.0) / 1e6
+    return [
+        "proxy memory (RSS, MB) at 10%, 25%, 50%, 75%, end: " + ", ".join(f"{m:.0f}" for m in at)
+        + f"; compact capture holds {held_mb:.1f} MB (its bound: 64 MB)",
+        f"slowloris: {run.slowloris.closed} half-sent connections closed by the proxy, the longest open "
+        f"{run.slowloris.longest_s:.1f} s",
+        f"the upstream's password shown in: {', '.join(shown) or 'nowhere'}",
+        f"tracebacks in the proxy's log: {tracebacks}",
+        f"capture failures: {_labelled(metrics, 'tracetrain_capture_failures_total')}",
+        f"refused at the door: {_labelled(metrics, 'tracetrain_refused_requests_total')}",
+    ]  # fmt: skip
+
+
+def _labelled(metrics: dict[str, float], name: str) -> str:
+    """``name``'s series as "label value, ...", e.g. ``disk_full 100``."""
+    series = [(key.split('"')[1], value) for key, value in metrics.items() if key.startswith(name + "{")]
+    return ", ".join(f"{label} {value:.0f}" for label, value in series) or "none"
+
+
 def _cpu() -> str:
     info = Path("/proc/cpuinfo").read_text().splitlines()
     model = next((x.split(":", 1)[1].strip() for x in info if x.startswith("model name")), "?")
@@ -196,9 +229,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--hostile", type=int, default=4, help="workers sending hostile and broken calls")
     parser.add_argument("--seat-timeout", type=float, default=20.0, help="the proxy's --seat-timeout")
     parser.add_argument("--token-delay", type=float, default=0.002, help="the fake vLLM's seconds per token")
-    parser.add_argument("--disk-mb", type=int, default=1024, help="size of the tmpfs the store lives on")
+    parser.add_argument("--disk-mb", type=int, default=512, help="size of the tmpfs the store lives on")
     parser.add_argument("--out", type=Path, help="also write the results as JSON here")
-    parser.add_argument("--keep", action="store_true", help="keep the logs (the store lives on the tmpfs, and goes)")
+    parser.add_argument("--keep", action="store_true", help="keep the logs and a copy of the store")
     opts = parser.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="tracetrain-chaos-"))
     notes: list[str] = []
@@ -217,27 +250,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         verdict = judge(run.outcomes, served.data_dir / "tracetrain.db", run.vllm_down, run.disk_full)
         shown, metrics = _secrets_shown(served), _metrics(served)
         tracebacks = served.log.read_text(errors="replace").count("Traceback")
-    memory = run.memory
-    quarters = [memory[min(len(memory) - 1, int(len(memory) * q))][1] for q in (0.1, 0.25, 0.5, 0.75)] + [memory[-1][1]]
-    held_mb = metrics.get('tracetrain_compact_capture_held{what="bytes"}', 0.0) / 1e6
-    notes += [
-        "proxy memory (RSS, MB) at 10%, 25%, 50%, 75%, end: " + ", ".join(f"{m:.0f}" for m in quarters)
-        + f"; compact capture holds {held_mb:.1f} MB (bound 64 MB)",
-        f"slowloris: {run.slowloris.closed} half-sent connections closed by the proxy, longest open "
-        f"{run.slowloris.longest_s:.1f} s",
-        f"upstream password shown in: {', '.join(shown) or 'nowhere'}",
-        f"tracebacks in the proxy's log: {tracebacks}",
-        "capture failures: " + ", ".join(f"{k.split('=')[1][1:-2]} {v:.0f}" for k, v in metrics.items()
-                                         if k.startswith("tracetrain_capture_failures_total")),  # fmt: skip
-        "refused at the door: " + ", ".join(f"{k.split('=')[1][1:-2]} {v:.0f}" for k, v in metrics.items()
-                                            if k.startswith("tracetrain_refused_requests")),  # fmt: skip
-    ]
-    meta: dict[str, Any] = {"started": run.started, "duration_s": opts.duration, "concurrency": opts.concurrency, "hostile_workers": opts.hostile,
-                            "cpu": _cpu(), "notes": notes, "vllm_down": run.vllm_down, "disk_full": run.disk_full}  # fmt: skip
+        if opts.keep:  # the store goes with the tmpfs
+            for part in served.data_dir.glob("tracetrain.db*"):
+                shutil.copy(part, workdir / part.name)
+    notes += _notes(run, metrics, shown, tracebacks)
+    meta: dict[str, Any] = {
+        "started": run.started, "duration_s": opts.duration, "concurrency": opts.concurrency,
+        "hostile_workers": opts.hostile, "cpu": _cpu(), "notes": notes, "vllm_down": run.vllm_down,
+        "disk_full": run.disk_full,
+    }  # fmt: skip
     lines = report(verdict, meta)
     print("\n".join(lines))
     if opts.out:
-        opts.out.write_text(json.dumps({"meta": meta, "report": lines, "memory": memory}, indent=2) + "\n")
+        opts.out.write_text(json.dumps({"meta": meta, "report": lines, "memory": run.memory}, indent=2) + "\n")
     if opts.keep:
         print(f"logs kept in {workdir}")
     else:

@@ -119,7 +119,7 @@ async def _read_stream(api: str, response: httpx.Response, outcome: Outcome, cut
         if "error" in chunk and api in ("chat", "completions"):
             failed = "error event"
         text.append(_delta_text(api, event, chunk))
-        if api == "responses" and event == "response.completed" or api == "messages" and event == "message_stop":
+        if (api == "responses" and event == "response.completed") or (api == "messages" and event == "message_stop"):
             ended = True
     outcome.whole = ended and not failed and bool("".join(text))
     outcome.error = "" if outcome.whole else (failed or "the stream ended without its closing event")

@@ -26,7 +26,7 @@ import uvicorn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
-from fake_vllm import FakeVLLM, Reply  # noqa: E402  (tests/ is not a package)
+from fake_vllm import FakeVLLM, Reply
 
 ENGINE_ERROR = "chaos:engine-error"
 DROP = "chaos:drop"

@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,7 +136,3 @@ def fill(disk: Path) -> Path:
                 if exc.errno != errno.ENOSPC:
                     raise
     return filler
-
-
-def sleep_until(deadline: float) -> None:
-    time.sleep(max(0.0, deadline - time.monotonic()))

@@ -77,7 +77,7 @@ def judge(outcomes: Sequence[Outcome], db: Path, vllm_down: Sequence[Window], di
         if outcome.kind == "ordinary":
             _ordinary(verdict, outcome, whole_rows, vllm_down, disk_full)
         else:
-            _hostile(verdict, outcome)
+            _hostile(verdict, outcome, _overlaps(outcome, vllm_down))
         if not outcome.whole and (outcome.kind == "ordinary" or outcome.kind in BROKEN):
             verdict.broken[outcome.kind] += 1
             if whole_rows:
@@ -103,8 +103,11 @@ def _ordinary(
         verdict.lost.append(outcome.trajectory_id)
 
 
-def _hostile(verdict: Verdict, outcome: Outcome) -> None:
+def _hostile(verdict: Verdict, outcome: Outcome, vllm_dead: bool) -> None:
     tally = verdict.hostile.setdefault(outcome.kind, Counter())
+    if not outcome.expected and vllm_dead:
+        tally["failed while vLLM was dead"] += 1
+        return
     tally["as expected" if outcome.expected else "unexpected"] += 1
     if not outcome.expected:
         seen = verdict.unexpected.setdefault(outcome.kind, [])
@@ -137,9 +140,10 @@ def report(verdict: Verdict, meta: dict[str, Any]) -> list[str]:
     lines.append(f"broken calls trained on (recorded 200 without error): {sum(verdict.trained.values())} "
                  f"({trained})   [target 0]")  # fmt: skip
     lines.append(f"groups stuck: {len(verdict.stuck)}   [target 0]")
-    lines.append("hostile calls, answered as they should be / otherwise:")
+    lines.append("hostile calls, answered as they should be / otherwise (/ failed while vLLM was dead):")
     for kind, tally in sorted(verdict.hostile.items()):
-        lines.append(f"    {kind}: {tally['as expected']} / {tally['unexpected']}")
+        dead = f" / {tally['failed while vLLM was dead']}" if tally["failed while vLLM was dead"] else ""
+        lines.append(f"    {kind}: {tally['as expected']} / {tally['unexpected']}{dead}")
         lines += [f"        {example}" for example in verdict.unexpected.get(kind, [])]
     for line in meta.get("notes", []):
         lines.append(line)
