@@ -59,11 +59,10 @@ class _App(FastAPI):
         if scope["type"] != "http":
             await super().__call__(scope, receive, send)
             return
-        refused = self.door.refusal(scope)
+        refused, receive = self.door.check(scope, receive)
         if refused is not None:
             await refused(scope, receive, send)
             return
-        receive = self.door.receive(scope, receive)
         serving = GENERATION_PATHS.get(scope["path"])
         if serving is not None and scope["method"] == "POST" and not self.root_path:
             scope["app"] = self

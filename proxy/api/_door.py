@@ -52,28 +52,25 @@ class Door:
         self._credentials = Credentials(settings)
         self._metrics = metrics
 
-    def refusal(self, scope: Scope) -> Response | None:
-        """The answer to a request refused at the door; None for one that goes on to its route."""
+    def check(self, scope: Scope, receive: Receive) -> tuple[Response | None, Receive]:
+        """The answer to a request refused at the door (None: it goes on to its route), and the ``receive`` to
+        read its body with: bounded when its length is not known ahead (chunked), raising 413 past the cap."""
         headers = dict(scope["headers"])
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self._max_body:
-            return self._refused(scope, "body_too_large", self._too_large(), _CLOSE)
+            return self._refused(scope, "body_too_large", self._too_large(), _CLOSE), receive
         if self._browsers_refused:
             problem = self._browser_problem(scope, headers)
             if problem is not None:
-                return self._refused(scope, problem[0], PermissionDenied(problem[1]))
+                return self._refused(scope, problem[0], PermissionDenied(problem[1])), receive
         if scope["path"] in self._protected:
             try:
                 self._credentials.metadata_reader(Request(scope))
             except ProxyError as exc:
-                return error_response(exc)
-        return None
-
-    def receive(self, scope: Scope, receive: Receive) -> Receive:
-        """``receive``, bounded when the body's length is not known ahead (chunked): past the cap it raises 413."""
-        if not any(name == b"transfer-encoding" for name, _ in scope["headers"]):
-            return receive
-        return _Capped(receive, self._max_body, self._too_large)
+                return error_response(exc), receive
+        if b"transfer-encoding" in headers:
+            return None, _Capped(receive, self._max_body, self._too_large)
+        return None, receive
 
     def _too_large(self) -> BodyTooLarge:
         return BodyTooLarge(

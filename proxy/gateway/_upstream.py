@@ -75,7 +75,9 @@ class Upstream:
         # user-info, its password goes as a basic auth header.
         url = urlsplit(base_url)
         self._url = urlunsplit(url._replace(netloc=url.netloc.rpartition("@")[2]))
-        self._auth = httpx.BasicAuth(unquote(url.username), unquote(url.password or "")) if url.username else None
+        self._auth = (
+            httpx.BasicAuth(unquote(url.username), unquote(url.password or "")) if url.username else httpx.Auth()
+        )
         self._clients = list(clients)
         self._next = itertools.cycle(self._clients)
         self._generation = Http1Pool(base_url, timeout_s=timeout_s)
