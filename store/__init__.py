@@ -38,7 +38,7 @@ from store._jobs import JOB_FIELDS, Jobs, RewardedTrajectory, StoredCall
 from store._judgements import JUDGEMENT_STATES, DueRule, GroupCalls, GroupChanged, Judgements
 from store._lifecycle import MOVES, AdapterState, GpuHandover, GroupState, JobState, TrainingState, allowed
 from store._reads import GROUP_VIEW_STATES, GroupRecord, Reads, TrajectoryFilter, TrajectoryRecord
-from store._redact import redact
+from store._redact import redact, without_userinfo
 from store._responses_api import responses_chat_messages, responses_reply
 from store._retention import PruneReport, PruneRule
 from store._rewards import RewardIn
@@ -117,4 +117,5 @@ __all__ = [
     "responses_chat_messages",
     "responses_reply",
     "same_message",
+    "without_userinfo",
 ]

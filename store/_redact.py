@@ -12,12 +12,14 @@ logged or stored as it is::
     'https://***@judge.example/v1'
 
 It lives in the store, the lowest package, so that the proxy, the trainer, the command line and the
-store itself redact alike.
+store itself redact alike. ``without_userinfo`` drops the part altogether, for a client that sends the
+credentials as a header instead.
 """
 
 from __future__ import annotations
 
 import re
+from urllib.parse import urlsplit, urlunsplit
 
 # scheme://userinfo@ : the user-info runs to the last "@" before the host's end (a "/", "?", "#" or a blank),
 # so a password holding an unescaped "@" is hidden whole.
@@ -36,3 +38,10 @@ def redact(text: str) -> str:
     if "@" not in text:  # the common case, a URL without credentials: no regular expression at all
         return text
     return _USERINFO.sub(_hide, text)
+
+
+def without_userinfo(url: str) -> str:
+    """``url`` without its user-info, for a client that sends the credentials otherwise (a header): HTTP
+    clients log and quote the URLs they request."""
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))

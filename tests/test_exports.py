@@ -62,7 +62,7 @@ def test_store_public_names() -> None:
         "UnknownTrajectories", "allowed", "anthropic_chat_messages", "anthropic_reply", "call_messages",
         "call_reply", "call_tools", "canonical_message", "common_prefix", "connect", "first_choice",
         "group_advantages", "is_disk_full", "redact", "reply_message", "responses_chat_messages",
-        "responses_reply", "same_message",
+        "responses_reply", "same_message", "without_userinfo",
     ]  # fmt: skip
 
 

@@ -15,14 +15,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit
 
 import httpx
 import orjson
 
 from proxy.errors import UpstreamError, UpstreamHTTPError, UpstreamNotReady, upstream_errors
 from proxy.gateway._http1 import Exchange, Http1Pool, TransportError
-from store import redact
+from store import redact, without_userinfo
 
 _JSON = {"content-type": "application/json"}
 # How long a stream's end (the chunked body's last chunk) may take after its last event.
@@ -74,7 +74,7 @@ class Upstream:
         # The control calls go through httpx, which logs and quotes the URLs it requests: theirs carry no
         # user-info, its password goes as a basic auth header.
         url = urlsplit(base_url)
-        self._url = urlunsplit(url._replace(netloc=url.netloc.rpartition("@")[2]))
+        self._url = without_userinfo(base_url)
         self._auth = (
             httpx.BasicAuth(unquote(url.username), unquote(url.password or "")) if url.username else httpx.Auth()
         )

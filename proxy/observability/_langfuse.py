@@ -53,7 +53,7 @@ from proxy.observability._langfuse_wire import (
     rejected_spans,
     reward_scores,
 )
-from store import CallWrite, redact
+from store import CallWrite, redact, without_userinfo
 
 log = logging.getLogger("tracetrain.langfuse")
 
@@ -125,7 +125,7 @@ class LangfuseExporter:
         self._warned_at: dict[str, float] = {}
         self._exponential = wait_exponential(multiplier=config.backoff_s, max=config.max_backoff_s)
         self._client = httpx.AsyncClient(
-            base_url=config.base_url.rstrip("/"),
+            base_url=without_userinfo(config.base_url).rstrip("/"),  # the keys authenticate; httpx logs URLs
             auth=httpx.BasicAuth(config.public_key, config.secret_key.get_secret_value()),
             headers={"x-langfuse-ingestion-version": "4"},
             timeout=config.timeout_s,
