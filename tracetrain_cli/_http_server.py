@@ -5,8 +5,8 @@ that sends half a request's headers, or its body a byte at a time, stays open fo
 client likes: twenty such clients hold twenty connections forever (slowloris). So the protocol
 here gives each request a deadline for its headers, counted from the connection's start or its
 first byte (``header_timeout_s``), and one for its body, counted from the end of its headers
-(``body_timeout_s``); a request past either is cut off (the connection closed), and a request line
-plus headers of more than 64 KiB is answered 431. ``max_connections`` bounds the connections and
+(``body_timeout_s``); a request past either is cut off within a second (the connection closed),
+and a request line plus headers of more than 64 KiB is answered 431. ``max_connections`` bounds the connections and
 requests served at once: a request past it is answered 503 (uvicorn's ``limit_concurrency``). The body's size is
 the app's to bound (``--max-body-mb``, ``proxy.api._door``). All of them: docs/OPERATIONS.md.
 """
@@ -14,10 +14,12 @@ the app's to bound (``--max-body-mb``, ``proxy.api._door``). All of them: docs/O
 from __future__ import annotations
 
 import asyncio
+import weakref
 from typing import Any
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.server import ServerState
 
 from proxy import Settings
 
@@ -29,64 +31,67 @@ _TOO_LARGE = (
 
 
 class TimedHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol, with a deadline for each request's headers and one for its body."""
+    """uvicorn's httptools protocol, with a deadline for each request's headers and one for its body.
+
+    A request's only cost is a deadline written at its first byte, at the end of its headers and at
+    its end (no timer of its own): one sweep a second per server closes the connections past theirs
+    (uvicorn's own set of them).
+    """
 
     header_timeout_s = 15.0
     body_timeout_s = 60.0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        self._deadline: asyncio.TimerHandle | None = None
+        self._reading_headers = True
         self._header_bytes = 0
         super().connection_made(transport)
-        self._arm(self.header_timeout_s)  # the first request's headers, from the connection's start
+        # The loop's clock by which the request under way must have sent its headers (or body); None: no
+        # request is under way (between requests, uvicorn's keep-alive timeout watches the connection).
+        self.deadline: float | None = self.loop.time() + self.header_timeout_s
+        if self.server_state not in _swept:
+            _swept.add(self.server_state)
+            _sweep(self.loop, self.connections, weakref.ref(self.server_state))
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
-        super().connection_lost(exc)
-
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        self._header_bytes = 0
-        if self._deadline is None:  # a kept-alive connection's next request: its headers from their first byte
-            self._arm(self.header_timeout_s)
-
-    def on_url(self, url: bytes) -> None:
-        self._count(len(url))
-        super().on_url(url)
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._count(len(name) + len(value))
-        super().on_header(name, value)
-
-    def on_headers_complete(self) -> None:
-        self._arm(self.body_timeout_s)  # a request without a body completes at once, and disarms it
-        super().on_headers_complete()
-
-    def on_message_complete(self) -> None:
-        self._disarm()
-        super().on_message_complete()
-
-    def _count(self, n: int) -> None:
-        self._header_bytes += n
-        if self._header_bytes > MAX_HEADER_BYTES and not self.transport.is_closing():
+    def data_received(self, data: bytes) -> None:
+        if not self._reading_headers:
+            super().data_received(data)
+            return
+        self._header_bytes += len(data)  # with a body's first bytes at times: judged once the headers are in
+        super().data_received(data)
+        if self._reading_headers and self._header_bytes > MAX_HEADER_BYTES and not self.transport.is_closing():
             self.transport.write(_TOO_LARGE)
             self.transport.close()
 
-    def _arm(self, delay_s: float) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-        self._deadline = self.loop.call_later(delay_s, self._too_slow)
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self.deadline is None:  # a kept-alive connection's next request: its headers from their first byte
+            self.deadline = self.loop.time() + self.header_timeout_s
 
-    def _disarm(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
+    def on_headers_complete(self) -> None:
+        self._reading_headers = False
+        self.deadline = self.loop.time() + self.body_timeout_s  # a request without a body completes at once
+        super().on_headers_complete()
 
-    def _too_slow(self) -> None:
-        """The request's headers or body did not arrive in time: the connection goes (its call sees a disconnect)."""
-        self._deadline = None
-        if not self.transport.is_closing():
-            self.transport.close()
+    def on_message_complete(self) -> None:
+        self._reading_headers, self._header_bytes, self.deadline = True, 0, None
+        super().on_message_complete()
+
+
+# The servers whose connections are swept (each has one sweep a second while it lives).
+_swept: weakref.WeakSet[ServerState] = weakref.WeakSet()
+
+
+def _sweep(loop: asyncio.AbstractEventLoop, connections: set[Any], server: weakref.ref[ServerState]) -> None:
+    """Close the connections whose request is past its deadline (its call sees a disconnect); again in a second."""
+    now = loop.time()
+    late = [c for c in connections if isinstance(c, TimedHttpToolsProtocol) and c.deadline is not None
+            and c.deadline < now]  # fmt: skip
+    for connection in late:
+        connection.deadline = None
+        if not connection.transport.is_closing():
+            connection.transport.close()
+    if server() is not None and not loop.is_closed():
+        loop.call_later(1.0, _sweep, loop, connections, server)
 
 
 def timed_protocol(settings: Settings) -> type[TimedHttpToolsProtocol]:
