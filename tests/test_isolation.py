@@ -209,3 +209,38 @@ def test_a_reward_the_full_disk_cannot_take_is_a_503_to_retry(
             filler.unlink()
             taken = client.post("/rewards", json={"trajectory_id": trajectory_id, "reward": 1.0})
             assert taken.status_code == 200  # on the same connection
+
+
+def test_a_record_the_store_refuses_fails_its_call_alone_over_http(
+    start_proxy: Callable[..., RunningProxy], fake: FakeVLLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The issue's case with the door's depth check taken away: a Messages call whose metadata is nested 300 deep,
+    beside thirty ordinary chat calls. Its record is refused before it joins a batch: it alone fails (400, in
+    Anthropic's shape, not retried by SDKs), and every ordinary call is answered and recorded."""
+    import proxy.gateway._wire as wire
+
+    monkeypatch.setattr(wire, "check_nesting", lambda raw, body: None, raising=False)
+    proxy = start_proxy()
+    fake.script(*[Reply("Lima.", delay_s=0.2)] * 31)
+    deep: Any = "deep"
+    for _ in range(300):
+        deep = {"k": deep}
+    answers: dict[str, httpx.Response] = {}
+
+    def send(name: str, path: str, body: dict[str, Any]) -> None:
+        answers[name] = httpx.post(f"{proxy.v1}{path}", json=body, headers={"X-Trajectory-Id": name}, timeout=30)
+
+    messages = {"model": "agent", "max_tokens": 16, "messages": TASK, "metadata": deep}
+    threads = [threading.Thread(target=send, args=("deep", "/messages", messages))]
+    chat = {"model": "agent", "messages": TASK}
+    threads += [threading.Thread(target=send, args=(f"ok-{i}", "/chat/completions", chat)) for i in range(30)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    refused = answers.pop("deep")
+    assert refused.status_code == 400 and refused.json()["type"] == "error"
+    assert "cannot be stored" in refused.json()["error"]["message"]
+    assert {name: a.status_code for name, a in answers.items()} == {f"ok-{i}": 200 for i in range(30)}
+    recorded = {row["trajectory_id"] for row in proxy.rows("SELECT trajectory_id FROM calls")}
+    assert recorded == {f"ok-{i}" for i in range(30)}
