@@ -40,7 +40,7 @@ class Verdict:
     disk_full_answered: int = 0
     disk_full_unrecorded: int = 0
     broken: Counter[str] = field(default_factory=Counter)  # class -> calls whose client saw them fail
-    trained: Counter[str] = field(default_factory=Counter)  # class -> of those, recorded 200 without error
+    trained: Counter[str] = field(default_factory=Counter)  # "class on api" -> of those, recorded 200 without error
     hostile: dict[str, Counter[str]] = field(default_factory=dict)  # class -> "as expected" / "unexpected"
     unexpected: dict[str, list[str]] = field(default_factory=dict)  # class -> a few of what went otherwise
     stuck: list[str] = field(default_factory=list)
@@ -81,7 +81,7 @@ def judge(outcomes: Sequence[Outcome], db: Path, vllm_down: Sequence[Window], di
         if not outcome.whole and (outcome.kind == "ordinary" or outcome.kind in BROKEN):
             verdict.broken[outcome.kind] += 1
             if whole_rows:
-                verdict.trained[outcome.kind] += 1
+                verdict.trained[f"{outcome.kind} on {outcome.api}{' streamed' if outcome.stream else ''}"] += 1
     return verdict
 
 
