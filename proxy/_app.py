@@ -11,7 +11,7 @@ from starlette.types import Receive, Scope, Send
 
 from proxy._services import build_services
 from proxy._settings import Settings
-from proxy.api import GENERATION_PATHS, ROUTERS, add_error_handlers, serve_generation
+from proxy.api import GENERATION_PATHS, ROUTERS, Door, add_error_handlers, serve_generation
 from proxy.observability import Metrics
 
 
@@ -42,6 +42,7 @@ def create_app(
         version="0.1.0",
         lifespan=lifespan,
     )
+    app.door = Door(settings, metrics)
     for router in ROUTERS:
         app.include_router(router)
     add_error_handlers(app)
@@ -49,10 +50,20 @@ def create_app(
 
 
 class _App(FastAPI):
-    """FastAPI, with the plain generation paths served before its middleware (``proxy.api._openai``)."""
+    """FastAPI, with the front door's checks on every request (``proxy.api._door``) and the plain generation
+    paths served before its middleware (``proxy.api._openai``)."""
+
+    door: Door
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        serving = GENERATION_PATHS.get(scope["path"]) if scope["type"] == "http" else None
+        if scope["type"] != "http":
+            await super().__call__(scope, receive, send)
+            return
+        refused, receive = self.door.check(scope, receive)
+        if refused is not None:
+            await refused(scope, receive, send)
+            return
+        serving = GENERATION_PATHS.get(scope["path"])
         if serving is not None and scope["method"] == "POST" and not self.root_path:
             scope["app"] = self
             await serve_generation(serving, scope, receive, send)

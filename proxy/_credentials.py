@@ -22,6 +22,13 @@ The dashboard and the admin API (``AdminAuth``) have two ways in, both checked i
   ends every session. The cookie is ``HttpOnly``, ``SameSite=Strict``, scoped to
   ``/admin`` and ``Secure`` over https.
 
+Logging out ends the session on the server too: its nonce is written to the store
+(``store.Sessions``), which every replica asks before it accepts a session, and ``revoke_all``
+ends every session issued so far. A wrong admin token costs its sender one of a few attempts
+(``proxy._throttle``); past them it is answered 429 with ``Retry-After``, right token or wrong.
+Credentials that are not ASCII (a cookie or header a browser or script mangled) are compared as
+bytes: they fail like any wrong credential, never as a server error.
+
 A state-changing request that rides on the cookie must also carry the session's CSRF
 token (a hidden form field, or the ``X-CSRF-Token`` header), and every state-changing
 admin request is refused when the browser says it comes from another site (``Origin``
@@ -46,13 +53,16 @@ from pydantic import SecretStr
 from starlette.requests import Request
 
 from proxy._settings import Settings, is_loopback
-from proxy.errors import AuthenticationFailed, PermissionDenied
+from proxy._throttle import LoginThrottle
+from proxy.errors import AuthenticationFailed, PermissionDenied, TooManyRequests
+from store import Sessions
 
 COOKIE = "tracetrain_admin"
 CSRF_FIELD = "csrf_token"
 CSRF_HEADER = "x-csrf-token"
 SESSION_S = 12 * 3600
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+_ANY = "surrogateescape"  # how a text of any code points is made bytes to compare
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +71,7 @@ class Admin:
 
     via: str  # "token" | "session" | "open"
     csrf: str
+    cookie: str | None = None  # the session's cookie ("session"): what logging out revokes
 
 
 def presented_token(request: Request) -> str | None:
@@ -75,11 +86,11 @@ def presented_token(request: Request) -> str | None:
 class Credentials:
     """The keys and the admin token of one app; raises ``AuthenticationFailed`` (401) or ``PermissionDenied`` (403)."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, sessions: Sessions | None = None) -> None:
         self._inference = settings.api_keys
         self._reward = settings.reward_keys
         self._adapter = settings.adapter_keys
-        self.admin = AdminAuth(settings.admin_token, loopback=is_loopback(settings.host))
+        self.admin = AdminAuth(settings.admin_token, loopback=is_loopback(settings.host), sessions=sessions)
 
     def inference(self, request: Request) -> None:
         _check_key(request, self._inference, "inference key")
@@ -91,15 +102,26 @@ class Credentials:
         else:
             _check_key(request, self._inference, "key")
 
-    def adapter_reader(self, request: Request) -> None:
+    async def adapter_reader(self, request: Request) -> None:
         """An adapter key or the admin token; without adapter keys, the admin rule alone."""
         if not self._adapter:
-            self.admin.admit(request)
+            await self.admin.admit(request)
             return
         presented = presented_token(request)
         if presented is not None and self.admin.token_matches(presented):
             return
         _check_key(request, self._adapter, "adapter key")
+
+    def metadata_reader(self, request: Request) -> None:
+        """``--protect-metrics-and-docs``: the admin token, or a reward key, as a bearer token."""
+        presented = presented_token(request)
+        if presented is not None and self.admin.token_matches(presented):
+            return
+        if presented is not None and any(_same(presented, key.get_secret_value()) for key in self._reward):
+            return
+        raise AuthenticationFailed(
+            "This server's metrics and API docs need 'Authorization: Bearer <admin token or reward key>'."
+        )
 
 
 def _check_key(request: Request, keys: tuple[SecretStr, ...], what: str) -> None:
@@ -111,19 +133,26 @@ def _check_key(request: Request, keys: tuple[SecretStr, ...], what: str) -> None
         raise AuthenticationFailed(f"Missing {what}: send it as 'Authorization: Bearer <key>' (or 'x-api-key: <key>').")
     matched = False
     for key in keys:  # no early exit: the time taken does not depend on which key matched
-        matched |= hmac.compare_digest(presented.encode(), key.get_secret_value().encode())
+        matched |= _same(presented, key.get_secret_value())
     if not matched:
         raise AuthenticationFailed(f"Invalid {what}.")
+
+
+def _same(presented: str, expected: str) -> bool:
+    """Constant-time equality of two texts, compared as UTF-8 bytes: any text is comparable (non-ASCII too)."""
+    return hmac.compare_digest(presented.encode("utf-8", _ANY), expected.encode("utf-8", _ANY))
 
 
 class AdminAuth:
     """Checks admin credentials; one per app (its key outlives no token change)."""
 
-    def __init__(self, admin_token: SecretStr | None, *, loopback: bool) -> None:
-        self._token = admin_token.get_secret_value().encode() if admin_token else None
+    def __init__(self, admin_token: SecretStr | None, *, loopback: bool, sessions: Sessions | None = None) -> None:
+        self._token = admin_token.get_secret_value() if admin_token else None
         self._loopback = loopback
+        self._sessions = sessions  # the store's revoked sessions (None: no store, as the front door's checks)
+        self.throttle = LoginThrottle()
         # Open mode signs CSRF tokens with a key that lives as long as the process.
-        base = self._token or secrets.token_bytes(32)
+        base = self._token.encode() if self._token else secrets.token_bytes(32)
         self._key = hmac.new(base, b"tracetrain admin session v1", hashlib.sha256).digest()
 
     @property
@@ -132,29 +161,47 @@ class AdminAuth:
         return self._token is None
 
     def token_matches(self, presented: str) -> bool:
-        return self._token is not None and hmac.compare_digest(presented.encode(), self._token)
+        return self._token is not None and _same(presented, self._token)
+
+    def log_in(self, request: Request, presented: str) -> bool:
+        """Whether ``presented`` is the admin token; ``TooManyRequests`` once this address failed too often."""
+        address = request.client.host if request.client else ""
+        wait_s = self.throttle.wait_s(address)
+        if wait_s:
+            raise TooManyRequests(
+                f"Too many wrong admin tokens from this address: try again in {wait_s} s.", retry_after_s=wait_s
+            )
+        if self.token_matches(presented):
+            return True
+        self.throttle.failed(address)
+        return False
 
     def new_session(self, now: float | None = None) -> str:
-        """A cookie value for a successful login."""
-        payload = f"{int((now or time.time()) + SESSION_S)}.{secrets.token_urlsafe(16)}"
+        """A cookie value for a successful login: ``expires_ms.nonce.signature``."""
+        payload = f"{int(((now or time.time()) + SESSION_S) * 1000)}.{secrets.token_urlsafe(16)}"
         return f"{payload}.{self._sign(payload)}"
 
     def session_nonce(self, cookie: str | None, now: float | None = None) -> str | None:
-        """The nonce of a valid, unexpired session cookie; None otherwise."""
+        """The nonce of a validly signed, unexpired session cookie; None otherwise."""
+        parsed = self._session(cookie, now)
+        return parsed[0] if parsed is not None else None
+
+    def _session(self, cookie: str | None, now: float | None = None) -> tuple[str, float] | None:
+        """(nonce, expires at) of a validly signed, unexpired session cookie; None otherwise."""
         if not cookie or cookie.count(".") != 2:
             return None
         expires, nonce, signature = cookie.split(".")
-        if not hmac.compare_digest(signature, self._sign(f"{expires}.{nonce}")):
+        if not _same(signature, self._sign(f"{expires}.{nonce}")):
             return None
-        if not expires.isdigit() or int(expires) < (now or time.time()):
+        if not (expires.isascii() and expires.isdigit()) or int(expires) / 1000 < (now or time.time()):
             return None
-        return nonce
+        return nonce, int(expires) / 1000
 
     def csrf_token(self, nonce: str) -> str:
         return self._sign(f"csrf.{nonce}")
 
-    def admit(self, request: Request, form_csrf: str | None = None) -> Admin:
-        """Admit the request or raise 401/403 in OpenAI's error shape."""
+    async def admit(self, request: Request, form_csrf: str | None = None) -> Admin:
+        """Admit the request or raise 401/403 (429 while its address is throttled) in OpenAI's error shape."""
         unsafe = request.method not in _SAFE_METHODS
         if unsafe:
             _refuse_cross_site(request)
@@ -165,24 +212,39 @@ class AdminAuth:
                 )
             return Admin("open", self.csrf_token("open"))
         presented = presented_token(request)
-        if presented is not None and self.token_matches(presented):
-            return Admin("token", "")
-        nonce = self.session_nonce(request.cookies.get(COOKIE))
-        if nonce is None:
-            if presented is not None:
-                raise AuthenticationFailed("Invalid admin token.")
+        if presented is not None:
+            if self.log_in(request, presented):
+                return Admin("token", "")
+            raise AuthenticationFailed("Invalid admin token.")
+        cookie = request.cookies.get(COOKIE)
+        session = self._session(cookie)
+        if session is None or await self._revoked(*session):
             raise AuthenticationFailed(
                 "Missing admin credentials: send 'Authorization: Bearer <admin token>', or log in at /admin/ui/login."
             )
-        admin = Admin("session", self.csrf_token(nonce))
+        admin = Admin("session", self.csrf_token(session[0]), cookie)
         if unsafe:
             sent = form_csrf if form_csrf is not None else request.headers.get(CSRF_HEADER)
-            if not sent or not hmac.compare_digest(sent, admin.csrf):
+            if not sent or not _same(sent, admin.csrf):
                 raise PermissionDenied("Missing or invalid CSRF token: reload the page and try again.")
         return admin
 
+    async def revoke(self, admin: Admin) -> None:
+        """End ``admin``'s session on the server (a logout): its cookie is refused everywhere from now on."""
+        session = self._session(admin.cookie)
+        if session is not None and self._sessions is not None:
+            await self._sessions.revoke(*session)
+
+    async def revoke_all(self) -> None:
+        """End every session issued so far, on every replica (each log in again)."""
+        if self._sessions is not None:
+            await self._sessions.revoke_all(SESSION_S)
+
+    async def _revoked(self, nonce: str, expires_at: float) -> bool:
+        return self._sessions is not None and await self._sessions.revoked(nonce, expires_at - SESSION_S)
+
     def _sign(self, payload: str) -> str:
-        return hmac.new(self._key, payload.encode(), hashlib.sha256).hexdigest()
+        return hmac.new(self._key, payload.encode("utf-8", _ANY), hashlib.sha256).hexdigest()
 
 
 def _refuse_cross_site(request: Request) -> None:

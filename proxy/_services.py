@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 
 from proxy._credentials import Credentials
+from proxy._periodic import every
 from proxy._settings import Settings
 from proxy.admin import TokenTexts
 from proxy.errors import UpstreamError
@@ -103,10 +104,14 @@ async def build_services(
         disk = DiskWatch(store, metrics, settings.data_dir, min_free_bytes=settings.min_free_disk_mb * 2**20,
                          keep_trajectories_days=settings.keep_trajectories_days)  # fmt: skip
         _start(stack, disk.run(), "tracetrain-disk")
+        # A seat whose call was never recorded (its process died) is given back, so its group can fill (store._derived).
+        sweep = functools.partial(store.release_stale_seats, settings.seat_timeout_s)
+        _start(stack, every(min(60.0, settings.seat_timeout_s / 2), sweep, log, "could not give back stale seats"),
+               "tracetrain-seats")  # fmt: skip
         forwarder = Forwarder(router, store, keyer, registry, metrics, langfuse, gate)
         yield Services(
-            settings, Credentials(settings), store, router.upstreams[0], router, registry, keyer, forwarder,
-            scheduler, publisher, metrics, TokenTexts(router.upstreams[0]), judging,
+            settings, Credentials(settings, store.sessions), store, router.upstreams[0], router, registry, keyer,
+            forwarder, scheduler, publisher, metrics, TokenTexts(router.upstreams[0]), judging,
             langfuse=langfuse, handover=handover, disk=disk,
         )  # fmt: skip
 

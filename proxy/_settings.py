@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from store import POLICY_NAME_PATTERN, redact
 
 _PLACEHOLDER_SECRETS = frozenset(
     {"changeme", "change-me", "secret", "password", "token", "apikey", "api-key", "test", "xxx", "sk-xxx"}
 )
 _MIN_SECRET_LENGTH = 16
+_URL_FIELDS = frozenset({"upstreams", "database_url", "judge_api_base", "langfuse_base_url"})
 
 Secrets = Annotated[tuple[SecretStr, ...], NoDecode]
 
@@ -63,7 +66,8 @@ class Settings(BaseSettings):
     database_url: str | None = None
 
     # The name agents use as `model`; its versions are `policy@N` (`policy@0` is the base model).
-    policy: str = Field(default="agent", pattern=r"^[A-Za-z0-9_.\-]+$")
+    # Also a directory name (DATA_DIR/adapters/<policy>): it starts with a letter or a digit, so never "." or "..".
+    policy: str = Field(default="agent", pattern=POLICY_NAME_PATTERN)
     # A derived group (same task prompt) takes at most this many trajectories, then a new one opens.
     group_size: int = Field(default=8, ge=1)
     # A group is ready for training when all its trajectories are rewarded and it has this many.
@@ -131,6 +135,18 @@ class Settings(BaseSettings):
     judge_max_attempts: int = Field(default=3, ge=1, le=10)
     judge_concurrency: int = Field(default=2, ge=1)
 
+    # The front door (docs/OPERATIONS.md): a body longer than max_body_mb (10^6 bytes) is refused (413) before it
+    # is read; a derived group's seat whose call was never recorded (its process died) is given back after
+    # seat_timeout_s; /metrics, /docs, /redoc and /openapi.json need the admin token (or a reward key) when
+    # protect_metrics_and_docs. The server's own limits (connections, header and body timeouts) are
+    # tracetrain serve's (tracetrain_cli._http_server).
+    max_body_mb: float = Field(default=32.0, gt=0, allow_inf_nan=False)
+    seat_timeout_s: float = Field(default=900.0, gt=0, allow_inf_nan=False)
+    protect_metrics_and_docs: bool = False
+    max_connections: int = Field(default=1024, ge=1)
+    header_timeout_s: float = Field(default=15.0, gt=0, allow_inf_nan=False)
+    body_timeout_s: float = Field(default=60.0, gt=0, allow_inf_nan=False)
+
     # Credentials. Inference keys authorize /v1 generation calls, reward keys /v1/rewards.
     api_keys: Secrets = ()
     reward_keys: Secrets = ()
@@ -193,11 +209,23 @@ class Settings(BaseSettings):
         urls = []
         for value in values:
             if not value.startswith(("http://", "https://")):
-                raise ValueError(f"upstream must be an http(s) URL such as http://127.0.0.1:8000/v1, got {value!r}")
+                shown = redact(value)
+                raise ValueError(f"upstream must be an http(s) URL such as http://127.0.0.1:8000/v1, got {shown!r}")
             urls.append(value.rstrip("/"))
         if len(set(urls)) != len(urls):
-            raise ValueError(f"an upstream is named twice: {', '.join(urls)}")
+            raise ValueError(f"an upstream is named twice: {redact(', '.join(urls))}")
         return tuple(urls)
+
+    def __repr_args__(self) -> Any:
+        """URLs shown without their passwords (``store.redact``); secrets are ``SecretStr`` already."""
+        for name, value in super().__repr_args__():
+            if name in _URL_FIELDS and value is not None:
+                value = tuple(map(redact, value)) if isinstance(value, tuple) else redact(str(value))
+            yield name, value
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * 1_000_000)
 
     @property
     def upstream(self) -> str:
@@ -236,7 +264,7 @@ class Settings(BaseSettings):
                 "(and LANGFUSE_BASE_URL unless the project is on https://cloud.langfuse.com)"
             )
         if self.langfuse and not self.langfuse_base_url.startswith(("http://", "https://")):
-            raise ValueError(f"LANGFUSE_BASE_URL must be an http(s) URL, got {self.langfuse_base_url!r}")
+            raise ValueError(f"LANGFUSE_BASE_URL must be an http(s) URL, got {redact(self.langfuse_base_url)!r}")
         return self
 
     @property

@@ -2,6 +2,7 @@
 
     ProxyError                      status, type, code -> {"error": {message, type, param, code}}
     ├── InvalidRequest              400 invalid_request_error (bad JSON, fields, path or query values)
+    │   └── BodyTooLarge                413 code request_too_large (over --max-body-mb)
     ├── AuthenticationFailed        401 authentication_error
     ├── PermissionDenied            403 permission_error
     ├── NotFound                    404 not_found_error
@@ -9,6 +10,7 @@
     │   ├── TrajectoryNotFound          code trajectory_not_found
     │   └── GroupNotFound               code group_not_found
     ├── Conflict                    409 conflict_error (the request contradicts the server's set-up or state)
+    ├── TooManyRequests             429 rate_limit_error + Retry-After (failed log-ins, throttled)
     ├── UpstreamError               the upstream failed us
     │   ├── UpstreamUnreachable         502 (connection refused, reset, protocol error)
     │   ├── UpstreamNotReady            503 (the base model is not known yet)
@@ -38,6 +40,7 @@ from typing import Any
 
 import httpx
 import orjson
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 import store
@@ -77,6 +80,13 @@ class InvalidRequest(ProxyError):
         return cls(message, param=param)
 
 
+class BodyTooLarge(InvalidRequest):
+    """The body is longer than the proxy reads (``--max-body-mb``); the connection is closed after the answer."""
+
+    status_code = 413
+    code = "request_too_large"
+
+
 class AuthenticationFailed(ProxyError):
     status_code = 401
     type = "authentication_error"
@@ -108,6 +118,17 @@ class GroupNotFound(NotFound):
 class Conflict(ProxyError):
     status_code = 409
     type = "conflict_error"
+
+
+class TooManyRequests(ProxyError):
+    """Refused for a while (failed log-ins); ``Retry-After`` says how long."""
+
+    status_code = 429
+    type = "rate_limit_error"
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class UpstreamError(ProxyError):
@@ -189,11 +210,11 @@ async def upstream_errors(upstream: str) -> AsyncIterator[None]:
     try:
         yield
     except (httpx.TimeoutException, TimeoutError) as exc:
-        raise UpstreamTimeout(f"the upstream at {upstream} did not answer in time ({type(exc).__name__})") from exc
+        shown = store.redact(upstream)  # the URL may carry a password: these messages reach clients and the store
+        raise UpstreamTimeout(f"the upstream at {shown} did not answer in time ({type(exc).__name__})") from exc
     except (httpx.TransportError, ConnectionError) as exc:  # ConnectionError: proxy.gateway.upstream._http1's
-        raise UpstreamUnreachable(
-            f"cannot reach the upstream at {upstream} ({type(exc).__name__}: {exc}); is vLLM running?"
-        ) from exc
+        message = f"cannot reach the upstream at {upstream} ({type(exc).__name__}: {exc}); is vLLM running?"
+        raise UpstreamUnreachable(store.redact(message)) from exc
 
 
 def from_store_error(exc: store.StoreError) -> ProxyError:
@@ -205,7 +226,9 @@ def from_store_error(exc: store.StoreError) -> ProxyError:
         )
     if isinstance(exc, store.GroupChanged):
         return Conflict(str(exc), param="group_id")
-    return StoreUnavailable(f"the store failed: {exc}")
+    if isinstance(exc, store.RecordRefused):  # the same call would be refused again: not worth a retry
+        return InvalidRequest(f"{exc}; the call was not recorded, so it is not answered.", code="record_refused")
+    return StoreUnavailable(f"the store failed: {store.redact(str(exc))}")
 
 
 class _StoreErrors:
@@ -250,6 +273,8 @@ def response_for(exc: Exception, method: str, path: str) -> Response:
     """Whatever a request raised, answered: a ``ProxyError`` in its shape, anything else a logged 500."""
     if isinstance(exc, ProxyError):
         return error_response(exc)
+    if isinstance(exc, ClientDisconnect):  # gone while sending its body (or cut off, too slow): nobody reads this
+        return Response(status_code=400)
     log.error("unexpected error on %s %s", method, path, exc_info=exc)
     return server_error_response()
 

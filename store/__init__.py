@@ -6,10 +6,12 @@ the proxy, and the proxy never loads torch. ``Store.open(url)`` is the way in.
 """
 
 from store._adapter_files import FILE_NAME_PATTERN, AdapterFile, AdapterFiles, FileEntry
-from store._adapters import ADAPTER_FIELDS, Adapters, Policies
+from store._adapters import ADAPTER_FIELDS, POLICY_NAME_PATTERN, Adapters, Policies
+from store._batch import CallWrite
 from store._compact import COMPACT_COLUMNS
 from store._engine import connect
 from store._errors import (
+    RecordRefused,
     SchemaTooNew,
     StoreError,
     StoreFull,
@@ -24,12 +26,13 @@ from store._jobs import JOB_FIELDS, Jobs, RewardedTrajectory, StoredCall
 from store._judgements import JUDGEMENT_STATES, DueRule, GroupCalls, GroupChanged, Judgements
 from store._lifecycle import MOVES, AdapterState, GpuHandover, GroupState, JobState, TrainingState, allowed
 from store._reads import GROUP_VIEW_STATES, GroupRecord, Reads, TrajectoryFilter, TrajectoryRecord
+from store._redact import redact, without_userinfo
 from store._retention import PruneReport, PruneRule
 from store._rewards import RewardIn, RewardRecord
+from store._sessions import Sessions
 from store._store import Store
 from store._tables import Call
 from store._timeouts import RewardTimeouts
-from store._writer import CallWrite
 
 __all__ = [
     "ADAPTER_FIELDS",
@@ -39,6 +42,7 @@ __all__ = [
     "JOB_FIELDS",
     "JUDGEMENT_STATES",
     "MOVES",
+    "POLICY_NAME_PATTERN",
     "TRAINING_FIELDS",
     "AdapterFile",
     "AdapterFiles",
@@ -64,12 +68,14 @@ __all__ = [
     "PruneReport",
     "PruneRule",
     "Reads",
+    "RecordRefused",
     "RewardIn",
     "RewardRecord",
     "RewardSummary",
     "RewardTimeouts",
     "RewardedTrajectory",
     "SchemaTooNew",
+    "Sessions",
     "Store",
     "StoreError",
     "StoreFull",
@@ -83,4 +89,6 @@ __all__ = [
     "allowed",
     "connect",
     "is_disk_full",
+    "redact",
+    "without_userinfo",
 ]

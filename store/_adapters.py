@@ -30,6 +30,9 @@ from store._tables import policies as P
 from store._tables import training_jobs as J
 from store._version_retention import Pruned, prune_versions, pruned_versions
 
+# A policy's name is also a directory (DATA_DIR/adapters/<policy>/): it starts with a letter or a digit, so it is
+# never "." or "..", and holds no "/".
+POLICY_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}$"
 ADAPTER_FIELDS = ("policy", "version", "path", "job_id", "state", "error", "metrics", "created_at", "published_at",
                   "lease_owner", "lease_expires_at", "reclaimed", "guard")  # fmt: skip
 

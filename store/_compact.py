@@ -9,12 +9,15 @@ request's messages after those it shares with that call's request; three columns
 rebuild the rest (``calls.prefix_of``, ``prefix_tokens``, ``prefix_messages``).
 
 Writing: ``Chains`` holds, in the process's memory, the last recorded call of each trajectory
-(its id, its ids as 4-byte integers, its messages), bounded in tokens and trajectories, least
-recently used first out, none older than an hour. Nothing is read from the store for it, so the request path gains no
-query. A call whose trajectory it does not hold (recorded by another replica, before a restart,
-or evicted) is stored whole, as before. Only a committed call becomes a reference, so a row
-never names one that was not written; calls are deleted with their whole trajectory only, and
-never a trajectory touched within two hours (``store._retention``), so a reference never dangles.
+(its id, its ids as 4-byte integers, its messages), bounded in bytes (the ids', the messages' as
+JSON, a client may send megabytes in a message field that vLLM never renders, and the objects'
+overhead, measured) and in trajectories, least recently used first out, none older than an hour; a trajectory whose
+messages alone would take an eighth of the bound keeps its ids only. Nothing is read from the
+store for it, so the request path gains no query. A call whose trajectory it does not hold
+(recorded by another replica, before a restart, or evicted) is stored whole, as before. Only a
+committed call becomes a reference, so a row never names one that was not written; calls are
+deleted with their whole trajectory only, and never a trajectory touched within two hours
+(``store._retention``), so a reference never dangles.
 
 Reading: ``expand`` rebuilds every compact row of a read from the rows it refers to, which the
 read holds because every read of calls takes whole trajectories. Readers (the data API, the
@@ -31,13 +34,22 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from store._errors import StoreError
+from store._redact import redact
 
 COMPACT_COLUMNS = ("prefix_of", "prefix_tokens", "prefix_messages")
 _WHOLE = {"prefix_of": None, "prefix_tokens": 0, "prefix_messages": 0}
 _ITEM = 4  # bytes per id in a sequence held in memory
-# What the writer's memory of recent calls may hold: ids of all trajectories together, and trajectories.
-MAX_TOKENS = 4_000_000  # 16 MB of ids
+# What a held trajectory and each of its held messages take beyond their ids and JSON, as CPython 3.11 lays them
+# out (the entry, its key and id, the sequence and size arrays; a message's dict and its small strings):
+# measured with tracemalloc, 1,030 bytes for a one-message trajectory of 42 ids whose message is 81 bytes of JSON.
+_PER_TRAJECTORY = 512
+_PER_MESSAGE = 256
+# What the writer's memory of recent calls may hold: bytes of ids and messages of all trajectories together,
+# and trajectories.
+MAX_BYTES = 64_000_000
 MAX_TRAJECTORIES = 20_000
 # A call older than this is no reference: retention never deletes a trajectory touched more recently than
 # twice this (store._retention.MIN_AGE_S), so a reference always names a row that is still there.
@@ -50,26 +62,42 @@ class _Last:
 
     call_id: str
     sequence: bytes  # its prompt + completion ids, 4-byte integers
-    messages: list[Any] | None  # its request's messages as the client sent them
+    messages: list[Any] | None  # its request's messages as the client sent them (None: too large to hold)
+    sizes: array[int]  # bytes of messages[: i + 1] as JSON, for each i
     at: float  # when it was recorded (time.monotonic())
+
+    @property
+    def held_bytes(self) -> int:
+        """What it takes in memory, about: its ids, its messages as JSON, and its objects' overhead."""
+        held = len(self.sequence) + _PER_TRAJECTORY
+        if self.messages is not None and self.sizes:
+            held += self.sizes[-1] + _PER_MESSAGE * len(self.sizes)
+        return held
 
 
 class Chains:
     """The last recorded call of each recent trajectory: what a new call of it is stored against."""
 
-    def __init__(self, *, max_tokens: int = MAX_TOKENS, max_trajectories: int = MAX_TRAJECTORIES) -> None:
+    def __init__(self, *, max_bytes: int = MAX_BYTES, max_trajectories: int = MAX_TRAJECTORIES) -> None:
         self._last: OrderedDict[str, _Last] = OrderedDict()
-        self._max_bytes = max_tokens * _ITEM
+        self._max_bytes = max_bytes
         self._max_trajectories = max_trajectories
         self._bytes = 0
+        self._ids = 0
 
     def __len__(self) -> int:
         return len(self._last)
 
     @property
     def token_ids(self) -> int:
-        """The prompt and completion ids held in memory, over every trajectory (at most ``max_tokens``)."""
-        return self._bytes // _ITEM
+        """The prompt and completion ids held in memory, over every trajectory."""
+        return self._ids
+
+    @property
+    def held_bytes(self) -> int:
+        """The bytes held, over every trajectory (about: ids 4 each, messages as JSON, the objects' overhead);
+        at most ``max_bytes``."""
+        return self._bytes
 
     def stored_row(self, trajectory_id: str, call: dict[str, Any]) -> dict[str, Any]:
         """The row to store for ``call``: compact when it continues its trajectory's last call, else whole.
@@ -93,8 +121,12 @@ class Chains:
             row["request"] = {**request, "messages": messages[n_messages:]}
         return row
 
-    def remember(self, trajectory_id: str, call: dict[str, Any]) -> None:
-        """``call`` (whole, as built) committed: the next call of its trajectory is stored against it."""
+    def remember(self, trajectory_id: str, call: dict[str, Any], shared_messages: int = 0) -> None:
+        """``call`` (whole, as built) committed: the next call of its trajectory is stored against it.
+
+        ``shared_messages``: how many of its messages its stored row shared with the call before
+        (``stored_row``'s ``prefix_messages``): their sizes are known already.
+        """
         prompt = call.get("prompt_token_ids")
         if call.get("status_code") != 200 or not prompt:
             return  # a failed call is no prefix of the next
@@ -103,21 +135,47 @@ class Chains:
         sequence = _pack(prompt) + _pack(call.get("completion_token_ids") or [])
         previous = self._last.pop(trajectory_id, None)
         if previous is not None:
-            self._bytes -= len(previous.sequence)
-        self._last[trajectory_id] = _Last(
-            call["id"], sequence, messages if isinstance(messages, list) else None, time.monotonic()
-        )
-        self._bytes += len(sequence)
+            self._drop(previous)
+        kept, sizes = self._sizes(messages, previous, shared_messages)
+        last = _Last(call["id"], sequence, kept, sizes, time.monotonic())
+        self._last[trajectory_id] = last
+        self._bytes += last.held_bytes
+        self._ids += len(sequence) // _ITEM
         while self._last and (self._bytes > self._max_bytes or len(self._last) > self._max_trajectories):
             _, evicted = self._last.popitem(last=False)
-            self._bytes -= len(evicted.sequence)
+            self._drop(evicted)
 
     def forget(self, trajectory_ids: Iterable[str]) -> None:
         """Trajectories deleted (retention): a new call of the same id starts whole."""
         for trajectory_id in trajectory_ids:
             gone = self._last.pop(trajectory_id, None)
             if gone is not None:
-                self._bytes -= len(gone.sequence)
+                self._drop(gone)
+
+    def _drop(self, last: _Last) -> None:
+        self._bytes -= last.held_bytes
+        self._ids -= len(last.sequence) // _ITEM
+
+    def _sizes(self, messages: Any, previous: _Last | None, shared: int) -> tuple[list[Any] | None, array[int]]:
+        """The messages to hold (None: none, or too large) and their running sizes as JSON.
+
+        Only the messages after ``shared`` are measured: the ones before are the previous call's.
+        """
+        if not isinstance(messages, list):
+            return None, array("q")
+        known = previous.sizes if previous is not None and previous.messages is not None else array("q")
+        shared = min(shared, len(known), len(messages))
+        sizes = known[:shared]
+        total = sizes[-1] if shared else 0
+        try:
+            for message in messages[shared:]:
+                total += len(orjson.dumps(message))
+                sizes.append(total)
+        except orjson.JSONEncodeError:
+            return None, array("q")
+        if total > self._max_bytes // 8:  # one trajectory may not push every other one out: its ids only
+            return None, array("q")
+        return messages, sizes
 
 
 def _pack(ids: list[int]) -> bytes:
@@ -152,7 +210,8 @@ def _shared_messages(messages: Any, previous: list[Any] | None) -> int:
 
 
 def expand(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rebuild, in place, the prompt ids and messages of ``rows``' compact calls; drop the columns that say how.
+    """Rebuild, in place, the prompt ids and messages of ``rows``' compact calls; drop the columns that say how;
+    redact the errors (``store._redact``).
 
     ``rows`` must hold every call a compact row refers to (a read of whole trajectories
     does); the keys a read did not select (``prompt_token_ids``, ``request``) are left out of
@@ -164,6 +223,8 @@ def expand(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for row in rows:
         for name in COMPACT_COLUMNS:
             row.pop(name, None)
+        if row.get("error"):  # stored before errors were redacted on the way in (store._record_check)
+            row["error"] = redact(str(row["error"]))
     return rows
 
 

@@ -17,7 +17,11 @@ short transaction per new trajectory:
    the trajectory's group is the one already stored.
 
 The trajectory row exists from its first call's keying on, with no calls until that call
-is recorded (``store._writer``).
+is recorded (``store._writer``). A seat whose call is never recorded would keep its group waiting
+for a reward that cannot come, so it is given back (``release_seats``: the row, still without
+calls, deleted and the group's count lowered): by the writer when the call's record fails, and by
+a sweep for a seat still without a call after a bound (``release_stale_seats``: the process that
+keyed it died before recording).
 
 On SQLite a proxy with capture seats its trajectories on the group-commit writer's thread
 (``seat_all_sqlite``): the seats asked while the previous commit ran share one ``BEGIN
@@ -31,11 +35,13 @@ A transaction of its own through aiosqlite cost ~6 ms per new trajectory under l
 from __future__ import annotations
 
 import sqlite3
+import time
 import uuid
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import select, update
+from sqlalchemy import case, delete, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from store._engine import insert_ignore
@@ -44,6 +50,7 @@ from store._lifecycle import GroupState
 from store._tables import groups as G
 from store._tables import trajectories as T
 
+_SWEEP = 500  # stale seats released per transaction
 # Each round either takes a seat or sees another replica take the last one; many replicas racing
 # for the seats of one task need a few rounds at most.
 _ROUNDS = 32
@@ -162,3 +169,56 @@ def seat_one_sqlite(conn: sqlite3.Connection, seat: Seat) -> str:
         conn.execute(_OPEN, (group_id, seat.policy, seat.task_key, number, GroupState.OPEN.value, seat.now))
     conn.execute(_JOIN, (seat.trajectory_id, group_id, seat.policy, seat.keyed_by, seat.now, seat.now))
     return group_id
+
+
+async def release_seats(engine: AsyncEngine, trajectory_ids: Sequence[str]) -> int:
+    """Give back the seats of ``trajectory_ids`` that still have no call: rows deleted, groups' counts lowered.
+
+    A trajectory that has a call (another call of it was recorded meanwhile) keeps its seat. Returns how
+    many seats were given back.
+    """
+    if not trajectory_ids:
+        return 0
+    async with engine.begin() as conn:
+        gone = await conn.execute(
+            delete(T).where(T.c.id.in_(list(trajectory_ids)), T.c.n_calls == 0).returning(T.c.group_id)
+        )
+        by_group = Counter(str(row[0]) for row in gone)
+        for group_id, n in sorted(by_group.items()):  # key order: replicas lock groups in the same order
+            await conn.execute(
+                update(G).where(G.c.id == group_id).values(seats=case((G.c.seats > n, G.c.seats - n), else_=0))
+            )
+    return sum(by_group.values())
+
+
+async def release_stale_seats(engine: AsyncEngine, older_than_s: float) -> int:
+    """Give back every seat taken more than ``older_than_s`` ago whose call was never recorded."""
+    cutoff = time.time() - older_than_s
+    released = 0
+    while True:
+        async with engine.connect() as conn:
+            query = select(T.c.id).where(T.c.n_calls == 0, T.c.created_at < cutoff).order_by(T.c.id).limit(_SWEEP)
+            stale = [str(row[0]) for row in (await conn.execute(query)).all()]
+        released += await release_seats(engine, stale)
+        if len(stale) < _SWEEP:
+            return released
+
+
+_RELEASE = "DELETE FROM trajectories WHERE id = ? AND n_calls = 0 RETURNING group_id"
+_GIVE_BACK = "UPDATE groups SET seats = CASE WHEN seats > 1 THEN seats - 1 ELSE 0 END WHERE id = ?"
+
+
+def release_seats_sqlite(conn: sqlite3.Connection, trajectory_ids: Sequence[str]) -> int:
+    """``release_seats`` on SQLite's own driver, in one IMMEDIATE transaction (the writer's thread)."""
+    conn.execute("BEGIN IMMEDIATE")
+    released = 0
+    try:
+        for trajectory_id in trajectory_ids:
+            for (group_id,) in conn.execute(_RELEASE, (trajectory_id,)).fetchall():
+                conn.execute(_GIVE_BACK, (group_id,))
+                released += 1
+    except BaseException:
+        conn.rollback()
+        raise
+    conn.commit()
+    return released

@@ -19,11 +19,15 @@ from sqlalchemy.pool import ConnectionPoolEntry
 
 import store._tables  # noqa: F401  (registers the tables)
 from store._migrate import upgrade
+from store._record_check import Encoded
 
 SQLITE_PRAGMAS = ("journal_mode=WAL", "synchronous=NORMAL", "busy_timeout=10000", "foreign_keys=OFF")
 
 
 def dumps(value: Any) -> str:
+    """A JSON column's text; a value the record check already encoded (``store._record_check.Encoded``) as it is."""
+    if type(value) is Encoded:
+        return value
     return orjson.dumps(value).decode()
 
 

@@ -1,18 +1,22 @@
 """What the store raises. The proxy turns each into its OpenAI-shaped error (``proxy.errors``).
 
-    StoreError
-    ├── StoreUnavailable        the database did not take a write (after retries)
-    │   └── StoreFull           ... because its disk is full (ENOSPC, SQLITE_FULL, PostgreSQL class 53)
-    ├── UnknownTrajectories     a write named trajectories the store does not hold; nothing was written
-    ├── SchemaTooNew            the database was migrated by a newer tracetrain than this one
-    └── TransitionRefused       a life-cycle move not in the table (a bug, never a race)
+StoreError
+├── StoreUnavailable        the database did not take a write (after retries)
+│   └── StoreFull           ... because its disk is full (ENOSPC, SQLITE_FULL, PostgreSQL class 53)
+├── RecordRefused           a call's record cannot be stored as it is (JSON nested too deep to write)
+├── UnknownTrajectories     a write named trajectories the store does not hold; nothing was written
+├── SchemaTooNew            the database was migrated by a newer tracetrain than this one
+└── TransitionRefused       a life-cycle move not in the table (a bug, never a race)
 """
 
 from __future__ import annotations
 
 import errno
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+from sqlalchemy.exc import InterfaceError, OperationalError
 
 
 class StoreError(Exception):
@@ -48,6 +52,24 @@ def is_disk_full(exc: BaseException) -> bool:
         orig = getattr(error, "orig", None)
         stack += [error.__cause__, error.__context__, orig if isinstance(orig, BaseException) else None]
     return False
+
+
+class RecordRefused(StoreError):
+    """One call's record cannot be written, however often it is tried; the calls beside it are written."""
+
+
+@contextmanager
+def database_errors(doing: str) -> Iterator[None]:
+    """The database's own failures inside the block as the store's: ``StoreFull`` for a full disk, else
+    ``StoreUnavailable`` (the database gone, locked, refusing); ``doing`` says what failed."""
+    try:
+        yield
+    except StoreError:
+        raise
+    except (OperationalError, InterfaceError, sqlite3.OperationalError, OSError) as exc:
+        if is_disk_full(exc):
+            raise StoreFull(f"could not {doing}, the store's disk is full") from exc
+        raise StoreUnavailable(f"could not {doing}: {type(exc).__name__}") from exc
 
 
 class UnknownTrajectories(StoreError):

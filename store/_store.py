@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import sqlite3
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -32,24 +33,29 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from store._adapter_files import AdapterFiles
 from store._adapters import Adapters, Policies
+from store._batch import CallWrite
 from store._compact import Chains
-from store._derived import Seat, join_task_group
+from store._derived import Seat, join_task_group, release_seats, release_stale_seats
 from store._engine import connect, sqlite_sync_engine
+from store._errors import RecordRefused, StoreUnavailable, database_errors
 from store._export import ExportReads
 from store._guard import Guards
 from store._jobs import Jobs
 from store._judgements import Judgements
 from store._reads import Reads
+from store._record_check import checked_call
 from store._retention import PruneReport, PruneRule, prune_trajectories, vacuum
 from store._rewards import RewardIn, RewardRecord, add_rewards
+from store._sessions import Sessions
 from store._tables import adapters as A
 from store._tables import policies as P
 from store._tables import trajectories as T
 from store._timeouts import RewardTimeouts
 from store._usage import store_bytes
-from store._writer import CallWrite, GroupCommitWriter
+from store._writer import GroupCommitWriter
 
 _R = TypeVar("_R")
+log = logging.getLogger("tracetrain.store")
 
 # Built once: SQLAlchemy then finds their compiled form by a memoized cache key (Postgres).
 _TRAJECTORY_GROUP = select(T.c.group_id, T.c.policy).where(T.c.id == bindparam("id"))
@@ -94,6 +100,8 @@ class Store:
         self.export = ExportReads(engine)
         self.guards = Guards(engine)
         self.reward_timeouts = RewardTimeouts(engine)
+        self.sessions = Sessions(engine)
+        self._releasing: set[asyncio.Task[int]] = set()  # seats given back for records refused without waiting
 
     @classmethod
     async def open(cls, url: str, *, capture: bool = True) -> Store:
@@ -132,21 +140,56 @@ class Store:
         event loop's thread when the writer is idle, sparing it the trip to the writer's thread.
         A write with ``seat_in`` seats its trajectory in the same transaction and carries its
         ``group_id`` afterwards. Stored compactly when it continues its trajectory's last recorded
-        call (``store._compact``); ``write.call`` stays whole.
+        call (``store._compact``); ``write.call`` stays whole. A record that cannot be stored raises
+        ``RecordRefused`` before it joins a batch (``store._record_check``), and its seat is given back.
         """
         assert self._writer is not None, "Store.open(capture=True) records calls"
-        stored = self._stored(write)
+        try:
+            stored = self._stored(write)
+        except RecordRefused:
+            await self._release_seat(write)
+            raise
         await self._writer.record(stored, alone=alone)
         write.group_id = write.call["group_id"] = stored.group_id
-        self.chains.remember(write.trajectory_id, write.call)
+        self.chains.remember(write.trajectory_id, write.call, stored.call["prefix_messages"])
 
     def record_call_nowait(self, write: CallWrite) -> None:
         """Queue a call without waiting (its client is gone; nobody waits for the answer)."""
         assert self._writer is not None, "Store.open(capture=True) records calls"
-        self._writer.record_nowait(self._stored(write))
+        try:
+            stored = self._stored(write)
+        except RecordRefused as exc:
+            log.warning("a call of trajectory %s was not recorded: %s", write.trajectory_id, exc)
+            task = asyncio.get_running_loop().create_task(self._release_seat(write))
+            self._releasing.add(task)
+            task.add_done_callback(self._releasing.discard)
+            return
+        self._writer.record_nowait(stored)
 
     def _stored(self, write: CallWrite) -> CallWrite:
-        return dataclasses.replace(write, call=self.chains.stored_row(write.trajectory_id, write.call))
+        """The row to queue: compact when it can be (``chains``), checked and encoded (``store._record_check``)."""
+        return dataclasses.replace(write, call=checked_call(self.chains.stored_row(write.trajectory_id, write.call)))
+
+    async def _release_seat(self, write: CallWrite) -> int:
+        """Give back the seat a new trajectory took at keying, when its first call is not recorded."""
+        if write.task_key is None or write.seat_in:
+            return 0
+        try:
+            return await release_seats(self.engine, [write.trajectory_id])
+        except Exception as exc:  # the sweep gives it back later (release_stale_seats)
+            log.warning("could not give back the seat of trajectory %s now: %s", write.trajectory_id, exc)
+            return 0
+
+    async def release_stale_seats(self, older_than_s: float) -> int:
+        """Give back the seats taken more than ``older_than_s`` ago whose call was never recorded (a process
+        died between keying and recording): their groups stop waiting for them (``store._derived``). A
+        database that cannot take it now (a full disk) is left for the next sweep, with a warning."""
+        try:
+            with database_errors("give back stale seats"):
+                return await release_stale_seats(self.engine, older_than_s)
+        except StoreUnavailable as exc:
+            log.warning("%s; the next sweep tries again", exc)
+            return 0
 
     # -- retention and disk -------------------------------------------------------------
 
@@ -161,16 +204,18 @@ class Store:
         await vacuum(self.engine)
 
     def compact_memory(self) -> dict[str, int]:
-        """What compact capture holds in this process's memory (``chains``, bounded): the trajectories whose
-        last call is kept, and the token ids kept with them."""
-        return {"trajectories": len(self.chains), "token_ids": self.chains.token_ids}
+        """What compact capture holds in this process's memory (``chains``, bounded in bytes): the trajectories
+        whose last call is kept, the token ids kept with them, and the bytes of ids and messages together."""
+        return {"trajectories": len(self.chains), "token_ids": self.chains.token_ids, "bytes": self.chains.held_bytes}
 
     async def disk_bytes(self) -> dict[str, int]:
         """Bytes of the store by part: calls, adapter_files, database (``store._usage``)."""
         return await store_bytes(self.engine)
 
     async def add_rewards(self, rewards: Iterable[RewardIn]) -> list[RewardRecord]:
-        return await add_rewards(self.engine, rewards)
+        """Record rewards (``store._rewards``); a failing database raises ``StoreFull`` or ``StoreUnavailable``."""
+        with database_errors("record the rewards"):
+            return await add_rewards(self.engine, rewards)
 
     # -- lookups for keying -------------------------------------------------------------
 

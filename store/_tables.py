@@ -69,6 +69,11 @@ class Trajectory(SQLModel, table=True):
     """One episode of the agent: its calls in order, and the reward it earned."""
 
     __tablename__ = "trajectories"
+    # Seats taken at keying whose call is not recorded yet: the sweep that gives back stale ones (store._derived).
+    __table_args__ = (
+        Index("ix_trajectories_unrecorded", "created_at", sqlite_where=text("n_calls = 0"),
+              postgresql_where=text("n_calls = 0")),
+    )  # fmt: skip
 
     pk: int | None = Field(default=None, primary_key=True)
     id: str = Field(unique=True)
@@ -251,6 +256,17 @@ class Judgement(SQLModel, table=True):
     finished_at: float
 
 
+class RevokedSession(SQLModel, table=True):
+    """A dashboard session ended on the server (its nonce; logged out), or ``*``: every session issued before
+    ``revoked_at`` (store._sessions)."""
+
+    __tablename__ = "revoked_sessions"
+
+    nonce: str = Field(primary_key=True)
+    revoked_at: float
+    expires_at: float  # when the session would have ended anyway: the row is useless after it
+
+
 def _table(model: type[SQLModel]) -> Table:
     table = model.__table__  # type: ignore[attr-defined]  # set by SQLModel's metaclass
     assert isinstance(table, Table)
@@ -267,3 +283,4 @@ training_jobs = _table(TrainingJob)
 adapters = _table(AdapterVersion)
 adapter_files = _table(AdapterFile)
 judgements = _table(Judgement)
+revoked_sessions = _table(RevokedSession)

@@ -16,33 +16,32 @@ GIL: 0.3-1.1 ms against ~0.1 ms for the statements, docs/BENCHMARKS.md). So on S
 caller that says its call is the only one in flight (``alone``) has it committed on its own
 thread, through a connection that never waits for SQLite's lock, when the writer is idle;
 if the lock is taken (the writer, or another process) it goes the thread's way after all.
+
+One call never fails another. Its record is checked and encoded before it is queued
+(``store._record_check``); a batch that fails all the same (a row the database refuses) is written
+again row by row, so only the bad rows fail, and a failed row's new trajectory gives back its seat in
+its derived group (``store._derived.release_seats``): no group waits for a call that was never recorded.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
-import itertools
 import logging
 import queue
 import sqlite3
 import threading
-import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import JSON, Connection, Engine, Executable, bindparam, insert, update
+from sqlalchemy import Engine
+from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine
 from tenacity import Retrying, before_sleep_log, retry_if_exception, stop_after_attempt, wait_exponential
 
-from store._derived import Seat, seat_all_sqlite, seat_one_sqlite
-from store._engine import dumps, insert_ignore
-from store._errors import StoreFull, StoreUnavailable, is_disk_full
-from store._lifecycle import GroupState
-from store._tables import calls as C
-from store._tables import groups as G
-from store._tables import trajectories as T
+from store._batch import CallWrite, write_batch, write_batch_sqlite
+from store._derived import Seat, release_seats, release_seats_sqlite, seat_all_sqlite
+from store._errors import RecordRefused, StoreFull, StoreUnavailable, is_disk_full
+from store._redact import redact
 
 log = logging.getLogger("tracetrain.store")
 
@@ -52,154 +51,7 @@ _WRITE_ATTEMPTS = 3
 _QUEUE = object()  # what _here returns when the item must go the thread's way
 
 
-@dataclass(slots=True)
-class CallWrite:
-    """One captured call plus what its trajectory and group rows need."""
-
-    call: dict[str, Any]  # column -> value for the calls table
-    trajectory_id: str
-    group_id: str
-    policy: str
-    keyed_by: str
-    task_key: str | None
-    tail_hash: str | None
-    created_at: float
-    version: int
-    # > 0: a new trajectory whose seat in its task's derived group (of this size) is taken in the
-    # record's own transaction (SQLite), one commit instead of two; ``group_id`` is filled in then.
-    seat_in: int = 0
-
-
 _Pending = tuple[CallWrite | Seat, "asyncio.Future[Any] | None"]
-
-
-@functools.cache
-def _statements(dialect: str) -> tuple[Executable, Executable, Executable, Executable]:
-    """The batch's four statements, built once: SQLAlchemy then finds their compiled form by a memoized key."""
-    return (
-        insert_ignore(dialect, G, ["id"]),
-        insert_ignore(dialect, T, ["id"]),
-        insert(C),
-        update(T)
-        .where(T.c.id == bindparam("b_id"))
-        .values(
-            n_calls=T.c.n_calls + bindparam("b_n"),
-            updated_at=bindparam("b_t"),
-            last_version=bindparam("b_v"),
-            tail_hash=bindparam("b_tail"),
-        ),
-    )
-
-
-def _rows(writes: Sequence[CallWrite]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
-    """The batch's new groups, new trajectories and trajectory updates, each in key order.
-
-    Rows in key order: two replicas' batches touching the same rows lock them in the same
-    order, so Postgres never finds them waiting on each other (a deadlock, one batch aborted).
-    """
-    groups: dict[str, dict[str, Any]] = {}
-    trajectories: dict[str, dict[str, Any]] = {}
-    updates: dict[str, dict[str, Any]] = {}
-    for w in writes:
-        groups.setdefault(
-            w.group_id,
-            {"id": w.group_id, "policy": w.policy, "task_key": w.task_key, "state": GroupState.OPEN.value,
-             "created_at": w.created_at},
-        )  # fmt: skip
-        trajectories.setdefault(
-            w.trajectory_id,
-            {"id": w.trajectory_id, "group_id": w.group_id, "policy": w.policy, "keyed_by": w.keyed_by,
-             "created_at": w.created_at, "updated_at": w.created_at, "n_calls": 0, "last_version": 0, "metrics": {}},
-        )  # fmt: skip
-        previous = updates.get(w.trajectory_id)
-        updates[w.trajectory_id] = {
-            "b_id": w.trajectory_id,
-            "b_n": (previous["b_n"] if previous else 0) + 1,
-            "b_t": time.time(),
-            "b_v": w.version,
-            "b_tail": w.tail_hash,
-        }
-    return (
-        sorted(groups.values(), key=_by_id),
-        sorted(trajectories.values(), key=_by_id),
-        [updates[key] for key in sorted(updates)],
-    )
-
-
-def write_batch(conn: Connection, dialect: str, writes: Sequence[CallWrite]) -> None:
-    """One transaction's worth of captured calls, with their groups and trajectories (through SQLAlchemy)."""
-    if any(w.seat_in for w in writes):
-        raise ValueError("a seat is taken with its record on SQLite only (Store.seats_with_records)")
-    groups, trajectories, updates = _rows(writes)
-    insert_groups, insert_trajectories, insert_calls, update_trajectories = _statements(dialect)
-    conn.execute(insert_groups, groups)
-    conn.execute(insert_trajectories, trajectories)
-    conn.execute(insert_calls, [w.call for w in writes])
-    conn.execute(update_trajectories, updates)
-
-
-# SQLite's own driver: the same four statements as plain SQL. SQLAlchemy's checkout, compiled-cache
-# lookup and parameter processing cost three times the statements themselves for a batch of one.
-_JSON = {table.name: frozenset(c.name for c in table.columns if isinstance(c.type, JSON)) for table in (G, T, C)}
-# Column defaults SQLAlchemy fills in for a key a row leaves out (all scalars here).
-_DEFAULTS = {
-    table.name: {c.name: getattr(c.default, "arg", None) for c in table.columns if c.default is not None}
-    for table in (G, T, C)
-}
-_UPDATE_TRAJECTORY = (
-    "UPDATE trajectories SET n_calls = n_calls + :b_n, updated_at = :b_t, last_version = :b_v, tail_hash = :b_tail"
-    " WHERE id = :b_id"
-)
-
-
-@functools.cache
-def _sqlite_insert(table: str, columns: tuple[str, ...], ignore_existing: bool) -> str:
-    names, marks = ", ".join(columns), ", ".join("?" * len(columns))
-    return f"INSERT INTO {table} ({names}) VALUES ({marks})" + (
-        " ON CONFLICT (id) DO NOTHING" if ignore_existing else ""
-    )
-
-
-def _columns(row: Mapping[str, Any]) -> tuple[str, ...]:
-    return tuple(row)
-
-
-def _insert_sqlite(conn: sqlite3.Connection, table: str, rows: Sequence[Mapping[str, Any]], ignore: bool) -> None:
-    """Insert ``rows`` in order as SQLAlchemy would: JSON encoded (None as ``null``), defaults for left-out keys."""
-    json_columns = _JSON[table]
-    columns: tuple[str, ...]
-    for columns, same in itertools.groupby(rows, key=_columns):
-        left_out = {name: value for name, value in _DEFAULTS[table].items() if name not in columns}
-        encoders = [dumps if name in json_columns else None for name in columns]
-        values = [
-            (*(v if encode is None else encode(v) for v, encode in zip(row.values(), encoders, strict=True)),
-             *left_out.values())
-            for row in same
-        ]  # fmt: skip
-        conn.executemany(_sqlite_insert(table, (*columns, *left_out), ignore), values)
-
-
-def write_batch_sqlite(conn: sqlite3.Connection, writes: Sequence[CallWrite]) -> None:
-    """``write_batch`` on SQLite's own driver, in one IMMEDIATE transaction, seats first (``seat_in``)."""
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        for w in writes:
-            if w.seat_in:
-                seat = Seat(w.policy, str(w.task_key), w.trajectory_id, w.keyed_by, w.seat_in, w.created_at)
-                w.group_id = w.call["group_id"] = seat_one_sqlite(conn, seat)
-        groups, trajectories, updates = _rows(writes)
-        _insert_sqlite(conn, G.name, groups, ignore=True)
-        _insert_sqlite(conn, T.name, trajectories, ignore=True)
-        _insert_sqlite(conn, C.name, [w.call for w in writes], ignore=False)
-        conn.executemany(_UPDATE_TRAJECTORY, updates)
-    except BaseException:
-        conn.rollback()
-        raise
-    conn.commit()
-
-
-def _by_id(row: Mapping[str, Any]) -> str:
-    return str(row["id"])
 
 
 def _transient(error: BaseException) -> bool:
@@ -207,15 +59,26 @@ def _transient(error: BaseException) -> bool:
     return not is_disk_full(error)
 
 
+def _database_down(error: BaseException) -> bool:
+    """The database itself failed (gone, locked, full), not one row: writing the rest row by row is no use."""
+    if is_disk_full(error):
+        return True
+    if isinstance(error, OperationalError | InterfaceError) or getattr(error, "connection_invalidated", False):
+        return True
+    return isinstance(error, sqlite3.OperationalError | OSError | ConnectionError)
+
+
 def _settle(done: asyncio.Future[Any], result: Any, error: Exception | None) -> None:
     if done.done():
         return
     if error is None:
         done.set_result(result)
+    elif isinstance(error, RecordRefused):
+        done.set_exception(error)
     elif is_disk_full(error):
-        done.set_exception(StoreFull(f"could not write to the store, its disk is full: {error}"))
+        done.set_exception(StoreFull(f"could not write to the store, its disk is full: {redact(str(error))}"))
     else:
-        done.set_exception(StoreUnavailable(f"could not write to the store: {error}"))
+        done.set_exception(StoreUnavailable(f"could not write to the store: {redact(str(error))}"))
 
 
 class GroupCommitWriter:
@@ -326,23 +189,71 @@ class GroupCommitWriter:
     def _write(self, commit: Callable[[list[Any]], list[Any] | None], batch: list[_Pending], *, last: bool) -> None:
         """``commit`` the batch's items, retried if the database is briefly down or locked; then answer.
 
-        ``last``: the thread writes nothing more of this batch, so it is idle before its callers are told:
-        a caller's next lone call then finds it idle (``_here``) instead of racing it.
+        A batch of several items that fails is written again item by item (``_one_by_one``): one bad
+        row must not fail the calls beside it. ``last``: the thread writes nothing more of this batch,
+        so it is idle before its callers are told: a caller's next lone call then finds it idle
+        (``_here``) instead of racing it.
         """
-        results: list[Any] | None = None
-        error: Exception | None = None
+        items = [item for item, _ in batch]
+        outcomes: list[tuple[Any, Exception | None]]
         try:
             for attempt in self._retrying:
                 with attempt:
-                    results = commit([item for item, _ in batch])
+                    results = commit(items)
+            outcomes = [(results[i] if results else None, None) for i in range(len(batch))]
         except Exception as exc:
-            log.error("could not write %d items to the store: %s", len(batch), exc)
-            error = exc
+            if len(batch) > 1 and not _database_down(exc):
+                log.warning("a batch of %d items failed (%s); writing them one by one", len(batch), redact(str(exc)))
+                outcomes = self._one_by_one(commit, items)
+            else:
+                log.error("could not write %d items to the store: %s", len(batch), redact(str(exc)))
+                outcomes = [(None, exc)] * len(batch)
+        self._release_failed_seats(items, outcomes)
         if last:
             self._busy = False
-        for i, (_, done) in enumerate(batch):
+        for (_, done), (result, error) in zip(batch, outcomes, strict=True):
             if done is not None:
-                self._loop.call_soon_threadsafe(_settle, done, results[i] if results else None, error)
+                self._loop.call_soon_threadsafe(_settle, done, result, error)
+
+    def _one_by_one(
+        self, commit: Callable[[list[Any]], list[Any] | None], items: list[Any]
+    ) -> list[tuple[Any, Exception | None]]:
+        """Each item in a transaction of its own; once the database itself fails, the rest fail with it."""
+        outcomes: list[tuple[Any, Exception | None]] = []
+        for i, item in enumerate(items):
+            try:
+                results = commit([item])
+            except Exception as exc:
+                log.error("could not write an item to the store: %s", redact(str(exc)))
+                if _database_down(exc):
+                    return outcomes + [(None, exc)] * (len(items) - i)
+                outcomes.append((None, exc))
+            else:
+                outcomes.append((results[0] if results else None, None))
+        return outcomes
+
+    def _release_failed_seats(self, items: list[Any], outcomes: list[tuple[Any, Exception | None]]) -> None:
+        """Give back the seats of new trajectories whose first call failed to record (their rows have no call).
+
+        A seat taken in the record's own transaction (``seat_in``) went with it. Best effort: a seat
+        not given back now (the database is down) is given back by the sweep (``release_stale_seats``).
+        """
+        seated = [
+            item.trajectory_id for item, (_, error) in zip(items, outcomes, strict=True)
+            if error is not None and isinstance(item, CallWrite) and item.task_key is not None and not item.seat_in
+        ]  # fmt: skip
+        if not seated:
+            return
+        try:
+            if self._sync is not None:
+                released = release_seats_sqlite(self._sqlite(), seated)
+            else:
+                released = asyncio.run_coroutine_threadsafe(release_seats(self._engine, seated), self._loop).result()
+        except Exception as exc:
+            log.warning("could not give back %d seats now (the sweep will): %s", len(seated), redact(str(exc)))
+            return
+        if released:
+            log.info("gave back %d seats of calls that could not be recorded", released)
 
     def _sqlite(self) -> sqlite3.Connection:
         assert self._sync is not None

@@ -130,15 +130,54 @@ def test_metrics_show_what_compact_capture_holds_in_memory(proxy: RunningProxy, 
 
 
 def test_chains_forget_the_least_recently_used_trajectory_past_their_budget() -> None:
-    chains = Chains(max_tokens=10, max_trajectories=100)
+    chains = Chains(max_bytes=1_100, max_trajectories=100)  # two calls of 5 ids (and 512 bytes of objects each)
     call = {"id": "c-a", "status_code": 200, "prompt_token_ids": [1, 2, 3, 4], "completion_token_ids": [5],
             "request": {"messages": []}}  # fmt: skip
     chains.remember("a", call)
     chains.remember("b", call | {"id": "c-b"})
-    chains.remember("c", call | {"id": "c-c"})  # 15 ids held: "a" goes
+    chains.remember("c", call | {"id": "c-c"})  # a third: "a" goes
     assert len(chains) == 2
     assert chains.stored_row("a", call)["prefix_of"] is None
     assert chains.stored_row("c", call | {"prompt_token_ids": [1, 2, 3, 4, 5, 6]})["prefix_tokens"] == 5
+
+
+def test_compact_captures_memory_is_bounded_in_bytes_not_ids() -> None:
+    """40 calls carrying a 2 MB field vLLM never renders (few token ids) held 90 MB, for good: bytes are the bound."""
+    chains = Chains(max_bytes=20_000_000)
+    for i in range(40):
+        big = {"role": "user", "content": "Hi", "attachment": "x" * 2_000_000}
+        call = {"id": f"c-{i}", "status_code": 200, "prompt_token_ids": [1, 2, 3], "completion_token_ids": [4],
+                "request": {"messages": [big]}}  # fmt: skip
+        chains.remember(f"t-{i}", call)
+        assert chains.held_bytes <= 20_000_000
+    assert 8 <= len(chains) <= 10 and chains.held_bytes > 16_000_000  # the newest ones, as many as fit
+    assert chains.stored_row("t-39", {"prompt_token_ids": [1, 2, 3, 4, 5], "request": {"messages": [big]}}) == {
+        "prompt_token_ids": [5], "request": {"messages": []}, "prefix_of": "c-39", "prefix_tokens": 4,
+        "prefix_messages": 1,
+    }  # fmt: skip
+
+
+def test_one_trajectory_too_large_to_hold_keeps_its_ids_only() -> None:
+    chains = Chains(max_bytes=8_000_000)
+    huge = {"role": "user", "content": "y" * 1_500_000}  # more than an eighth of the bound
+    chains.remember("t", {"id": "c-1", "status_code": 200, "prompt_token_ids": [1, 2], "completion_token_ids": [3],
+                          "request": {"messages": [huge]}})  # fmt: skip
+    assert chains.held_bytes < 1_000  # its ids and its entry
+    row = chains.stored_row("t", {"prompt_token_ids": [1, 2, 3, 9], "request": {"messages": [huge]}})
+    assert row["prefix_tokens"] == 3 and row["prefix_messages"] == 0 and row["request"]["messages"] == [huge]
+
+
+def test_the_bytes_held_follow_each_call_and_show_on_metrics(proxy: RunningProxy) -> None:
+    client = proxy.client(default_headers={"X-Trajectory-Id": "bytes"})
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Hi", "notes": "n" * 100_000}]
+    for turn in range(3):
+        reply = client.chat.completions.create(model="agent", messages=messages)
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                     {"role": "user", "content": f"And {turn}?"}]  # fmt: skip
+    held = json.dumps(messages[:-1], separators=(",", ":"))
+    metrics = httpx.get(f"{proxy.url}/metrics").text
+    line = next(x for x in metrics.splitlines() if x.startswith('tracetrain_compact_capture_held{what="bytes"}'))
+    assert len(held) < float(line.split()[-1]) < len(held) + 3_000  # the messages as JSON, the ids, the objects
 
 
 def test_expand_rebuilds_a_chain_read_in_any_order() -> None:

@@ -65,10 +65,11 @@ def test_store_public_names() -> None:
         "FILE_NAME_PATTERN", "FileEntry",
         "GROUP_VIEW_STATES", "GpuHandover", "GroupCalls", "GroupChanged", "GroupRecord",
         "GroupState", "Guards", "JOB_FIELDS", "JUDGEMENT_STATES", "JobState", "Jobs", "Judgements", "MOVES",
-        "Policies", "PruneReport", "PruneRule", "Reads", "RewardIn", "RewardRecord", "RewardSummary", "RewardTimeouts",
-        "RewardedTrajectory", "SchemaTooNew", "Store", "StoreError", "StoreFull", "StoreUnavailable", "StoredCall",
+        "POLICY_NAME_PATTERN", "Policies", "PruneReport", "PruneRule", "Reads", "RecordRefused", "RewardIn",
+        "RewardRecord", "RewardSummary", "RewardTimeouts", "RewardedTrajectory", "SchemaTooNew", "Sessions", "Store",
+        "StoreError", "StoreFull", "StoreUnavailable", "StoredCall",
         "TRAINING_FIELDS", "TrainingState", "TrajectoryFilter", "TrajectoryRecord", "TransitionRefused",
-        "UnknownTrajectories", "allowed", "connect", "is_disk_full",
+        "UnknownTrajectories", "allowed", "connect", "is_disk_full", "redact", "without_userinfo",
     ]  # fmt: skip
 
 

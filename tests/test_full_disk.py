@@ -10,6 +10,7 @@ import sqlite3
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -22,10 +23,9 @@ from test_trainer_worker import A, G, J, fetch, run_worker, seed_store, settings
 from store import connect, is_disk_full
 
 
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 4 MiB tmpfs mounted for the test (root only: skipped where mounting is refused)."""
-    mount = tmp_path / "small-disk"
+@contextmanager
+def mounted_small_disk(mount: Path) -> Iterator[Path]:
+    """A 4 MiB tmpfs mounted at ``mount`` (root only: the test is skipped where mounting is refused)."""
     mount.mkdir()
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True)
     if done.returncode != 0:
@@ -34,6 +34,12 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         yield mount
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    with mounted_small_disk(tmp_path / "small-disk") as mount:
+        yield mount
 
 
 def fill(disk: Path) -> Path:

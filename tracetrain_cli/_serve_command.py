@@ -66,6 +66,12 @@ def settings_from(args: argparse.Namespace) -> Any:
         "reward_timeout_s": args.reward_timeout,
         "keep_trajectories_days": args.keep_trajectories,
         "min_free_disk_mb": args.min_free_disk,
+        "max_body_mb": args.max_body_mb,
+        "max_connections": args.max_connections,
+        "header_timeout_s": args.header_timeout,
+        "body_timeout_s": args.body_timeout,
+        "seat_timeout_s": args.seat_timeout,
+        "protect_metrics_and_docs": args.protect_metrics_and_docs,  # unset: TRACETRAIN_PROTECT_METRICS_AND_DOCS
     }
     try:
         return Settings(**{k: v for k, v in flags.items() if v is not None})

@@ -31,6 +31,7 @@ def add_serve_parser(sub: Any) -> None:
     _add_storage_flags(p)
     _add_policy_flags(p)
     _add_key_flags(p)
+    _add_door_flags(p)
     _add_reward_flags(p)
     _add_guard_flags(p)
     _add_retention_flags(p)
@@ -211,6 +212,53 @@ def _add_key_flags(p: argparse.ArgumentParser) -> None:
         metavar="TOKEN",
         help="the token of the dashboard (/admin) and the admin API; prefer TRACETRAIN_ADMIN_TOKEN (a flag shows in "
         "ps). Without one, serve makes one and keeps it in DATA_DIR/admin-token",
+    )
+
+
+def _add_door_flags(p: argparse.ArgumentParser) -> None:
+    """The front door's limits: bodies, connections, slow clients, stale seats, who reads /metrics (OPERATIONS.md)."""
+    p.add_argument(
+        "--max-body-mb",
+        type=float,
+        metavar="MB",
+        help="a request body longer than this many MB (10^6 bytes) is refused (413) before it is read"
+        + setting_default("max_body_mb"),
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        metavar="N",
+        help="connections and requests served at once; past it a request is answered 503"
+        + setting_default("max_connections"),
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="a request's line and headers must arrive within this time, or its connection is closed"
+        + setting_default("header_timeout_s"),
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="a request's body must arrive within this time after its headers, or its connection is closed"
+        + setting_default("body_timeout_s"),
+    )
+    p.add_argument(
+        "--seat-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="a new trajectory's seat in a derived group whose call was never recorded (its proxy died) is given "
+        "back after this long, so the group is not left waiting; keep it above the longest call"
+        + setting_default("seat_timeout_s"),
+    )
+    p.add_argument(
+        "--protect-metrics-and-docs",
+        action="store_true",
+        default=None,
+        help="/metrics, /docs, /redoc and /openapi.json then need 'Authorization: Bearer' with the admin token or a "
+        "reward key (default: open, like /healthz)",
     )
 
 

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,6 +25,7 @@ from typing import NoReturn
 
 from pydantic import ValidationError
 
+from store import POLICY_NAME_PATTERN
 from trainer import _distributed
 from trainer._attention import ATTN_CHOICES
 from trainer._config import TrainConfig
@@ -42,14 +44,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     _add_worker_flags(p)
     p.add_argument("--once", action="store_true", help="run the queued jobs, then exit")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default info)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not args.database_url:
+        p.error("the store's URL is needed: set TRACETRAIN_DATABASE_URL (or pass --database-url)")
+    return args
 
 
 def _add_job_flags(p: argparse.ArgumentParser) -> None:
     """Whose jobs, from which store, on which base, and where the adapters go."""
-    p.add_argument("--database-url", required=True, help="the proxy's store (SQLAlchemy async URL)")
+    p.add_argument(
+        "--database-url",
+        default=os.environ.get("TRACETRAIN_DATABASE_URL"),
+        help="the proxy's store (SQLAlchemy async URL); prefer TRACETRAIN_DATABASE_URL (a flag shows in ps, with "
+        "its password). One of the two is needed",
+    )
     p.add_argument("--data-dir", type=Path, required=True, help="adapters go to DATA_DIR/adapters/POLICY/N/")
-    p.add_argument("--policy", default="agent", help="the policy whose jobs to run (default agent)")
+    p.add_argument("--policy", default="agent", type=_policy_name, help="the policy whose jobs to run (default agent)")
     p.add_argument("--base-model", type=Path, required=True, help="the HF model directory vLLM serves")
     p.add_argument("--init-adapter", type=Path, help="a LoRA directory to start from (e.g. an SFT warm start)")
 
@@ -193,6 +203,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         _distributed.finish()
     return 0
+
+
+def _policy_name(text: str) -> str:
+    if not re.fullmatch(POLICY_NAME_PATTERN, text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a policy is named by letters, digits, '_', '.' and '-', starting with a letter or digit"
+        )
+    return text
 
 
 def _at_least_one(text: str) -> int:

@@ -2,13 +2,15 @@
 
 Thin routes over the features below (``proxy.gateway``, ``proxy.data``, ``proxy.judge``,
 ``proxy.training``, ``proxy.admin``): a route validates, calls one service, wraps the result.
-No feature imports this package. ``proxy._app`` mounts ``ROUTERS`` and hands the plain
-generation paths (``GENERATION_PATHS``) to ``serve_generation`` before Starlette's middleware.
+No feature imports this package. ``proxy._app`` runs every request past the ``Door`` (browsers,
+foreign hosts, body size), mounts ``ROUTERS`` and hands the plain generation paths
+(``GENERATION_PATHS``) to ``serve_generation`` before Starlette's middleware.
 """
 
 from fastapi import APIRouter
 
 from proxy.api import _adapters, _admin, _dashboard, _data, _health, _judge, _openai
+from proxy.api._door import Door
 from proxy.api._handlers import add_error_handlers
 from proxy.api._openai import GENERATION_PATHS, serve_generation
 
@@ -22,4 +24,4 @@ ROUTERS: tuple[APIRouter, ...] = (
     _health.router,
 )
 
-__all__ = ["GENERATION_PATHS", "ROUTERS", "add_error_handlers", "serve_generation"]
+__all__ = ["GENERATION_PATHS", "ROUTERS", "Door", "add_error_handlers", "serve_generation"]

@@ -1,8 +1,8 @@
 """The admin JSON API: everything the dashboard shows, and its two actions.
 
 Reads: overview, trajectories, groups, training jobs, adapters, training state. Actions:
-train now, activate a version (rollback/forward), and resume training after the regression
-guard paused it. The admin token (``Authorization: Bearer``)
+train now, activate a version (rollback/forward), resume training after the regression
+guard paused it, and end every dashboard session. The admin token (``Authorization: Bearer``)
 or a dashboard session with its CSRF token admits a request (``proxy._credentials``).
 """
 
@@ -114,3 +114,11 @@ async def activate(version: Version, services: ServicesDep) -> dict[str, Any]:
     """Serve `version` as the policy (0 is the base model): a rollback or a roll forward."""
     active = await services.publisher.activate(version)
     return {"object": "policy", "policy": services.registry.policy, "active_version": active}
+
+
+@router.post("/sessions/revoke")
+async def revoke_sessions(services: ServicesDep) -> dict[str, str]:
+    """End every dashboard session issued so far, on every replica sharing the store: each browser logs in again.
+    (Logging out ends one session; rotating the admin token ends them all too.)"""
+    await services.credentials.admin.revoke_all()
+    return {"revoked": "all sessions"}

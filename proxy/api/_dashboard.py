@@ -30,7 +30,7 @@ from proxy._services import Services
 from proxy.admin import _service as _admin
 from proxy.admin._svg import line_chart
 from proxy.api._deps import ServicesDep
-from proxy.errors import AuthenticationFailed, InvalidRequest, ProxyError
+from proxy.errors import AuthenticationFailed, InvalidRequest, ProxyError, TooManyRequests
 from tracetrain_core import call_reply
 
 router = APIRouter(prefix="/admin", include_in_schema=False)
@@ -101,10 +101,10 @@ class PageResponse(Exception):
         self.response = response
 
 
-def _admit(request: Request, csrf: str | None = None) -> Admin:
+async def _admit(request: Request, csrf: str | None = None) -> Admin:
     """The admitted admin; a page without credentials answers 401 with the login form."""
     try:
-        return _auth(request).admit(request, csrf)
+        return await _auth(request).admit(request, csrf)
     except AuthenticationFailed:
         raise PageResponse(_login_page(request, 401, next_url=_safe_next(request.url.path))) from None
     except ProxyError as exc:
@@ -112,7 +112,10 @@ def _admit(request: Request, csrf: str | None = None) -> Admin:
 
 
 def _error_page(request: Request, exc: ProxyError, title: str) -> Response:
-    return _render(request, "error.html", exc.status_code, title=title, error=exc.message)
+    page = _render(request, "error.html", exc.status_code, title=title, error=exc.message)
+    if exc.retry_after_s is not None:
+        page.headers["Retry-After"] = str(exc.retry_after_s)
+    return page
 
 
 def bad_page_request(request: Request, exc: ProxyError) -> Response | None:
@@ -188,7 +191,13 @@ async def login(
     auth = _auth(request)
     if auth.open:
         return RedirectResponse("/admin", status_code=303)
-    if not auth.token_matches(token):
+    try:
+        right = auth.log_in(request, token)
+    except TooManyRequests as exc:
+        page = _login_page(request, 429, error=exc.message, next_url=_safe_next(next))
+        page.headers["Retry-After"] = str(exc.retry_after_s)
+        return page
+    if not right:
         return _login_page(request, 401, error="That is not the admin token.", next_url=_safe_next(next))
     response = RedirectResponse(_safe_next(next), status_code=303)
     response.set_cookie(
@@ -200,7 +209,8 @@ async def login(
 
 @router.post("/ui/logout")
 async def logout(request: Request, csrf_token: Annotated[str, Form()] = "") -> Response:
-    _admit(request, csrf_token)
+    admin = await _admit(request, csrf_token)
+    await _auth(request).revoke(admin)  # ended on the server too: a copy of the cookie is refused from now on
     response = RedirectResponse("/admin/ui/login", status_code=303)
     response.delete_cookie(COOKIE, path="/admin", httponly=True, samesite="strict")
     return response
@@ -211,7 +221,7 @@ async def logout(request: Request, csrf_token: Annotated[str, Form()] = "") -> R
 
 @router.get("")
 async def overview(request: Request, services: ServicesDep) -> Response:
-    admin = _admit(request)
+    admin = await _admit(request)
     jobs = (await _admin.list_jobs(services, 500))["data"]
     latest = await _admin.list_trajectories(
         services, policy=None, group_id=None, rewarded=None, limit=8, after=None
@@ -226,7 +236,7 @@ async def overview(request: Request, services: ServicesDep) -> Response:
 @router.get("/ui/trajectories")
 async def trajectories(request: Request, services: ServicesDep) -> Response:
     q = request.query_params
-    admin = _admit(request)
+    admin = await _admit(request)
     rewarded = {"true": True, "false": False}.get(q.get("rewarded", ""))
     since = q.get("since", "") if q.get("since", "") in _SINCE else ""
     seconds = _SINCE[since]
@@ -250,7 +260,7 @@ async def trajectories(request: Request, services: ServicesDep) -> Response:
 
 @router.get("/ui/trajectories/{trajectory_id}")
 async def trajectory(trajectory_id: Id, request: Request, services: ServicesDep) -> Response:
-    admin = _admit(request)
+    admin = await _admit(request)
     detail = await _or_error_page(request, _admin.trajectory_detail(services, trajectory_id), "Not found")
     for call in detail["calls"]:
         call["tokens"] = _token_rows(call)
@@ -278,7 +288,7 @@ def _token_rows(call: dict[str, Any]) -> list[dict[str, Any]]:
 @router.get("/ui/groups")
 async def groups(request: Request, services: ServicesDep) -> Response:
     state = request.query_params.get("state") or None
-    admin = _admit(request)
+    admin = await _admit(request)
     after = _filter(request, "after", _CURSOR)
     listing = _admin.list_groups(services, policy=None, state=state, limit=50, after=after)
     page = await _or_error_page(request, listing, "Bad filter")
@@ -291,7 +301,7 @@ async def groups(request: Request, services: ServicesDep) -> Response:
 
 @router.get("/ui/groups/{group_id}")
 async def group(group_id: Id, request: Request, services: ServicesDep) -> Response:
-    admin = _admit(request)
+    admin = await _admit(request)
     detail = await _or_error_page(request, _admin.group_detail(services, group_id), "Not found")
     return _page(request, services, admin, "group.html", "Groups", g=detail)
 
@@ -300,7 +310,7 @@ async def group(group_id: Id, request: Request, services: ServicesDep) -> Respon
 async def judge_group(
     group_id: Id, request: Request, services: ServicesDep, csrf_token: Annotated[str, Form()] = ""
 ) -> Response:
-    _admit(request, csrf_token)
+    await _admit(request, csrf_token)
     judgement = await _or_error_page(request, services.judging.judge_group(group_id), "Not judged")
     notice = "judged" if judgement["state"] == "ok" else "judge_failed"
     return RedirectResponse(f"/admin/ui/groups/{quote(group_id, safe='')}?notice={notice}", status_code=303)
@@ -308,7 +318,7 @@ async def judge_group(
 
 @router.get("/ui/training")
 async def training(request: Request, services: ServicesDep) -> Response:
-    admin = _admit(request)
+    admin = await _admit(request)
     jobs = (await _admin.list_jobs(services, 500))["data"]
     curves = _admin.curves(jobs)
     running = next((j for j in jobs if j["state"] == "running"), None)
@@ -324,7 +334,7 @@ async def training(request: Request, services: ServicesDep) -> Response:
 
 @router.get("/ui/adapters")
 async def adapters(request: Request, services: ServicesDep) -> Response:
-    admin = _admit(request)
+    admin = await _admit(request)
     return await _adapters_page(request, services, admin)
 
 
@@ -348,7 +358,7 @@ async def _adapters_page(
 async def activate(
     version: Version, request: Request, services: ServicesDep, csrf_token: Annotated[str, Form()] = ""
 ) -> Response:
-    admin = _admit(request, csrf_token)
+    admin = await _admit(request, csrf_token)
     try:
         active = await services.publisher.activate(version)
     except ProxyError as exc:
@@ -358,14 +368,14 @@ async def activate(
 
 @router.post("/ui/training/resume")
 async def resume_training(request: Request, services: ServicesDep, csrf_token: Annotated[str, Form()] = "") -> Response:
-    _admit(request, csrf_token)
+    await _admit(request, csrf_token)
     await _admin.resume_training(services)
     return RedirectResponse("/admin/ui/training?notice=resumed", status_code=303)
 
 
 @router.post("/ui/train")
 async def train_now(request: Request, services: ServicesDep, csrf_token: Annotated[str, Form()] = "") -> Response:
-    admin = _admit(request, csrf_token)
+    admin = await _admit(request, csrf_token)
     if reason := await services.scheduler.paused():
         return await _adapters_page(
             request,

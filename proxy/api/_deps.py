@@ -32,12 +32,12 @@ async def require_reward_key(request: Request, services: ServicesDep) -> None:
 
 async def require_adapter_reader(request: Request, services: ServicesDep) -> None:
     """An adapter key or the admin token; without adapter keys, the admin rule alone (``require_admin``)."""
-    services.credentials.adapter_reader(request)
+    await services.credentials.adapter_reader(request)
 
 
 async def require_admin(request: Request, services: ServicesDep) -> Admin:
     """The admin token or a dashboard session (see ``proxy._credentials``); 401/403 otherwise."""
-    return services.credentials.admin.admit(request)
+    return await services.credentials.admin.admit(request)
 
 
 AdminDep = Annotated[Admin, Depends(require_admin)]

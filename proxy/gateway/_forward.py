@@ -36,7 +36,7 @@ from proxy.gateway.dialects import DIALECTS, Dialect, DialectName, json_object
 from proxy.gateway.upstream import Router, Upstream, UpstreamStream
 from proxy.observability._langfuse import LangfuseExporter
 from proxy.observability._metrics import Metrics
-from store import CallWrite, Store, StoreError, StoreFull
+from store import CallWrite, RecordRefused, Store, StoreError, StoreFull
 
 _PATHS: dict[Endpoint, str] = {"chat.completions": "/chat/completions", "completions": "/completions"}
 _COUNTING = "tracetrain-count-tokens"  # the router's key for token counts: any server tokenizes alike
@@ -77,7 +77,8 @@ class Forwarder:
 
         A full disk stops capture, not serving: the call is answered and counted unrecorded
         (``tracetrain_capture_failures{reason="disk_full"}``); capture resumes once space is freed.
-        Any other store failure is a 503: the store may be back in a moment, and the client retries.
+        Any other store failure is a 503: the store may be back in a moment, and the client retries; a
+        record the store refuses (``RecordRefused``: it could never be written) is a 400.
         """
         with store_errors():
             try:
@@ -85,8 +86,9 @@ class Forwarder:
             except StoreFull:
                 self._metrics.call_unrecorded(write.call)
                 return False
-            except StoreError:
-                self._metrics.call_not_recorded(write.call)
+            except StoreError as exc:
+                self._metrics.call_not_recorded(write.call, refused=isinstance(exc, RecordRefused))
+                self._keyer.forget(write.trajectory_id)  # its seat was given back (store._writer)
                 raise
         self._metrics.call_recorded(write.call)
         if self._langfuse is not None:

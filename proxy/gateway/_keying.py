@@ -152,6 +152,10 @@ class Keyer:
         """``key`` once its record seated it (``resolve``'s ``defer_seat``) in ``group_id``."""
         return self._remember(Key(key.trajectory_id, group_id, key.keyed_by, key.task_key))
 
+    def forget(self, trajectory_id: str) -> None:
+        """A call of ``trajectory_id`` was not recorded and its seat given back: ask the store next time."""
+        self._groups_of.pop(trajectory_id, None)
+
     def _remember(self, key: Key) -> Key:
         self._groups_of.setdefault(key.trajectory_id, key.group_id)
         if len(self._groups_of) > _CACHE_SIZE:

@@ -25,6 +25,7 @@ from typing import Any
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from proxy.judge._prompt import InvalidJudgement, JudgePrompt, Score, parse_scores
+from store import redact
 
 _MAX_BACKOFF_S = 30.0
 
@@ -248,8 +249,8 @@ _SECRET_ENV = re.compile(r"(API_KEY|_TOKEN|_SECRET|_PASSWORD)$")
 
 
 def _describe(exc: Exception) -> str:
-    """A short, key-free reason for the record: ``RateLimitError: ...``."""
-    text = f"{type(exc).__name__}: {exc}".replace("litellm.", "")
+    """A short, key-free reason for the record: ``RateLimitError: ...`` (a URL's password redacted too)."""
+    text = redact(f"{type(exc).__name__}: {exc}".replace("litellm.", ""))
     for name, value in os.environ.items():
         if len(value) >= 8 and _SECRET_ENV.search(name):
             text = text.replace(value, "***")

@@ -53,7 +53,7 @@ from proxy.observability._langfuse_wire import (
     rejected_spans,
     reward_scores,
 )
-from store import CallWrite
+from store import CallWrite, redact, without_userinfo
 
 log = logging.getLogger("tracetrain.langfuse")
 
@@ -92,7 +92,7 @@ def start_langfuse(settings: Settings) -> LangfuseExporter | None:
     config = LangfuseConfig(settings.langfuse_public_key, settings.langfuse_secret_key, settings.langfuse_base_url)
     exporter = LangfuseExporter(config)
     exporter.start()
-    log.info("exporting trajectories to Langfuse at %s", config.base_url)
+    log.info("exporting trajectories to Langfuse at %s", redact(config.base_url))
     return exporter
 
 
@@ -125,7 +125,7 @@ class LangfuseExporter:
         self._warned_at: dict[str, float] = {}
         self._exponential = wait_exponential(multiplier=config.backoff_s, max=config.max_backoff_s)
         self._client = httpx.AsyncClient(
-            base_url=config.base_url.rstrip("/"),
+            base_url=without_userinfo(config.base_url).rstrip("/"),  # the keys authenticate; httpx logs URLs
             auth=httpx.BasicAuth(config.public_key, config.secret_key.get_secret_value()),
             headers={"x-langfuse-ingestion-version": "4"},
             timeout=config.timeout_s,
@@ -134,7 +134,7 @@ class LangfuseExporter:
 
     def __repr__(self) -> str:
         return (
-            f"LangfuseExporter(base_url={self.config.base_url!r}, public_key={self.config.public_key!r}, "
+            f"LangfuseExporter(base_url={redact(self.config.base_url)!r}, public_key={self.config.public_key!r}, "
             f"queued={self.queued}, sent={self.sent}, dropped={self.dropped})"
         )
 

@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 import orjson
 
-from store import CallWrite
+from store import CallWrite, redact
 from tracetrain_core import call_messages, call_reply
 
 TRACES_PATH = "/api/public/otel/v1/traces"
@@ -150,9 +150,10 @@ def generation_span(write: CallWrite) -> dict[str, Any]:
         "endTimeUnixNano": str(end_ns),
     }
     if call["status_code"] != 200:
+        error = redact(call["error"]) if call["error"] else None  # as the store keeps it (store._record_check)
         attributes["langfuse.observation.level"] = "WARNING" if call["status_code"] == 499 else "ERROR"
-        attributes["langfuse.observation.status_message"] = call["error"]
-        span["status"] = {"code": 2, "message": call["error"] or ""}  # ERROR
+        attributes["langfuse.observation.status_message"] = error
+        span["status"] = {"code": 2, "message": error or ""}  # ERROR
     span["attributes"] = [{"key": k, "value": _otlp_value(v)} for k, v in attributes.items() if v is not None]
     return span
 

@@ -58,10 +58,19 @@ class Metrics:
         self.captures = Counter("tracetrain_captured_calls", "Calls committed to the store.", registry=r)
         self.capture_failures = Counter(
             "tracetrain_capture_failures", "Calls the store could not record, by reason: store_unavailable (answered "
-            "503), disk_full (answered, not recorded: capture resumes once space is freed).", ["reason"], registry=r,
+            "503), refused (a record that can never be written, answered 400), disk_full (answered, not recorded: "
+            "capture resumes once space is freed).", ["reason"], registry=r,
         )  # fmt: skip
-        self.failed_captures = {"store_unavailable": 0, "disk_full": 0}  # the counter's values, for the dashboard
+        self.failed_captures = {
+            "store_unavailable": 0,
+            "refused": 0,
+            "disk_full": 0,
+        }  # the counter's values, for the dashboard
         self.rewards = Counter("tracetrain_rewards", "Rewards recorded, by source.", ["source"], registry=r)
+        self.refusals = Counter(
+            "tracetrain_refused_requests", "Requests refused at the front door (proxy.api._door), by reason: "
+            "body_too_large (413), cross_site and foreign_host (403, with no keys configured).", ["reason"], registry=r,
+        )  # fmt: skip
 
     def _disk(self, r: CollectorRegistry) -> None:
         """Disk usage (proxy.observability._disk), measured every minute in the background."""
@@ -175,7 +184,8 @@ class Metrics:
         )  # fmt: skip
         self.compact_held = Gauge(
             "tracetrain_compact_capture_held", "Compact capture's memory in this process (store._compact, bounded): "
-            "trajectories whose last call is held, and the token ids held with them.", ["what"], registry=r,
+            "trajectories whose last call is held, the token ids held with them, and bytes: the ids' and the "
+            "messages' (as JSON) together, the figure its bound is on.", ["what"], registry=r,
         )  # fmt: skip
 
     def call_recorded(self, call: dict[str, Any]) -> None:
@@ -205,16 +215,22 @@ class Metrics:
         """The labelled series of one call, looked up once: ``labels()`` takes a lock and builds a key each time."""
         return self.requests.labels(endpoint, str(status)), self.latency.labels(endpoint), self.ttft.labels(endpoint)
 
-    def call_not_recorded(self, call: dict[str, Any]) -> None:
-        self.requests.labels(str(call["endpoint"]), "503").inc()
-        self.capture_failures.labels("store_unavailable").inc()
-        self.failed_captures["store_unavailable"] += 1
+    def call_not_recorded(self, call: dict[str, Any], *, refused: bool = False) -> None:
+        """A call not answered because its record was not written: the store failed (503), or refused the record
+        as it is (400, ``store.RecordRefused``)."""
+        reason = "refused" if refused else "store_unavailable"
+        self.requests.labels(str(call["endpoint"]), "400" if refused else "503").inc()
+        self.capture_failures.labels(reason).inc()
+        self.failed_captures[reason] += 1
 
     def call_unrecorded(self, call: dict[str, Any]) -> None:
         """A call answered that the store could not record: its disk is full."""
         self._answered(call)
         self.capture_failures.labels("disk_full").inc()
         self.failed_captures["disk_full"] += 1
+
+    def refused(self, reason: str) -> None:
+        self.refusals.labels(reason).inc()
 
     def rewards_recorded(self, sources: list[str]) -> None:
         for source in sources:

@@ -109,7 +109,7 @@ class AdapterLoader:
             await replica.resolve_lora(name)
         except ProxyError as exc:
             raise ProxyError(
-                f"{exc.message} (the adapter goes by name: {replica.base_url} must run tracetrain_vllm's resolver, "
+                f"{exc.message} (the adapter goes by name: {replica.name} must run tracetrain_vllm's resolver, "
                 "with TRACETRAIN_ADAPTERS_URL naming a proxy)"
             ) from exc
 

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import orjson
 from starlette.responses import Response
 
+from proxy._limits import check_nesting
 from proxy.errors import InvalidRequest, ProxyError
 from proxy.gateway._call import Call
 from proxy.gateway._capture import Asked, Endpoint, without_token_fields
@@ -113,4 +114,5 @@ def json_object(raw: bytes) -> dict[str, Any]:
         raise InvalidRequest(f"The request body is not valid JSON ({exc}).") from exc
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object.")
+    check_nesting(raw, body)
     return body

@@ -15,12 +15,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
+from urllib.parse import unquote, urlsplit
 
 import httpx
 import orjson
 
 from proxy.errors import UpstreamError, UpstreamHTTPError, UpstreamNotReady, upstream_errors
 from proxy.gateway.upstream._http1 import Exchange, Http1Pool, TransportError
+from store import redact, without_userinfo
 
 _JSON = {"content-type": "application/json"}
 # How long a stream's end (the chunked body's last chunk) may take after its last event.
@@ -67,7 +69,15 @@ class Upstream:
     """
 
     def __init__(self, base_url: str, clients: Sequence[httpx.AsyncClient], *, timeout_s: float) -> None:
-        self.base_url = base_url
+        self.base_url = base_url  # as configured: the generation pool sends its user-info as a header itself
+        self.name = redact(base_url)  # what logs, labels and messages show: the URL without its password
+        # The control calls go through httpx, which logs and quotes the URLs it requests: theirs carry no
+        # user-info, its password goes as a basic auth header.
+        url = urlsplit(base_url)
+        self._url = without_userinfo(base_url)
+        self._auth = (
+            httpx.BasicAuth(unquote(url.username), unquote(url.password or "")) if url.username else httpx.Auth()
+        )
         self._clients = list(clients)
         self._next = itertools.cycle(self._clients)
         self._generation = Http1Pool(base_url, timeout_s=timeout_s)
@@ -119,7 +129,9 @@ class Upstream:
         """
         body = orjson.dumps({"model": name, "prompt": "resolve", "add_special_tokens": False})
         async with upstream_errors(self.base_url):
-            response = await self._client.post(self.root_url + "/tokenize", content=body, headers=_JSON)
+            response = await self._client.post(
+                self.root_url + "/tokenize", content=body, headers=_JSON, auth=self._auth
+            )
         if response.status_code != 200:
             raise UpstreamHTTPError(response.status_code, response.content)
 
@@ -127,7 +139,9 @@ class Upstream:
         """vLLM's ``POST /tokenize`` of a chat request's ``messages`` (and ``tools``), rendered for generation."""
         body = orjson.dumps({**chat, "add_generation_prompt": True})
         async with upstream_errors(self.base_url):
-            response = await self._client.post(self.root_url + "/tokenize", content=body, headers=_JSON)
+            response = await self._client.post(
+                self.root_url + "/tokenize", content=body, headers=_JSON, auth=self._auth
+            )
         if response.status_code != 200:
             raise UpstreamHTTPError(response.status_code, response.content)
         return int(response.json()["count"])
@@ -137,28 +151,30 @@ class Upstream:
 
     async def _lora(self, path: str, body: dict[str, str]) -> None:
         async with upstream_errors(self.base_url):
-            response = await self._client.post(self.base_url + path, content=orjson.dumps(body), headers=_JSON)
+            response = await self._client.post(
+                self._url + path, content=orjson.dumps(body), headers=_JSON, auth=self._auth
+            )
         if response.status_code != 200:
             raise UpstreamHTTPError(response.status_code, response.content)
 
     async def models(self) -> list[dict[str, Any]]:
         """The upstream's ``/v1/models`` entries (the base model and loaded adapters)."""
         async with upstream_errors(self.base_url):
-            response = await self._client.get(self.base_url + "/models", timeout=5.0)
+            response = await self._client.get(self._url + "/models", timeout=5.0, auth=self._auth)
         if response.status_code != 200:
             raise UpstreamHTTPError(response.status_code, response.content)
         return list(orjson.loads(response.content).get("data") or [])
 
     @property
     def root_url(self) -> str:
-        """The server's root, where vLLM serves /health and /detokenize (base_url without /v1)."""
-        return self.base_url.removesuffix("/v1")
+        """The server's root, where vLLM serves /health and /detokenize (base_url without /v1 and user-info)."""
+        return self._url.removesuffix("/v1")
 
     async def health(self) -> float:
         """Milliseconds vLLM took to answer ``/health``; raises when it does not answer 200."""
         started = time.perf_counter()
         async with upstream_errors(self.base_url):
-            response = await self._client.get(self.root_url + "/health", timeout=3.0)
+            response = await self._client.get(self.root_url + "/health", timeout=3.0, auth=self._auth)
         if response.status_code != 200:
             raise UpstreamHTTPError(response.status_code, response.content)
         return (time.perf_counter() - started) * 1000
@@ -166,7 +182,7 @@ class Upstream:
     async def prometheus(self) -> bytes:
         """vLLM's ``GET /metrics`` (Prometheus text), at the server's root."""
         async with upstream_errors(self.base_url):
-            response = await self._client.get(self.root_url + "/metrics", timeout=5.0)
+            response = await self._client.get(self.root_url + "/metrics", timeout=5.0, auth=self._auth)
         if response.status_code != 200:
             raise UpstreamHTTPError(response.status_code, response.content)
         return response.content
@@ -175,7 +191,9 @@ class Upstream:
         """vLLM's ``POST /detokenize``: the text of ``token_ids`` under ``model``'s tokenizer."""
         body = orjson.dumps({"model": model, "tokens": token_ids})
         async with upstream_errors(self.base_url):
-            response = await self._client.post(self.root_url + "/detokenize", content=body, headers=_JSON, timeout=5.0)
+            response = await self._client.post(
+                self.root_url + "/detokenize", content=body, headers=_JSON, timeout=5.0, auth=self._auth
+            )
         if response.status_code != 200:
             raise UpstreamHTTPError(response.status_code, response.content)
         return str(orjson.loads(response.content)["prompt"])
@@ -185,7 +203,7 @@ class Upstream:
         for model in await self.models():
             if not model.get("parent"):
                 return str(model["id"])
-        raise UpstreamNotReady(f"the upstream at {self.base_url} lists no base model")
+        raise UpstreamNotReady(f"the upstream at {self.name} lists no base model")
 
     # -- a GPU hand-over (vLLM started with VLLM_SERVER_DEV_MODE=1; see proxy.training._handover) --
 
@@ -218,7 +236,7 @@ class Upstream:
         """One call to vLLM's development endpoints (at the server's root); its JSON answer."""
         async with upstream_errors(self.base_url):
             response = await self._client.request(
-                method, self.root_url + path, params=params,
+                method, self.root_url + path, params=params, auth=self._auth,
                 timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout,
             )  # fmt: skip
         if response.status_code != 200:

@@ -71,7 +71,8 @@ class Server:
 
     @property
     def url(self) -> str:
-        return self.upstream.base_url
+        """The server's URL as logs, /metrics and /readyz show it: without its password."""
+        return self.upstream.name
 
     def view(self) -> dict[str, Any]:
         return {

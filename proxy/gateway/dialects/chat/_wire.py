@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 # OpenAI's own limit on choices per request; without one, n=2**40 reaches vLLM as a request.
 MAX_N = 128
+# Completions: the prompts of one request (a list of texts or of token id lists), times n, choices in all: as many
+# as MAX_N allows one prompt, so a list of 10^5 prompts is not 10^5 generations.
+MAX_PROMPTS = MAX_N
 
 
 class _Open(BaseModel):
@@ -57,3 +60,28 @@ class CompletionRequest(_Open):
     stream_options: StreamOptions | None = None
     # vLLM's extension: the client itself wants token ids back.
     return_token_ids: bool | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _bounded_prompts(cls, prompt: Any) -> Any:
+        if _prompts(prompt) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {_prompts(prompt)}")
+        return prompt
+
+    @field_validator("n")
+    @classmethod
+    def _bounded_completions(cls, n: int | None, info: ValidationInfo) -> int | None:
+        prompts = _prompts(info.data.get("prompt"))
+        if n is not None and prompts * n > MAX_PROMPTS:
+            raise ValueError(
+                f"{prompts} prompts with n={n} ask for {prompts * n} completions; at most {MAX_PROMPTS} per request"
+            )
+        return n
+
+
+def _prompts(prompt: Any) -> int:
+    """How many prompts ``prompt`` holds: a text or a list of token ids is one; a list of either, one each."""
+    if not isinstance(prompt, list) or not prompt or isinstance(prompt[0], int):
+        return 1
+    return len(prompt)
+

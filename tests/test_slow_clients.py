@@ -1,0 +1,134 @@
+"""`tracetrain serve`'s HTTP server against slow and greedy clients: half-sent headers and bodies are cut off, huge
+headers refused, connections bounded, and ordinary calls answered meanwhile."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+from fake_vllm import FakeVLLM, Reply
+
+from proxy import Settings, create_app
+from tracetrain_cli._http_server import server_config
+
+
+@contextmanager
+def served(settings: Settings) -> Iterator[tuple[str, int]]:
+    """The proxy as `tracetrain serve` serves it (its uvicorn configuration), on an ephemeral port."""
+    server = uvicorn.Server(server_config(create_app(settings), settings, log_level="warning", loop="asyncio"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the proxy did not start"
+        time.sleep(0.01)
+    try:
+        yield "127.0.0.1", server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def settings(fake: FakeVLLM, tmp_path: Path, **overrides: Any) -> Settings:
+    return Settings(upstream=f"{fake.url}/v1", data_dir=tmp_path / "data", port=0, **overrides)  # type: ignore[attr-defined]
+
+
+def closed_by_server(sock: socket.socket, within_s: float) -> bool:
+    """Whether the server closed ``sock`` (EOF or reset) within ``within_s``."""
+    sock.settimeout(within_s)
+    try:
+        while sock.recv(4096):
+            pass
+    except TimeoutError:
+        return False
+    except ConnectionError:
+        return True
+    return True
+
+
+def chat(address: tuple[str, int]) -> httpx.Response:
+    body = {"model": "agent", "messages": [{"role": "user", "content": "Name a colour."}]}
+    return httpx.post(f"http://{address[0]}:{address[1]}/v1/chat/completions", json=body, timeout=10)
+
+
+def test_connections_that_send_half_their_headers_are_closed_and_others_are_served(
+    fake: FakeVLLM, tmp_path: Path
+) -> None:
+    """Slowloris: twenty connections that never finish their headers would otherwise stay open for good."""
+    with served(settings(fake, tmp_path, header_timeout_s=1.0)) as address:
+        slow = []
+        for _ in range(20):
+            sock = socket.create_connection(address)
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: app")
+            slow.append(sock)
+        idle = socket.create_connection(address)  # connects and sends nothing at all
+        assert chat(address).status_code == 200  # served while they wait
+        started = time.monotonic()
+        assert all(closed_by_server(sock, within_s=3.0) for sock in [*slow, idle])
+        assert time.monotonic() - started < 3.0
+        for sock in [*slow, idle]:
+            sock.close()
+        assert chat(address).status_code == 200
+
+
+def test_a_kept_alive_connection_gets_the_same_deadline_for_its_next_request(fake: FakeVLLM, tmp_path: Path) -> None:
+    with served(settings(fake, tmp_path, header_timeout_s=1.0)) as address, socket.create_connection(address) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.")  # the next request, half sent
+        assert closed_by_server(sock, within_s=3.0)
+
+
+def test_a_body_that_does_not_arrive_in_time_is_cut_off(fake: FakeVLLM, tmp_path: Path) -> None:
+    with served(settings(fake, tmp_path, body_timeout_s=1.0)) as address, socket.create_connection(address) as sock:
+        sock.sendall(b'POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 200\r\n\r\n{"mod')
+        assert closed_by_server(sock, within_s=3.0)
+        assert fake.requests == []
+        assert chat(address).status_code == 200  # the proxy is fine
+
+
+def test_a_slow_but_steady_call_within_the_deadlines_is_served(fake: FakeVLLM, tmp_path: Path) -> None:
+    body = b'{"model": "agent", "messages": [{"role": "user", "content": "Hi"}]}'
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: %d\r\n\r\n" % len(body)
+    limits = settings(fake, tmp_path, header_timeout_s=2.0, body_timeout_s=2.0)
+    with served(limits) as address, socket.create_connection(address) as sock:
+        for part in (head[:20], head[20:], body[:10], body[10:]):
+            sock.sendall(part)
+            time.sleep(0.3)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+
+
+def test_headers_past_64_kib_are_refused(fake: FakeVLLM, tmp_path: Path) -> None:
+    with served(settings(fake, tmp_path)) as address, socket.create_connection(address) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        for i in range(100):
+            sock.sendall(b"X-Filler-%d: %s\r\n" % (i, b"x" * 1000))
+        sock.settimeout(5)
+        answer = b""
+        try:
+            while chunk := sock.recv(4096):
+                answer += chunk
+        except ConnectionError:
+            pass
+        assert answer.startswith(b"HTTP/1.1 431")
+
+
+def test_past_the_connection_limit_a_request_is_answered_503(fake: FakeVLLM, tmp_path: Path) -> None:
+    fake.script(*[Reply("slow", delay_s=1.0)] * 2)
+    with served(settings(fake, tmp_path, max_connections=2)) as address:
+        answers: list[int] = []
+        threads = [threading.Thread(target=lambda: answers.append(chat(address).status_code)) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        time.sleep(0.3)
+        assert chat(address).status_code == 503
+        for thread in threads:
+            thread.join()
+        assert answers == [200, 200]
