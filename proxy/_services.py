@@ -26,7 +26,7 @@ from proxy._credentials import Credentials
 from proxy._settings import Settings
 from proxy.admin import TokenTexts
 from proxy.errors import UpstreamError
-from proxy.gateway import Forwarder, Gate, Keyer, PolicyRegistry, Upstream
+from proxy.gateway import Forwarder, Gate, Keyer, PolicyRegistry, Served, Signer, Upstream
 from proxy.gateway.upstream import Router
 from proxy.judge import JudgeService
 from proxy.judge._timeout import RewardTimeout
@@ -103,7 +103,10 @@ async def build_services(
         disk = DiskWatch(store, metrics, settings.data_dir, min_free_bytes=settings.min_free_disk_mb * 2**20,
                          keep_trajectories_days=settings.keep_trajectories_days)  # fmt: skip
         _start(stack, disk.run(), "tracetrain-disk")
-        forwarder = Forwarder(router, store, keyer, registry, metrics, langfuse, gate)
+        admin_token = settings.admin_token.get_secret_value() if settings.admin_token else None
+        served = Served(reasoning=settings.reasoning_parser is not None, images=settings.reads_images,
+                        signer=Signer.for_server(settings.data_dir, admin_token))  # fmt: skip
+        forwarder = Forwarder(router, store, keyer, registry, metrics, langfuse, gate, served)
         yield Services(
             settings, Credentials(settings), store, router.upstreams[0], router, registry, keyer, forwarder,
             scheduler, publisher, metrics, TokenTexts(router.upstreams[0]), judging,

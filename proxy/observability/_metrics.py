@@ -62,6 +62,11 @@ class Metrics:
         )  # fmt: skip
         self.failed_captures = {"store_unavailable": 0, "disk_full": 0}  # the counter's values, for the dashboard
         self.rewards = Counter("tracetrain_rewards", "Rewards recorded, by source.", ["source"], registry=r)
+        self.broken_streams = Counter(
+            "tracetrain_broken_streams", "Streams vLLM broke, recorded as failed calls, by endpoint and reason: "
+            "upstream_error (vLLM's error event: an engine failure), upstream_closed (the connection dropped).",
+            ["endpoint", "reason"], registry=r,
+        )  # fmt: skip
 
     def _disk(self, r: CollectorRegistry) -> None:
         """Disk usage (proxy.observability._disk), measured every minute in the background."""
@@ -215,6 +220,9 @@ class Metrics:
         self._answered(call)
         self.capture_failures.labels("disk_full").inc()
         self.failed_captures["disk_full"] += 1
+
+    def stream_broken(self, endpoint: str, reason: str) -> None:
+        self.broken_streams.labels(endpoint, reason).inc()
 
     def rewards_recorded(self, sources: list[str]) -> None:
         for source in sources:
