@@ -256,9 +256,8 @@ def test_upstream_dying_mid_stream_is_reported_and_recorded(proxy: RunningProxy,
     with httpx.stream("POST", f"{proxy.v1}/chat/completions", json=body) as response:
         events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"  # ended as vLLM ends a failed stream: its error event, then [DONE]
-    assert orjson.loads(events[-2])["error"] == {
-        "message": "the upstream closed the stream before it finished", "type": "BadGatewayError", "param": None,
-        "code": 502}  # fmt: skip
+    error = orjson.loads(events[-2])["error"]
+    assert (error["type"], error["code"]) == ("BadGatewayError", 502) and error["message"].startswith("the upstream")
     rows = proxy.rows("SELECT status_code, error FROM calls")
     assert rows[0]["status_code"] == 502 and rows[0]["error"]
 

@@ -106,10 +106,13 @@ REASONING_SERVER = {"reasoning_parser": "deepseek_r1", "enable_prompt_tokens_det
 @pytest.mark.parametrize(
     ("case", "reply", "server"),
     [("apis_reasoning", THINKS, REASONING_SERVER), ("apis_reasoning_stream", THINKS, REASONING_SERVER),
-     ("apis_cached_prompt", ONLY_THINKS, REASONING_SERVER), ("apis_cached_prompt_stream", ONLY_THINKS, REASONING_SERVER),
+     ("apis_cached_prompt", ONLY_THINKS, REASONING_SERVER),
+     ("apis_cached_prompt_stream", ONLY_THINKS, REASONING_SERVER),
      ("apis_tool_named", CALLS, {}), ("apis_tool_named_stream", CALLS, {})],
 )  # fmt: skip
-def test_fake_matches_real_vllm_on_what_the_translated_apis_read(case: str, reply: Reply, server: dict[str, Any]) -> None:
+def test_fake_matches_real_vllm_on_what_the_translated_apis_read(
+    case: str, reply: Reply, server: dict[str, Any]
+) -> None:
     """Reasoning (--reasoning-parser), cached prompt tokens (--enable-prompt-tokens-details), a named tool choice."""
     golden = _golden(case)
     fake = FakeVLLM(base_model="tiny", emit_eos=True, **server)

@@ -12,8 +12,8 @@ import anthropic
 import httpx2 as httpx  # the anthropic SDK's HTTP client (2.14 moved to httpx2)
 import orjson
 import pytest
-from hypothesis import given, settings
 from dialect_calls import SERVED, call_of
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.errors import (
@@ -112,7 +112,9 @@ def test_system_text_blocks_and_sampling_settings_become_a_chat_body() -> None:
 def test_claude_codes_attribution_line_is_dropped_from_the_system_prompt_as_vllm_drops_it() -> None:
     # vLLM 0.32 (renderers/chat_utils.py) drops it from system messages: its cch= value changes per request.
     header = "x-anthropic-billing-header: cc_version=2.1.197.84c; cc_entrypoint=sdk-cli; cch=1f2e3;"
-    chat = MESSAGES.to_chat(body(system=[{"type": "text", "text": header}, {"type": "text", "text": "Be brief."}]), SERVED)
+    chat = MESSAGES.to_chat(
+        body(system=[{"type": "text", "text": header}, {"type": "text", "text": "Be brief."}]), SERVED
+    )
     assert chat["messages"][0] == {"role": "system", "content": "Be brief."}
     chat = MESSAGES.to_chat(body(system=header + "\nBe brief.", messages=[
         {"role": "user", "content": "Hi"}, {"role": "system", "content": header}]), SERVED)  # fmt: skip
@@ -155,12 +157,16 @@ def test_tool_choice_becomes_chats(choice: dict[str, Any], expected: Any) -> Non
 
 
 def test_disabling_parallel_tool_use_asks_for_one_call() -> None:
-    chat = MESSAGES.to_chat(body(tools=[WEATHER], tool_choice={"type": "auto", "disable_parallel_tool_use": True}), SERVED)
+    chat = MESSAGES.to_chat(
+        body(tools=[WEATHER], tool_choice={"type": "auto", "disable_parallel_tool_use": True}), SERVED
+    )
     assert chat["parallel_tool_calls"] is False
 
 
 def test_a_json_output_format_asks_vllm_for_that_schema() -> None:
-    chat = MESSAGES.to_chat(body(output_config={"effort": "high", "format": {"type": "json_schema", "schema": CITY}}), SERVED)
+    chat = MESSAGES.to_chat(
+        body(output_config={"effort": "high", "format": {"type": "json_schema", "schema": CITY}}), SERVED
+    )
     assert chat["response_format"] == {"type": "json_schema", "json_schema": {"name": "output", "schema": CITY}}
     assert "response_format" not in MESSAGES.to_chat(body(output_config={"effort": "high"}), SERVED)
 
@@ -200,9 +206,11 @@ def test_a_thinking_block_the_proxy_did_not_sign_as_sent_is_anthropics_400(signa
 
 
 def test_count_tokens_renders_what_the_call_would_without_sampling_settings() -> None:
-    counted = count_tokens_chat({"model": "agent", "system": "Be brief.", "messages": TOOL_LOOP, "tools": [WEATHER]}, SERVED)
-    assert counted == {"model": "agent", **{k: v for k, v in MESSAGES.to_chat(body(
-        system="Be brief.", messages=TOOL_LOOP, tools=[WEATHER]), SERVED).items() if k in ("messages", "tools")}}  # fmt: skip
+    counted = count_tokens_chat(
+        {"model": "agent", "system": "Be brief.", "messages": TOOL_LOOP, "tools": [WEATHER]}, SERVED
+    )
+    chat = MESSAGES.to_chat(body(system="Be brief.", messages=TOOL_LOOP, tools=[WEATHER]), SERVED)
+    assert counted == {"model": "agent", **{k: v for k, v in chat.items() if k in ("messages", "tools")}}
 
 
 @pytest.mark.parametrize(
@@ -212,7 +220,8 @@ def test_count_tokens_renders_what_the_call_would_without_sampling_settings() ->
         ({"max_tokens": 2**64}, "max_tokens", "less than or equal"),
         ({"max_tokens": "many"}, "max_tokens", "valid integer"),
         ({"messages": "Hi"}, "messages", "valid list"),
-        ({"messages": [{"role": "user", "content": [{"text": "no type"}]}]}, "messages.0.content.0", "Unable to extract"),
+        ({"messages": [{"role": "user", "content": [{"text": "no type"}]}]}, "messages.0.content.0",
+         "Unable to extract"),
         ({"messages": []}, "messages", "at least 1"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", "'user', 'assistant' or 'system'"),
         ({"messages": [{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]},
@@ -283,8 +292,8 @@ def test_a_real_vllm_stream_reads_back_in_the_sdk_as_the_record_says() -> None:
     assert as_recorded(final) == recorded
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks[:-2])
     assert recorded["content"] == [{"type": "text", "text": text}]
-    assert (recorded["stop_reason"], recorded["usage"]) == ("max_tokens", {
-        "input_tokens": 18, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0, "output_tokens": 8})  # fmt: skip
+    usage = {"input_tokens": 18, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0, "output_tokens": 8}
+    assert (recorded["stop_reason"], recorded["usage"]) == ("max_tokens", usage)
 
 
 def test_a_streamed_tool_call_is_the_same_message_as_the_non_streamed_one() -> None:
@@ -392,7 +401,7 @@ def test_tool_call_deltas_that_repeat_the_calls_id_stay_one_tool_use_block() -> 
     for chunk in chunks[1:-2]:  # every argument piece repeats the call's id, as some parsers send it
         for part in chunk["choices"][0]["delta"].get("tool_calls") or ():
             part["id"] = call_id
-    sent, recorded = stream_bytes(chunks, tools=[WEATHER])
+    sent, _ = stream_bytes(chunks, tools=[WEATHER])
     assert sent.count(b"event: content_block_start") == 1
     _, final = sdk_stream(sent)
     assert [b.type for b in final.content] == ["tool_use"] and final.content[0].name == "get_weather"
@@ -445,7 +454,11 @@ def test_thinking_is_a_signed_block_before_the_answer_streamed_and_not() -> None
     reasoning, text = chat["choices"][0]["message"]["reasoning"], chat["choices"][0]["message"]["content"]
     answer = MESSAGES.from_chat(without_token_fields(chat), call_of(body(**THINKING)))
     thinking, answered = answer["content"]
-    assert thinking == {"type": "thinking", "thinking": reasoning, "signature": SERVED.signer.sign("thinking", reasoning)}
+    assert thinking == {
+        "type": "thinking",
+        "thinking": reasoning,
+        "signature": SERVED.signer.sign("thinking", reasoning),
+    }
     assert answered == {"type": "text", "text": text}
     sent, recorded = stream_bytes(capture("apis_reasoning_stream"), **THINKING)
     events, final = sdk_stream(sent)
@@ -468,7 +481,7 @@ def test_a_client_that_did_not_ask_for_thinking_gets_pings_while_the_model_think
     sent, recorded = stream_bytes(chunks)
     thoughts = sum(1 for c in chunks[1:-2] if c["choices"][0]["delta"].get("reasoning"))
     assert sent.count(b"event: ping") == thoughts > 0 and b'"type":"thinking"' not in sent
-    events, final = sdk_stream(sent)
+    _, final = sdk_stream(sent)
     assert [b.type for b in final.content] == ["text"] and as_recorded(final) == recorded
     answer = MESSAGES.from_chat(without_token_fields(capture("apis_reasoning")), call_of(body()))
     assert [b["type"] for b in answer["content"]] == ["text"]
@@ -574,7 +587,10 @@ def test_errors_leave_in_anthropics_shape_and_the_sdk_raises_its_own_type(
 
 
 def test_readers_get_the_conversation_and_never_fail_on_a_stored_body() -> None:
-    assert anthropic_chat_messages({"messages": TOOL_LOOP}) == MESSAGES.to_chat(body(messages=TOOL_LOOP), SERVED)["messages"]
+    assert (
+        anthropic_chat_messages({"messages": TOOL_LOOP})
+        == MESSAGES.to_chat(body(messages=TOOL_LOOP), SERVED)["messages"]
+    )
     assert anthropic_chat_messages({"system": 3, "messages": [None, {"role": "user", "content": [7, {"type": "x"}]},
                                                               {"role": "user", "content": None}]}) == [
         {"role": "user", "content": "[x block omitted; not supported by this server]"},
