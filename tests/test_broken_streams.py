@@ -57,12 +57,12 @@ def responses(proxy: RunningProxy, trajectory: str) -> str:
 
 def messages(proxy: RunningProxy, trajectory: str) -> str:
     """A streamed Messages call through the anthropic SDK: it raises on Anthropic's error event."""
-    with anthropic.Anthropic(base_url=proxy.url, api_key="unused", max_retries=0,
-                             default_headers={"X-Trajectory-Id": trajectory}) as client:  # fmt: skip
-        with pytest.raises(anthropic.APIStatusError) as raised:
-            for _ in client.messages.create(model="agent", max_tokens=64, stream=True,
-                                            messages=[{"role": "user", "content": QUESTION}]):  # fmt: skip
-                pass
+    client = anthropic.Anthropic(base_url=proxy.url, api_key="unused", max_retries=0,
+                                 default_headers={"X-Trajectory-Id": trajectory})  # fmt: skip
+    with client, pytest.raises(anthropic.APIStatusError) as raised:
+        for _ in client.messages.create(model="agent", max_tokens=64, stream=True,
+                                        messages=[{"role": "user", "content": QUESTION}]):  # fmt: skip
+            pass
     assert raised.value.body["type"] == "error"  # type: ignore[index]
     return str(raised.value.body["error"]["message"])  # type: ignore[index]
 

