@@ -77,8 +77,9 @@ async def test_the_agents_sdk_raises_the_code_it_can_compact_on(
 @pytest.mark.parametrize("stream", [False, True])
 def test_messages_answer_anthropics_prompt_is_too_long(proxy: RunningProxy, small: FakeVLLM, stream: bool) -> None:
     client = anthropic.Anthropic(base_url=proxy.url, api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": LONG}]
     with client, pytest.raises(anthropic.BadRequestError) as raised:
-        client.messages.create(model="agent", max_tokens=16, stream=stream, messages=[{"role": "user", "content": LONG}])
+        client.messages.create(model="agent", max_tokens=16, stream=stream, messages=messages)
     assert raised.value.body == {"type": "error", "error": {  # type: ignore[comparison-overlap]
         "type": "invalid_request_error", "message": f"prompt is too long: {LIMIT + 1} tokens > {LIMIT} maximum"}}
 
