@@ -37,12 +37,14 @@ wire_api = "responses"
 
 
 def run_codex(
-    prompt: str, base_url: str, home: Path, cwd: Path, *args: str, timeout_s: float = 240, check: bool = True
-) -> str:
-    """``codex exec prompt``'s output (its answer last); ``check``: a failure shows what it said."""
+    prompt: str, base_url: str, home: Path, cwd: Path, *args: str, timeout_s: float = 240, check: bool = True,
+    config: str | None = None,
+) -> str:  # fmt: skip
+    """``codex exec prompt``'s output (its answer last); ``check``: a failure shows what it said; ``config``: the
+    config.toml to use instead of ``codex_config(base_url)``."""
     assert CODEX is not None
     home.mkdir(parents=True, exist_ok=True)
-    (home / "config.toml").write_text(codex_config(base_url))
+    (home / "config.toml").write_text(config if config is not None else codex_config(base_url))
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "CODEX_HOME": str(home),
            "TRACETRAIN_API_KEY": "unused"}  # fmt: skip
     argv = [CODEX, "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox", *args, prompt]

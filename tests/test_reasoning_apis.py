@@ -26,8 +26,8 @@ from fake_vllm import FakeVLLM, Reply, ToolCall, serve_in_thread
 from trainer import CapturedCall, build_samples
 
 THOUGHT = "The user wants the weather; I should call the tool."
-WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}  # fmt: skip
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.", "parameters": CITY}
 ANTHROPIC_WEATHER = {"name": "get_weather", "description": "The weather in a city.",
                      "input_schema": WEATHER["parameters"]}  # fmt: skip
 THINKING = {"type": "enabled", "budget_tokens": 1024}
