@@ -1,9 +1,9 @@
 """Running the Codex CLI (``codex exec``) against a proxy, offline: what the Responses tests share.
 
 Codex is configured only by its own config file (``$CODEX_HOME/config.toml``): a model provider
-whose ``base_url`` is the proxy and whose wire API is the Responses API, the policy as its model,
-and the two tools the proxy cannot serve switched off (the hosted web search, and the sub-agent
-tools that Codex sends as a ``namespace`` tool). Its home lives in a temporary directory.
+whose ``base_url`` is the proxy and whose wire API is the Responses API, the policy as its model;
+nothing else (its hosted web search and its sub-agent ``namespace`` tool stay on: the proxy leaves
+them out with a note). Its home lives in a temporary directory.
 """
 
 from __future__ import annotations
@@ -23,10 +23,6 @@ def codex_config(base_url: str) -> str:
     """The config.toml that points Codex at the proxy (also the README's configuration)."""
     return f'''model = "agent"
 model_provider = "tracetrain"
-web_search = "disabled"
-
-[agents]
-enabled = false
 
 [model_providers.tracetrain]
 name = "tracetrain"
@@ -37,14 +33,12 @@ wire_api = "responses"
 
 
 def run_codex(
-    prompt: str, base_url: str, home: Path, cwd: Path, *args: str, timeout_s: float = 240, check: bool = True,
-    config: str | None = None,
-) -> str:  # fmt: skip
-    """``codex exec prompt``'s output (its answer last); ``check``: a failure shows what it said; ``config``: the
-    config.toml to use instead of ``codex_config(base_url)``."""
+    prompt: str, base_url: str, home: Path, cwd: Path, *args: str, timeout_s: float = 240, check: bool = True
+) -> str:
+    """``codex exec prompt``'s output (its answer last); ``check``: a failure shows what it said."""
     assert CODEX is not None
     home.mkdir(parents=True, exist_ok=True)
-    (home / "config.toml").write_text(config if config is not None else codex_config(base_url))
+    (home / "config.toml").write_text(codex_config(base_url))
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "CODEX_HOME": str(home),
            "TRACETRAIN_API_KEY": "unused"}  # fmt: skip
     argv = [CODEX, "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox", *args, prompt]

@@ -165,9 +165,8 @@ def test_codex_with_only_its_provider_configured_runs_a_tool_loop(
     work.mkdir()
     (work / "note.txt").write_text("the answer is 42\n")
     fake.script(Reply(tool_calls=[ToolCall("exec_command", '{"cmd": "cat note.txt"}')]), Reply(content="It says 42."))
-    # Codex's defaults: its hosted web search and its sub-agent tools on.
-    config = codex_config(proxy.v1).replace('web_search = "disabled"\n', "").replace("[agents]\nenabled = false\n", "")
-    out = run_codex("What does note.txt say?", proxy.v1, tmp_path / "home", work, config=config)
+    assert "web_search" not in codex_config(proxy.v1)  # Codex's defaults: its hosted web search and sub-agents on
+    out = run_codex("What does note.txt say?", proxy.v1, tmp_path / "home", work)
     assert "It says 42." in out
     [trajectory] = httpx.get(f"{proxy.v1}/trajectories").json()["data"]
     first = httpx.get(f"{proxy.v1}/trajectories/{trajectory['id']}").json()["calls"][0]
