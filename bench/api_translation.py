@@ -90,13 +90,27 @@ def per_call_us(fn: Callable[[], object], number: int = 2000, repeat: int = 7) -
 
 
 def ours() -> dict[str, Callable[[], object]]:
+    from proxy.gateway._call import Call
+    from proxy.gateway._capture import Asked
+    from proxy.gateway._keying import Conversation, Key
+    from proxy.gateway._policies import Route
+    from proxy.gateway._served import Served
     from proxy.gateway.dialects import MESSAGES, RESPONSES
 
+    served = Served()
+
+    def call(body: dict[str, Any]) -> Call:
+        asked = Asked(token_ids=True, logprobs=False, usage_chunk=True)
+        route, key = Route("agent", 3, "base"), Key("t", "g", "header", None)
+        return Call("chat.completions", body, route, key, Conversation("agent", None), asked, 0.0, 0.0, None, served)
+
+    responses_call, messages_call = call(RESPONSES_BODY), call(MESSAGES_BODY)
+
     return {
-        "responses: request -> chat": lambda: RESPONSES.to_chat(RESPONSES_BODY),
-        "responses: chat -> response": lambda: RESPONSES.from_chat(CHAT_RESPONSE, RESPONSES_BODY, "agent@3"),
-        "messages: request -> chat": lambda: MESSAGES.to_chat(MESSAGES_BODY),
-        "messages: chat -> response": lambda: MESSAGES.from_chat(CHAT_RESPONSE, MESSAGES_BODY, "agent@3"),
+        "responses: request -> chat": lambda: RESPONSES.to_chat(RESPONSES_BODY, served),
+        "responses: chat -> response": lambda: RESPONSES.from_chat(CHAT_RESPONSE, responses_call),
+        "messages: request -> chat": lambda: MESSAGES.to_chat(MESSAGES_BODY, served),
+        "messages: chat -> response": lambda: MESSAGES.from_chat(CHAT_RESPONSE, messages_call),
     }
 
 

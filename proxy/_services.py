@@ -27,7 +27,7 @@ from proxy._periodic import every
 from proxy._settings import Settings
 from proxy.admin import TokenTexts
 from proxy.errors import UpstreamError
-from proxy.gateway import Forwarder, Gate, Keyer, PolicyRegistry, Upstream
+from proxy.gateway import Forwarder, Gate, Keyer, PolicyRegistry, Served, Signer, Upstream
 from proxy.gateway.upstream import Router
 from proxy.judge import JudgeService
 from proxy.judge._timeout import RewardTimeout
@@ -108,7 +108,10 @@ async def build_services(
         sweep = functools.partial(store.release_stale_seats, settings.seat_timeout_s)
         _start(stack, every(min(60.0, settings.seat_timeout_s / 2), sweep, log, "could not give back stale seats"),
                "tracetrain-seats")  # fmt: skip
-        forwarder = Forwarder(router, store, keyer, registry, metrics, langfuse, gate)
+        admin_token = settings.admin_token.get_secret_value() if settings.admin_token else None
+        served = Served(reasoning=settings.reasoning_parser is not None, images=settings.reads_images,
+                        signer=Signer.for_server(settings.data_dir, admin_token))  # fmt: skip
+        forwarder = Forwarder(router, store, keyer, registry, metrics, langfuse, gate, served)
         yield Services(
             settings, Credentials(settings, store.sessions), store, router.upstreams[0], router, registry, keyer,
             forwarder, scheduler, publisher, metrics, TokenTexts(router.upstreams[0]), judging,

@@ -58,6 +58,10 @@ class Settings(BaseSettings):
     # and its content without it; the sampled token ids hold both, and train both. The Responses and Messages
     # APIs read this to answer with reasoning items and thinking blocks.
     reasoning_parser: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.\-]+$", max_length=100)
+    # The served model reads images (`serve` reads it in the model's config.json; --reads-images for an
+    # --upstream). Without it, an image an agent sends (Anthropic's image blocks, the Responses API's
+    # input_image) reaches the model as a text placeholder, never as a failed call.
+    reads_images: bool = False
 
     host: str = "127.0.0.1"
     port: int = Field(default=8100, ge=0, le=65535)

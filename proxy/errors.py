@@ -2,7 +2,8 @@
 
     ProxyError                      status, type, code -> {"error": {message, type, param, code}}
     ├── InvalidRequest              400 invalid_request_error (bad JSON, fields, path or query values)
-    │   └── BodyTooLarge                413 code request_too_large (over --max-body-mb)
+    │   ├── BodyTooLarge                413 code request_too_large (over --max-body-mb)
+    │   └── ContextLengthExceeded       code context_length_exceeded: vLLM's 400 for a prompt over its context
     ├── AuthenticationFailed        401 authentication_error
     ├── PermissionDenied            403 permission_error
     ├── NotFound                    404 not_found_error
@@ -15,12 +16,14 @@
     │   ├── UpstreamUnreachable         502 (connection refused, reset, protocol error)
     │   ├── UpstreamNotReady            503 (the base model is not known yet)
     │   ├── UpstreamTimeout             504
-    │   └── UpstreamHTTPError           the upstream's own status and body, passed through
+    │   ├── UpstreamHTTPError           the upstream's own status and body, passed through
+    │   └── UpstreamStreamError         vLLM ended a stream with its error event (an engine failure)
     ├── GpuBusy                     503 + Retry-After: held through a training step (--share-gpu) longer than
     │                                   --handover-wait; code vllm_not_awake: vLLM did not wake after one
     └── StoreUnavailable            503 the call could not be recorded, so it is not answered
 
-Upstream httpx errors are translated in one place, ``upstream_errors()``; the store's
+Upstream httpx errors are translated in one place, ``upstream_errors()``, and the upstream's error
+statuses in another, ``upstream_http_error()``; the store's
 errors (``store.StoreError``) in another, ``store_errors()`` (``from_store_error()``). Every
 error's HTTP response is made here: ``error_response()`` for a ``ProxyError``,
 ``response_for()`` for whatever a request raised (an unexpected error is logged and answered
@@ -33,6 +36,7 @@ their own error shape (``Dialect.error``, ``proxy.gateway.dialects``).
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from types import TracebackType
@@ -85,6 +89,26 @@ class BodyTooLarge(InvalidRequest):
 
     status_code = 413
     code = "request_too_large"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """vLLM's 400 for a prompt longer than its context (``--max-model-len``), coded as OpenAI codes it.
+
+    Agents look for this code (Codex, the Agents SDK) or for Anthropic's "prompt is too long" (Claude
+    Code) to compact their history and go on. ``prompt_tokens`` is the prompt's length as vLLM counted
+    it (a lower bound when vLLM only counted characters), ``limit`` the context; None where vLLM's text
+    did not say. The message stays vLLM's; each API's error shape sets ``param`` (``with_param``).
+    """
+
+    code = "context_length_exceeded"
+
+    def __init__(self, message: str, *, prompt_tokens: int | None, limit: int | None, param: str | None = None) -> None:
+        super().__init__(message, param=param)
+        self.prompt_tokens = prompt_tokens
+        self.limit = limit
+
+    def with_param(self, param: str) -> ContextLengthExceeded:
+        return ContextLengthExceeded(self.message, prompt_tokens=self.prompt_tokens, limit=self.limit, param=param)
 
 
 class AuthenticationFailed(ProxyError):
@@ -168,6 +192,31 @@ class UpstreamHTTPError(UpstreamError):
         return error_body(self.message, self.type, None, str(self.status_code))
 
 
+class UpstreamStreamError(UpstreamError):
+    """vLLM ended a stream with an error event instead of its answer (an engine failure mid-generation).
+
+    vLLM 0.32 sends ``data: {"error": {"message", "type", "param", "code"}}`` and then ``data: [DONE]``;
+    ``event`` is that error event's data as vLLM wrote it (chat streams forward it so), ``status_code``
+    its ``code`` (500 by default; 503 when vLLM says the request may be retried).
+    """
+
+    def __init__(self, message: str, status_code: int, event: bytes | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.event = event
+
+    @classmethod
+    def from_event(cls, data: bytes, error: Any) -> UpstreamStreamError:
+        """The error event vLLM sent (``error``: its parsed ``error`` member)."""
+        error = error if isinstance(error, dict) else {}
+        code = error.get("code")
+        status = code if isinstance(code, int) and 400 <= code <= 599 else 500
+        return cls(str(error.get("message") or "the upstream failed mid-stream"), status, data)
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, "server_error", None, self.status_code)
+
+
 class GpuBusy(ProxyError):
     """The GPU is the trainer's for a step (``--share-gpu``), or vLLM did not wake after one."""
 
@@ -202,6 +251,36 @@ def _upstream_message(content: bytes) -> str:
         if isinstance(parsed.get("message"), str):
             return str(parsed["message"])
     return content[:500].decode("utf-8", "replace")
+
+
+# vLLM 0.32's texts for a prompt over the context (renderers/params.py, and get_max_tokens in serve/utils).
+_CONTEXT_TOKENS = re.compile(
+    r"This model's maximum context length is (\d+) tokens\. However, your prompt contains (?:at least )?(\d+) input"
+)
+_CONTEXT_CHARS = re.compile(
+    r"This model's maximum context length is (\d+) tokens\. However, your prompt contains (\d+) characters "
+    r"\(more than (\d+) characters, which is the upper bound for (\d+) input tokens\)"
+)
+_INPUT_LENGTH = re.compile(r"Input length \((\d+)\) exceeds model's maximum context length \((\d+)\)")
+
+
+def upstream_http_error(status_code: int, content: bytes) -> UpstreamError | ContextLengthExceeded:
+    """The upstream's error status as the proxy raises it: a prompt over vLLM's context is
+    ``ContextLengthExceeded``, anything else ``UpstreamHTTPError`` (passed through)."""
+    error = UpstreamHTTPError(status_code, content)
+    if status_code != 400 or "context length" not in error.message:
+        return error
+    if found := _CONTEXT_TOKENS.search(error.message):
+        limit, tokens = int(found[1]), int(found[2])
+    elif found := _CONTEXT_CHARS.search(error.message):
+        # Counted in characters: at least the characters over the upper bound's rate, and more than the limit.
+        limit, chars, bound, bound_tokens = (int(g) for g in found.groups())
+        tokens = max(-(-chars * bound_tokens // max(bound, 1)), limit + 1)
+    elif found := _INPUT_LENGTH.search(error.message):
+        tokens, limit = int(found[1]), int(found[2])
+    else:
+        return error
+    return ContextLengthExceeded(error.message, prompt_tokens=tokens, limit=limit)
 
 
 @asynccontextmanager

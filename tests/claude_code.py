@@ -48,16 +48,21 @@ MAX_TOKENS_ERROR = "output token maximum"
 
 
 def run_claude(
-    prompt: str, env: dict[str, str], cwd: Path, *args: str, timeout_s: float = 240, cut_off_ok: bool = False
-) -> str:
+    prompt: str, env: dict[str, str], cwd: Path, *args: str, timeout_s: float = 240, cut_off_ok: bool = False,
+    expect_failure: bool = False,
+) -> str:  # fmt: skip
     """``claude -p prompt``'s printed answer; a failure shows what it said.
 
     ``cut_off_ok``: an answer cut at max_tokens, which Claude Code reports as an API error, is no failure.
+    ``expect_failure``: Claude Code must exit 1; what it printed is returned.
     """
     assert CLAUDE is not None
     done = subprocess.run(
         [CLAUDE, "-p", prompt, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout_s, check=False
     )
+    if expect_failure:
+        assert done.returncode == 1, f"claude exited {done.returncode}: {done.stdout[-2000:]}"
+        return done.stdout + done.stderr
     cut_off = cut_off_ok and done.returncode == 1 and MAX_TOKENS_ERROR in done.stdout
     assert done.returncode == 0 or cut_off, (
         f"claude exited {done.returncode}: {done.stdout[-2000:]} {done.stderr[-2000:]}"

@@ -1,9 +1,9 @@
 """Running the Codex CLI (``codex exec``) against a proxy, offline: what the Responses tests share.
 
 Codex is configured only by its own config file (``$CODEX_HOME/config.toml``): a model provider
-whose ``base_url`` is the proxy and whose wire API is the Responses API, the policy as its model,
-and the two tools the proxy cannot serve switched off (the hosted web search, and the sub-agent
-tools that Codex sends as a ``namespace`` tool). Its home lives in a temporary directory.
+whose ``base_url`` is the proxy and whose wire API is the Responses API, the policy as its model;
+nothing else (its hosted web search and its sub-agent ``namespace`` tool stay on: the proxy leaves
+them out with a note). Its home lives in a temporary directory.
 """
 
 from __future__ import annotations
@@ -23,10 +23,6 @@ def codex_config(base_url: str) -> str:
     """The config.toml that points Codex at the proxy (also the README's configuration)."""
     return f'''model = "agent"
 model_provider = "tracetrain"
-web_search = "disabled"
-
-[agents]
-enabled = false
 
 [model_providers.tracetrain]
 name = "tracetrain"

@@ -26,7 +26,19 @@ Faithful to vLLM 0.32:
   vLLM's Hermes parser reads it back. Streams send the name delta (``id``, ``type``,
   ``index``, ``function.name``), then argument pieces; markup-only tokens become
   ``"delta": {}`` chunks, skipped unless ``logprobs`` or ``return_token_ids`` was asked.
-  Without ``tools`` (or with ``tool_choice: "none"``) the markup comes back as content.
+  Without ``tools`` (or with ``tool_choice: "none"``) the markup comes back as content. A named
+  ``tool_choice`` finishes with ``"stop"`` and content ``""``, as vLLM's structured decoding does.
+- Reasoning (``reasoning_parser``, vLLM's ``--reasoning-parser``): a ``Reply.reasoning`` is generated
+  between ``<think>`` and ``</think>`` and comes back as ``message.reasoning`` (content null when nothing
+  follows) and ``delta.reasoning`` pieces (the tags: no delta), with
+  ``usage.completion_tokens_details.reasoning_tokens`` (the sampled tokens between the tags, as vLLM
+  counts them: a template whose generation prompt opens ``<think>`` itself gets 0 from vLLM).
+- ``enable_prompt_tokens_details`` (``--enable-prompt-tokens-details``): ``usage.prompt_tokens_details``
+  with ``cached_tokens`` (the prompt's prefix shared with an earlier prompt, in 32-token blocks, never the
+  whole prompt) and ``created_cache_tokens`` 0.
+- A prompt over ``max_model_len`` is vLLM's 400 (its renderer's words, before anything is generated);
+  ``Reply.stream_error`` is an engine failure inside a stream, as vLLM sends it: its ``ErrorResponse``
+  written by ``json.dumps`` as a ``data:`` event, then ``data: [DONE]``.
 - Logprobs: chat ``{token, logprob, bytes, top_logprobs}`` and the legacy completions
   shape, sampled token first, as vLLM orders its logprob dicts.
 - ``/pause``, ``/resume``, ``/is_paused``, ``/sleep``, ``/wake_up``, ``/is_sleeping``
@@ -46,9 +58,9 @@ Simplified:
 - vLLM ends a natural stop with the EOS id in ``token_ids`` (counted in usage); the fake
   does so only with ``emit_eos=True``.
 - Minimal request validation (missing ``messages``/``prompt``, bad JSON) with approximate
-  messages. No context-length errors, ``echo``, stop strings, ``continuous_usage_stats``
-  or ``parallel_tool_calls``; one prompt per completions request; ``tool_choice``
-  "required" or named acts like "auto"; at most 20 top logprobs. Loading a LoRA never
+  messages. No ``echo``, stop strings, ``continuous_usage_stats`` or ``parallel_tool_calls``;
+  one prompt per completions request; ``tool_choice`` "required" acts like "auto" (a named one
+  still generates the Hermes markup); at most 20 top logprobs. Loading a LoRA never
   reads ``lora_path``: set ``fail_next_load`` to make a load fail. ``/metrics`` has no other
   metric, and its running count is always 0.
 - LoRA resolvers: set ``resolve_lora`` (an async function of the name that returns a path
@@ -62,6 +74,7 @@ import argparse
 import asyncio
 import functools
 import itertools
+import json
 import os
 import re
 import threading
@@ -81,6 +94,8 @@ from fake_vllm_text import (
     _ALT_PIECES,
     _VOCAB,
     EOS_TOKEN_ID,
+    THINK_END,
+    THINK_START,
     _assistant_text,
     _encode,
     _hermes_deltas,
@@ -124,10 +139,14 @@ class Reply:
     """What the next generation request answers.
 
     ``finish_reason`` defaults to vLLM's: "tool_calls" when the request had ``tools`` and
-    the calls parsed, "length" when ``max_tokens`` cut the output, else "stop". A
-    ``status`` other than 200 answers vLLM's error body with ``error_message``.
-    ``fail_mid_stream`` drops the connection after the first token chunk (non-streamed:
-    halfway through the body). ``delay_s`` is slept before answering.
+    the calls parsed (but "stop" under a named ``tool_choice``), "length" when ``max_tokens``
+    cut the output, else "stop". A ``status`` other than 200 answers vLLM's error body with
+    ``error_message``. ``fail_mid_stream`` drops the connection after the first token chunk
+    (non-streamed: halfway through the body); ``stream_error`` is an engine failure after the
+    first token chunk, as vLLM reports it inside a stream (its error event, then ``[DONE]``).
+    ``reasoning`` is thought first (``<think>...</think>``): with the server's
+    ``reasoning_parser`` it comes back as ``reasoning``, else as content. ``delay_s`` is slept
+    before answering.
     """
 
     content: str = ""
@@ -136,6 +155,8 @@ class Reply:
     status: int = 200
     error_message: str = ""
     fail_mid_stream: bool = False
+    stream_error: str = ""
+    reasoning: str = ""
     delay_s: float = 0.0
 
 
@@ -144,21 +165,32 @@ class _Output:
     token_ids: list[int]
     texts: list[str]  # the text each token adds
     truncated: bool  # cut by max_tokens
+    think: int = 0  # the first tokens that are the thinking, its tags included
 
     @property
     def text(self) -> str:
         return "".join(self.texts)
 
+    @property
+    def reasoning(self) -> str:
+        return "".join(t for t in self.texts[: self.think] if t not in (THINK_START, THINK_END))
+
+    @property
+    def answer(self) -> str:
+        return "".join(self.texts[self.think :])
+
 
 def _generate(reply: Reply, max_tokens: int | None, emit_eos: bool) -> _Output:
-    ids, texts = _encode(_assistant_text(reply.content, [(c.name, c.arguments) for c in reply.tool_calls]))
+    text = _assistant_text(reply.content, [(c.name, c.arguments) for c in reply.tool_calls])
+    think = len(_encode(f"{THINK_START}{reply.reasoning}{THINK_END}")[0]) if reply.reasoning else 0
+    ids, texts = _encode(f"{THINK_START}{reply.reasoning}{THINK_END}{text}" if reply.reasoning else text)
     if emit_eos:
         ids.append(EOS_TOKEN_ID)
         texts.append("")  # skip_special_tokens keeps the EOS out of the text
     truncated = max_tokens is not None and len(ids) > max_tokens
     if truncated:
         del ids[max_tokens:], texts[max_tokens:]
-    return _Output(ids, texts, truncated)
+    return _Output(ids, texts, truncated, min(think, len(ids)))
 
 
 def _top_logprobs(token_id: int, count: int) -> list[tuple[int, str, float]]:
@@ -264,6 +296,15 @@ def _event(chunk: Mapping[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
 
+_BLOCK = 32  # vLLM's KV cache block on a CPU, as tracetrain serve starts it (--block-size 32)
+
+
+def _shared(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
 def _random_id() -> str:
     return os.urandom(8).hex()  # vLLM's random_uuid(): 16 hex characters
 
@@ -330,16 +371,28 @@ class _Job:
     include_usage: bool
     return_token_ids: bool
     tokens_as_ids: bool  # return_tokens_as_token_ids
+    named_tool: bool = False  # tool_choice names a function: vLLM finishes it with "stop"
+    parses_reasoning: bool = False  # the server runs a reasoning parser
+    cached_tokens: int | None = None  # --enable-prompt-tokens-details: the prompt's tokens in the prefix cache
 
     def usage(self, *, nulls: bool) -> dict[str, Any]:
+        """vLLM's usage; ``nulls``: a whole body's (every field), else a stream's usage chunk (nulls dropped)."""
         prompt, completion = len(self.prompt_ids), self.n * len(self.out.token_ids)
         usage: dict[str, Any] = {
             "prompt_tokens": prompt,
             "total_tokens": prompt + completion,
             "completion_tokens": completion,
         }
-        if nulls:
-            usage |= {"prompt_tokens_details": None, "completion_tokens_details": None}
+        if self.cached_tokens is not None:
+            details = {"cached_tokens": self.cached_tokens, "created_cache_tokens": 0}
+            usage["prompt_tokens_details"] = details | ({"multimodal_tokens": None} if nulls else {})
+        elif nulls:
+            usage["prompt_tokens_details"] = None
+        if self.parses_reasoning:  # the sampled tokens between <think> and </think> (vLLM's count_reasoning_tokens)
+            tags = sum(t in (THINK_START, THINK_END) for t in self.out.texts[: self.out.think])
+            usage["completion_tokens_details"] = {"reasoning_tokens": (self.out.think - tags) * self.n}
+        elif nulls:
+            usage["completion_tokens_details"] = None
         return usage
 
 
@@ -362,11 +415,17 @@ class FakeVLLM:
     max_model_len = 32768
 
     def __init__(
-        self, base_model: str = "fake/base-model", *, token_delay_s: float = 0.0, emit_eos: bool = False
-    ) -> None:
+        self, base_model: str = "fake/base-model", *, token_delay_s: float = 0.0, emit_eos: bool = False,
+        reasoning_parser: str | None = None, enable_prompt_tokens_details: bool = False,
+    ) -> None:  # fmt: skip
         self.base_model = base_model
         self.token_delay_s = token_delay_s
         self.emit_eos = emit_eos
+        # --reasoning-parser (any name: the fake reads <think>...</think> as deepseek_r1 and qwen3 do).
+        self.reasoning_parser = reasoning_parser
+        # --enable-prompt-tokens-details: usage tells the prompt's tokens found in the prefix cache.
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
+        self._prompts: list[list[int]] = []  # every prompt so far: the fake's prefix cache
         self.requests: list[dict[str, Any]] = []  # every generation body received, in order
         self.loras: dict[str, str] = {}  # loaded adapters: name -> path
         self.fail_next_load: str | None = None  # the engine error the next load fails with
@@ -423,10 +482,11 @@ class FakeVLLM:
             prompt = render_chat(messages, body.get("tools"), add_generation_prompt=add_generation_prompt)
         except (KeyError, TypeError, AttributeError) as exc:
             raise _invalid("messages", "value_error", f"Malformed message: {exc!r}") from exc
+        prompt_ids = self._within_context(tokenize(prompt))
         user = next((m.get("content") for m in reversed(messages) if m.get("role") == "user"), "")
         reply = await self._take_reply(body, f"echo: {_text(user)}")
         limit = next((body[key] for key in ("max_completion_tokens", "max_tokens") if body.get(key) is not None), None)
-        job = self._job(request, body, "chat.completion", model, tokenize(prompt), reply, limit)
+        job = self._job(request, body, "chat.completion", model, prompt_ids, reply, limit)
         role = "assistant" if add_generation_prompt or not messages else str(messages[-1].get("role"))
         parse_tools = bool(body.get("tools")) and body.get("tool_choice", "auto") != "none"
         k = min(int(body.get("top_logprobs") or 0), MAX_LOGPROBS) if body.get("logprobs") else None
@@ -450,7 +510,7 @@ class FakeVLLM:
             )
         if not isinstance(prompt, str) and not all(isinstance(t, int) for t in prompt):
             raise _VLLMError("fake_vllm serves one prompt per request.", "BadRequestError", 400, "prompt")
-        prompt_ids = tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        prompt_ids = self._within_context(tokenize(prompt) if isinstance(prompt, str) else list(prompt))
         await self._resolved(body.get("model"))
         model = self._served_model(body.get("model"))
         self.handover.note(f"completions {model}")
@@ -462,6 +522,27 @@ class FakeVLLM:
         if self.token_delay_s:
             await asyncio.sleep(self.token_delay_s * len(job.out.token_ids))
         return self._respond(self._completion_body(job, k), reply)
+
+    def _within_context(self, prompt_ids: list[int]) -> list[int]:
+        """vLLM's 400 for a prompt over ``max_model_len`` (its renderer's text: it tokenizes at most one token
+        more, so it says "at least"), before anything is generated."""
+        if len(prompt_ids) > self.max_model_len:
+            limit = self.max_model_len
+            raise _VLLMError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt contains at least "
+                f"{limit + 1} input tokens, which exceeds this limit even without any output tokens. Please reduce "
+                f"the length of the input prompt. (parameter=input_tokens, value={limit + 1})",
+                "BadRequestError", 400, param="input_tokens",
+            )  # fmt: skip
+        return prompt_ids
+
+    def _cached(self, prompt_ids: list[int]) -> int | None:
+        """With prompt token details: the prompt's tokens a prefix cache of 32-token blocks holds (vLLM on a CPU)."""
+        if not self.enable_prompt_tokens_details:
+            return None
+        longest = max((_shared(prompt_ids, seen) for seen in self._prompts), default=0)
+        self._prompts.append(prompt_ids)
+        return min(longest, len(prompt_ids) - 1) // _BLOCK * _BLOCK
 
     async def _resolved(self, model: Any) -> None:
         """vLLM's _check_model: a name it does not hold goes to the resolvers, and what they find is loaded."""
@@ -522,6 +603,9 @@ class FakeVLLM:
             include_usage=stream and bool((body.get("stream_options") or {}).get("include_usage")),
             return_token_ids=bool(body.get("return_token_ids")),
             tokens_as_ids=bool(body.get("return_tokens_as_token_ids")),
+            named_tool=isinstance(body.get("tool_choice"), dict),
+            parses_reasoning=self.reasoning_parser is not None and kind == "chat.completion",
+            cached_tokens=self._cached(prompt_ids),
         )
 
     @staticmethod
@@ -530,8 +614,14 @@ class FakeVLLM:
 
     def _chat_body(self, job: _Job, role: str, parse_tools: bool, k: int | None) -> dict[str, Any]:
         out = job.out
-        content, calls = _parse_tool_calls(out.text) if parse_tools else (out.text, [])
-        finish = job.reply.finish_reason or ("tool_calls" if calls else "length" if out.truncated else "stop")
+        text = out.answer if job.parses_reasoning else out.text
+        content, calls = _parse_tool_calls(text) if parse_tools else (text, [])
+        if job.parses_reasoning and not content:
+            content = None  # all thinking: vLLM's reasoning parser leaves no content
+        if calls and job.named_tool:
+            content = ""  # a named tool choice decodes the arguments alone
+        tool_finish = "stop" if job.named_tool else "tool_calls"
+        finish = job.reply.finish_reason or (tool_finish if calls else "length" if out.truncated else "stop")
         logprobs = None if k is None else _chat_logprobs(out.token_ids, k, job.tokens_as_ids)
         choices = []
         for i in range(job.n):
@@ -548,7 +638,7 @@ class FakeVLLM:
                     {"id": self._call_id(job, j), "type": "function", "function": {"name": name, "arguments": args}}
                     for j, (name, args) in enumerate(calls)
                 ]
-            message["reasoning"] = None
+            message["reasoning"] = (out.reasoning or None) if job.parses_reasoning else None
             choices.append(
                 {
                     "index": i,
@@ -622,11 +712,16 @@ class FakeVLLM:
         self, job: _Job, parse_tools: bool, k: int | None
     ) -> Callable[[int, int, bool], dict[str, Any] | None]:
         out = job.out
+        think = out.think if job.parses_reasoning else 0
+        # The reasoning parser: the thinking's pieces as reasoning deltas, its tags as nothing.
+        thought = [None if t in (THINK_START, THINK_END) else {"reasoning": t} for t in out.texts[:think]]
+        answer = out.texts[think:]
         if parse_tools:
-            deltas = [_hermes_deltas(out.texts, lambda j: self._call_id(job, j)) for _ in range(job.n)]
-        else:  # the parser passes text through, and has nothing to say for an empty delta
-            deltas = [[{"content": t} if t else None for t in out.texts]] * job.n
+            deltas = [thought + _hermes_deltas(answer, lambda j: self._call_id(job, j)) for _ in range(job.n)]
+        else:  # the parser passes text through, and has nothing to say for an empty delta (a reasoning parser has)
+            deltas = [thought + [{"content": t} if t or think else None for t in answer]] * job.n
         tools_streamed = [any(d is not None and "tool_calls" in d for d in ds) for ds in deltas]
+        tool_finish = "stop" if job.named_tool else "tool_calls"
 
         def choice(step: int, i: int, last: bool) -> dict[str, Any] | None:
             token_ids = out.token_ids[step : step + 1]
@@ -638,7 +733,7 @@ class FakeVLLM:
             logprobs = None if k is None else _chat_logprobs(token_ids, k, job.tokens_as_ids)
             body: dict[str, Any] = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": None}
             if last:
-                natural = "length" if out.truncated else "tool_calls" if tools_streamed[i] else "stop"
+                natural = "length" if out.truncated else tool_finish if tools_streamed[i] else "stop"
                 body |= {"finish_reason": job.reply.finish_reason or natural, "stop_reason": None}
             body["token_ids"] = token_ids if job.return_token_ids else None
             return body
@@ -692,6 +787,12 @@ class FakeVLLM:
                 yield _event(chunk)
                 if job.reply.fail_mid_stream:
                     raise _AbortConnection
+                if job.reply.stream_error:  # vLLM's create_streaming_error_response: json.dumps of its ErrorResponse
+                    error = {"message": job.reply.stream_error, "type": "InternalServerError", "param": None,
+                             "code": 500}  # fmt: skip
+                    yield f"data: {json.dumps({'error': error})}\n\n".encode()
+                    yield b"data: [DONE]\n\n"
+                    return
         if job.include_usage:
             usage = job.usage(nulls=False)
             yield _event({**job.head, "choices": [], "usage": usage, "system_fingerprint": self._fingerprint})

@@ -15,7 +15,11 @@ import orjson
 
 # ---------------------------------------------------------------- toy tokenizer
 
-_SPECIAL_IDS = {"<|endoftext|>": 1, "<|im_start|>": 2, "<|im_end|>": 3, "<tool_call>": 4, "</tool_call>": 5}
+_SPECIAL_IDS = {
+    "<|endoftext|>": 1, "<|im_start|>": 2, "<|im_end|>": 3, "<tool_call>": 4, "</tool_call>": 5,
+    "<think>": 6, "</think>": 7,
+}  # fmt: skip
+THINK_START, THINK_END = "<think>", "</think>"
 EOS_TOKEN_ID = _SPECIAL_IDS["<|im_end|>"]
 _BYTE_BASE = 16  # ids 16..271 spell a piece byte by byte
 _HASH_LOW, _HASH_HIGH = 1000, 50000

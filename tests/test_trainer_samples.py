@@ -289,6 +289,19 @@ def test_a_turn_re_rendered_to_the_same_text_in_other_ids_merges_with_the_ids_as
     assert stats.tokens < stats.call_tokens  # the conversation is forwarded once
 
 
+def test_a_turn_whose_opening_blanks_the_client_dropped_still_merges() -> None:
+    # A Hermes-style parser's "\n\n" (53) before a tool call (30): Anthropic's clients send the answer back
+    # without that text block, so the template re-renders the turn without it.
+    blanks = {**SPELLING, 53: "\n\n", 30: "<tool_call>"}
+    prompt = turn(USER, 21) + header(ASSISTANT)
+    first = call(prompt, [53, 30, IM_END])
+    rest = [NL, *turn(TOOL, 40), *header(ASSISTANT)]
+    second = call([*prompt, 30, IM_END, *rest], [32, IM_END])
+    samples, stats = build_samples([first, second], decode=lambda ids: "".join(blanks.get(i, f"<{i}>") for i in ids))
+    assert (stats.samples, stats.merged_retokenized) == (1, 1)
+    assert samples[0].token_ids == [*prompt, 53, 30, IM_END, *rest, 32, IM_END]  # as sampled
+
+
 def test_a_turn_re_rendered_to_other_text_still_splits_and_without_decode_every_re_rendering_splits() -> None:
     prompt = turn(USER, 21) + header(ASSISTANT)
     first = call(prompt, [30, 51, 51, IM_END])

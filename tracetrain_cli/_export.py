@@ -5,7 +5,7 @@ What the agent did and what it earned, in a file that ``datasets.load_dataset("j
 analysis, or for another trainer. A row::
 
     id, group_id, policy, reward, reward_source, metrics, created_at, rewarded_at, n_calls,
-    messages   the last answered chat call's request messages + its response message
+    messages   the last answered chat call's request messages + its response message (failed calls left out)
     tools      that call's ``tools`` as JSON text (TRL's SFTTrainer reads it so), or null
     calls      every call in order: id, endpoint, version, served_model, status_code,
                messages (chat request) | prompt (completions request, as text), tools,
@@ -54,7 +54,9 @@ def trajectory_row(
     """One export row from a trajectories row, its calls rows (in order) and the export's metric names."""
     shaped = [call_row(call) for call in calls]
     metrics = trajectory["metrics"] or {}
-    last = next((c for c in reversed(shaped) if c["messages"] is not None and c["response"] is not None), None)
+    # A failed call is no answer, though a broken stream's record keeps what came before the failure.
+    answered = (c for c in reversed(shaped) if c["status_code"] == 200 and c["messages"] is not None)
+    last = next((c for c in answered if c["response"] is not None), None)
     return {
         "id": trajectory["id"],
         "group_id": trajectory["group_id"],

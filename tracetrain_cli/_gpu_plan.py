@@ -29,6 +29,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from tracetrain_cli._cpu_plan import CpuKvCache
 from tracetrain_cli._gpu_estimate import (
     DEDICATED_PERCENT,
     MIN_KV_TOKENS,
@@ -86,6 +87,7 @@ class CpuPlan:
     trainer_threads: int | None  # OMP_NUM_THREADS of the trainer; None without a trainer
     vllm: bool  # False with --upstream
     kv_cache_gib: int
+    kv_cache: CpuKvCache | None = None  # how that size was chosen (tracetrain_cli._cpu_plan); None: the default
     shared: bool = False  # --share-gpu on a CPU: the hand-over runs, and sleeping is a no-op there
     trainer_shard: bool = False  # --trainer-shard: FSDP over gloo (the tests' way; no memory to save here)
     vllm_lora: VllmLora = field(default_factory=VllmLora)  # vLLM's --max-lora-rank and --max-loras

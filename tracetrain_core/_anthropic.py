@@ -11,10 +11,14 @@ so every reader sees exactly the messages vLLM got:
 - an assistant's ``tool_use`` blocks are its ``tool_calls`` (the ``toolu_...`` id kept, ``input`` as
   JSON text), each user ``tool_result`` block a ``tool`` message at its place in the turn;
   ``is_error`` is not rendered (chat has no such field: the result's text says what failed);
-- ``thinking`` and ``redacted_thinking`` blocks are dropped (the policy writes none; a client that
-  replays another model's thinking sends text the policy never sampled);
-- anything else (images, documents, blocks of newer API versions) is skipped here: the proxy
-  refuses images and documents before this runs, and readers must never fail on a stored body.
+- an assistant's ``thinking`` blocks are its ``reasoning``, as a chat client sends a reasoning model's
+  answer back (the chat template keeps or drops it, as it does for chat); the proxy checks their
+  signatures first, so this is thinking the policy sampled; ``redacted_thinking`` blocks are dropped;
+- images (also inside tool results) are image parts when ``images`` (the model reads them), else a
+  text placeholder (``tracetrain_core._omitted``), as are PDF documents; a text document is its
+  text; a block of a newer API version is a placeholder too; Anthropic's server tools (web search,
+  code execution...) are left out with a note at the end of the system prompt: readers never fail
+  on a stored body, and every reader sees the notes vLLM read.
 
 Pure Python (stdlib only): no store, proxy, web framework or torch.
 """
@@ -25,8 +29,13 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from tracetrain_core._omitted import add_note, base64_size, dropped_tools, omitted, tools_note
+
 _BILLING_HEADER = "x-anthropic-billing-header"
 _ARGUMENTS = json.JSONEncoder(ensure_ascii=False)  # json.dumps(..., ensure_ascii=False), without a new encoder per call
+# A custom tool has no type (or "custom"); a server tool a dated one (web_search_20250305...).
+_CUSTOM_TOOL_TYPES = (None, "custom")
+_UNKNOWN_BLOCK = "not supported by this server"
 
 
 def _text(content: Any) -> str | None:
@@ -70,23 +79,79 @@ def _tool_call(block: Mapping[str, Any]) -> dict[str, Any]:
 def _assistant(content: Any) -> dict[str, Any]:
     if not isinstance(content, list):
         return {"role": "assistant", "content": _text(content)}
-    texts = [b for b in content if isinstance(b, dict) and b.get("type") == "text"]
-    calls = [_tool_call(b) for b in content if isinstance(b, dict) and b.get("type") == "tool_use"]
-    message: dict[str, Any] = {"role": "assistant", "content": _text(texts)}
+    blocks = [b for b in content if isinstance(b, dict)]
+    calls = [_tool_call(b) for b in blocks if b.get("type") == "tool_use"]
+    message: dict[str, Any] = {"role": "assistant", "content": _text([b for b in blocks if b.get("type") == "text"])}
+    thinking = [
+        str(b["thinking"]) for b in blocks if b.get("type") == "thinking" and isinstance(b.get("thinking"), str)
+    ]
+    if thinking:
+        message["reasoning"] = "\n".join(thinking)
     if calls:
         message["tool_calls"] = calls
     return message
 
 
-def _user(content: Any) -> list[dict[str, Any]]:
-    """A user turn: its tool results as ``tool`` messages, its text as user messages, in their order."""
+def _media(block: Mapping[str, Any], images: bool) -> dict[str, Any]:
+    """An image or document block as a chat part: the image itself when the model reads images, else text."""
+    found = block.get("source")
+    source: Mapping[str, Any] = found if isinstance(found, Mapping) else {}
+    kind, media_type = source.get("type"), source.get("media_type")
+    if block.get("type") == "document":
+        if kind == "text" and isinstance(source.get("data"), str):
+            return _text_part(source["data"], block.get("title"))
+        if kind == "content":
+            return _text_part(_text(source.get("content")) or "", block.get("title"))
+        name = media_type if isinstance(media_type, str) else str(kind or "file")
+        return _text_part(omitted("document", name, base64_size(source.get("data")) if kind == "base64" else None))
+    if images and kind == "base64" and isinstance(source.get("data"), str):
+        return {"type": "image_url", "image_url": {"url": f"data:{media_type};base64,{source['data']}"}}
+    if images and kind == "url" and isinstance(source.get("url"), str):
+        return {"type": "image_url", "image_url": {"url": source["url"]}}
+    if kind == "url":
+        return _text_part(omitted("image", str(source.get("url"))[:200]))
+    image_type = media_type if isinstance(media_type, str) else None
+    return _text_part(omitted("image", image_type, base64_size(source.get("data")) if kind == "base64" else None))
+
+
+def _text_part(text: str, title: Any = None) -> dict[str, Any]:
+    return {"type": "text", "text": f"{title}\n{text}" if isinstance(title, str) and title else text}
+
+
+def _parts(content: Any, images: bool) -> list[dict[str, Any]]:
+    """A user turn's or a tool result's blocks (but tool results) as chat parts, in order."""
+    if isinstance(content, str):
+        return [_text_part(content)]
+    parts = []
+    for block in content if isinstance(content, list) else ():
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and "text" in block:
+            parts.append(_text_part(str(block["text"])))
+        elif kind in ("image", "document"):
+            parts.append(_media(block, images))
+        elif isinstance(kind, str) and kind not in ("tool_result", "thinking", "redacted_thinking"):
+            parts.append(_text_part(omitted(f"{kind[:50]} block", why=_UNKNOWN_BLOCK)))
+    return parts
+
+
+def _content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]] | None:
+    """Text parts as one string joined with newlines (as vLLM joins them); with an image, the parts."""
+    if not parts:
+        return None
+    if all(part["type"] == "text" for part in parts):
+        return "\n".join(part["text"] for part in parts)
+    return parts
+
+
+def _user(content: Any, images: bool) -> list[dict[str, Any]]:
+    """A user turn: its tool results as ``tool`` messages, its other blocks as user messages, in their order."""
     if not isinstance(content, list):
         return [{"role": "user", "content": _text(content) or ""}]
     out: list[dict[str, Any]] = []
-    pending: list[Any] = []  # text blocks since the last tool result
+    pending: list[Any] = []  # blocks since the last tool result
 
     def flush() -> None:
-        text = _text(pending)
+        text = _content(_parts(pending, images))
         if text is not None:
             out.append({"role": "user", "content": text})
         pending.clear()
@@ -96,16 +161,18 @@ def _user(content: Any) -> list[dict[str, Any]]:
             continue
         if block.get("type") == "tool_result":
             flush()
-            result = _text(block.get("content"))
+            result = _content(_parts(block.get("content"), images))
             out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": result or ""})
-        elif block.get("type") == "text":
+        else:
             pending.append(block)
     flush()
     return out
 
 
-def anthropic_chat_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+def anthropic_chat_messages(body: Mapping[str, Any], *, images: bool = False) -> list[dict[str, Any]]:
     """A Messages request's ``system`` and ``messages`` as chat messages (lenient: never raises).
+
+    ``images``: the served model reads images (they go as image parts); else each is a placeholder.
 
     >>> anthropic_chat_messages({"system": "Be brief.", "messages": [{"role": "user", "content": "Hi"}]})
     [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'Hi'}]
@@ -121,9 +188,10 @@ def anthropic_chat_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
         if message.get("role") == "assistant":
             out.append(_assistant(message.get("content")))
         elif message.get("role") == "user":
-            out.extend(_user(message.get("content")))
+            out.extend(_user(message.get("content"), images))
         elif message.get("role") == "system":
             out.append({"role": "system", "content": _system(message.get("content")) or ""})
+    add_note(out, tools_note(dropped_tools(body.get("tools"), _CUSTOM_TOOL_TYPES)))
     return out
 
 

@@ -26,9 +26,11 @@ def canonical_message(message: Mapping[str, Any]) -> bytes:
     """A chat message as threading compares it, as bytes to hash.
 
     Role, content, name and tool calls count; content parts that are all text are joined
-    (a framework may send either spelling), a missing content equals an empty one, tool-call
+    (a framework may send either spelling), a missing content equals an empty one and so does
+    one of blanks only (a tool parser may answer ``"\n\n"`` before a tool call; Anthropic's API
+    refuses such a text block, so its clients drop it before sending the history back), tool-call
     ids are dropped and arguments re-serialized with sorted keys (frameworks re-serialize
-    them), and every other field (``tool_call_id``, vLLM's null ``reasoning_content``,
+    them), and every other field (``tool_call_id``, ``reasoning``, which clients may strip,
     ``refusal``...) is ignored.
 
     >>> canonical_message({"role": "user", "content": [{"type": "text", "text": "Hi"}], "refusal": None})
@@ -45,6 +47,8 @@ def canonical_message(message: Mapping[str, Any]) -> bytes:
         with contextlib.suppress(orjson.JSONDecodeError):  # not JSON: compare it as it is
             arguments = orjson.dumps(orjson.loads(arguments), option=orjson.OPT_SORT_KEYS).decode()
         tool_calls.append([function.get("name"), arguments])
+    if isinstance(content, str) and content.isspace():
+        content = ""
     canonical = [message.get("role"), content or "", message.get("name"), tool_calls]
     return orjson.dumps(canonical)
 
@@ -96,16 +100,17 @@ def call_tools(endpoint: str, request: Mapping[str, Any] | None) -> list[dict[st
     tools = (request or {}).get("tools")
     if not isinstance(tools, list) or not tools:
         return None
-    if endpoint == "responses":  # {"type": "function", "name", "description", "parameters"}
+    if endpoint == "responses":  # {"type": "function", "name", "description", "parameters"}; hosted tools left out
         keys = ("name", "description", "parameters", "strict")
         tools = [
-            {"type": "function", "function": {k: t[k] for k in keys if k in t}} for t in tools if isinstance(t, dict)
-        ]
+            {"type": "function", "function": {k: t[k] for k in keys if k in t}}
+            for t in tools if isinstance(t, dict) and t.get("type") == "function"
+        ]  # fmt: skip
     elif endpoint == "messages":  # Anthropic's {"name", "description", "input_schema"}
         tools = [
             {"type": "function", "function": {"name": t.get("name"), "description": t.get("description"),
                                               "parameters": t.get("input_schema")}}
-            for t in tools if isinstance(t, dict) and "input_schema" in t
+            for t in tools if isinstance(t, dict) and t.get("type") in (None, "custom")
         ]  # fmt: skip
     return [t for t in tools if isinstance(t, dict)] or None
 

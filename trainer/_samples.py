@@ -17,7 +17,9 @@ an agent's template keeps breaking the merge, with why each split happened:
 
 A re-rendered turn that reads the same as the model wrote it, in other token ids, still merges when
 ``build_samples`` is given the model's ``decode``: constrained decoding (``tool_choice`` "required")
-samples non-canonical splits such as ``}`` ``}`` that the template's text tokenizes as ``}}``. The
+samples non-canonical splits such as ``}`` ``}`` that the template's text tokenizes as ``}}``; a
+client that dropped the blanks the answer opened with (a Hermes-style parser's ``"\n\n"`` before a
+tool call, which Anthropic's clients strip) leaves a turn that reads the same but for them. The
 sample keeps the ids as sampled (their logprobs are the sampler's) and continues with the rest of the
 new prompt (``merged_retokenized``). The next completion was sampled after the canonical ids, so the
 learner scores it in a context that reads the same but is spelled in other ids: a small gap the step
@@ -154,7 +156,10 @@ class _Open:
             end = prompt.index(completion[-1], self.context_len) + 1
         except ValueError:
             return None
-        same = decode(prompt[self.context_len : end]) == decode(completion)
+        rendered, sampled = decode(prompt[self.context_len : end]), decode(completion)
+        # Blanks the answer opened with may be gone: a tool parser's "\n\n" before a call is text of its own,
+        # which Anthropic's clients drop before they send the history back (Anthropic's API refuses it).
+        same = rendered == sampled or rendered.lstrip() == sampled.lstrip()
         return end if same else None
 
     def append(self, call: CapturedCall, new_prompt: list[int], *, sampled: bool = True) -> None:

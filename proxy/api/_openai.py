@@ -43,8 +43,6 @@ from proxy.gateway.dialects import (
     DialectName,
     MessagesRequest,
     ResponsesRequest,
-    count_tokens_chat,
-    json_object,
 )
 
 router = APIRouter(dependencies=[Depends(require_inference_key)], tags=["openai"])
@@ -91,8 +89,7 @@ def _forwarding(name: DialectName) -> Serve:
 async def _count_tokens(request: Request, services: Services) -> Response:
     try:
         await require_inference_key(request, services)
-        chat = count_tokens_chat(json_object(await request.body()))
-        count = await services.forwarder.count_tokens(chat)
+        count = await services.forwarder.count_tokens(await request.body())
     except ProxyError as exc:
         return MESSAGES.error(exc)
     return Response(orjson.dumps({"input_tokens": count}), media_type="application/json")

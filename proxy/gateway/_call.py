@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.gateway._capture import Asked, Capture, Endpoint
 from proxy.gateway._keying import Conversation, Key
 from proxy.gateway._policies import Route
+from proxy.gateway._served import Served
 from store import CallWrite
 
 
@@ -27,6 +28,7 @@ class Call:
     t0: float
     # The API the client spoke when the proxy translated it to chat ("responses", "messages"): the endpoint recorded.
     api: str | None = None
+    served: Served = field(default_factory=Served)  # what the model and its vLLM take (the app's)
 
     def headers(self) -> dict[str, str]:
         return {

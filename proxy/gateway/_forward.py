@@ -25,14 +25,15 @@ from typing import Any
 import orjson
 from starlette.responses import Response
 
-from proxy.errors import ProxyError, UpstreamHTTPError, store_errors
+from proxy.errors import ProxyError, store_errors, upstream_http_error
 from proxy.gateway._call import Call, call_write
 from proxy.gateway._capture import Endpoint, capture_response, prepare_upstream_body
 from proxy.gateway._gate import Gate
 from proxy.gateway._keying import Conversation, Key, Keyer, KeyHints, new_trajectory_id
 from proxy.gateway._policies import PolicyRegistry, Route
 from proxy.gateway._relay import Relay, RelayResponse, close_unused
-from proxy.gateway.dialects import DIALECTS, Dialect, DialectName, json_object
+from proxy.gateway._served import Served
+from proxy.gateway.dialects import DIALECTS, Dialect, DialectName, count_tokens_chat, json_object
 from proxy.gateway.upstream import Router, Upstream, UpstreamStream
 from proxy.observability._langfuse import LangfuseExporter
 from proxy.observability._metrics import Metrics
@@ -54,6 +55,7 @@ class Forwarder:
         metrics: Metrics,
         langfuse: LangfuseExporter | None = None,
         gate: Gate | None = None,
+        served: Served | None = None,
     ) -> None:
         # Which vLLM server takes each call (one Upstream: always that one).
         self._router = upstream if isinstance(upstream, Router) else Router([upstream])
@@ -64,6 +66,7 @@ class Forwarder:
         self._registry = registry
         self._metrics = metrics
         self._langfuse = langfuse
+        self._served = served if served is not None else Served()  # what the model and its vLLM take
         # Calls being handled or streamed: a lone one is written on the event loop's thread (store._writer).
         self._in_flight = 0
 
@@ -108,6 +111,9 @@ class Forwarder:
     def streamed(self) -> None:
         self._in_flight -= 1
 
+    def stream_broken(self, call: Call, reason: str) -> None:
+        self._metrics.stream_broken(call.api or call.endpoint, reason)
+
     async def handle(self, dialect: DialectName, raw: bytes, hints: KeyHints) -> Response:
         """One call in ``dialect``'s API, answered in that API's shape once it is recorded (see the module's
         docstring). A ``ProxyError`` raised before the call goes to vLLM (bad input, an unknown model, a
@@ -115,7 +121,7 @@ class Forwarder:
         started_at, t0 = time.time(), time.perf_counter()
         api = DIALECTS[dialect]
         body = json_object(raw)
-        sent = api.request(body)
+        sent = api.request(body, self._served)
         await self._admit()
         try:
             route = await self._route(str(sent["model"]))
@@ -125,7 +131,7 @@ class Forwarder:
             upstream_body, asked = prepare_upstream_body(sent, api.upstream, route.served_model)
             if api.asked is not None:
                 asked = api.asked
-            call = Call(api.upstream, body, route, key, conversation, asked, started_at, t0, api.endpoint)
+            call = Call(api.upstream, body, route, key, conversation, asked, started_at, t0, api.endpoint, self._served)
             payload = orjson.dumps(upstream_body)
             if sent.get("stream"):
                 return await self._stream(api, call, payload)
@@ -150,8 +156,10 @@ class Forwarder:
             self._registry.base_model = await self._router.base_model()
         return self._registry.resolve(model)
 
-    async def count_tokens(self, chat: dict[str, Any]) -> int:
-        """How many tokens vLLM renders ``chat``'s messages (and tools) into, under the model it names."""
+    async def count_tokens(self, raw: bytes) -> int:
+        """How many tokens vLLM renders a ``/v1/messages/count_tokens`` body into (its messages and tools, as a
+        call would send them), under the model it names."""
+        chat = count_tokens_chat(json_object(raw), self._served)
         route = await self._route(str(chat["model"]))
         server = self._router.pick(_COUNTING)
         return await server.upstream.count_prompt_tokens({**chat, "model": route.served_model})
@@ -173,11 +181,11 @@ class Forwarder:
                 call.key = dataclasses.replace(call.key, seat_in=0)  # served unseated; its record will fail too
 
     async def _ask(self, call: Call, payload: bytes) -> dict[str, Any]:
-        """vLLM's answer to a call that does not stream, parsed; an error status is an ``UpstreamHTTPError``."""
+        """vLLM's answer to a call that does not stream, parsed; an error status raises (``upstream_http_error``)."""
         with self._registry.serving(call.route.version):
             upstream = await self._router.post(call.key.trajectory_id, _PATHS[call.endpoint], payload)
         if upstream.status_code != 200:
-            raise UpstreamHTTPError(upstream.status_code, upstream.content)
+            raise upstream_http_error(upstream.status_code, upstream.content)
         data: dict[str, Any] = orjson.loads(upstream.content)
         return data
 
@@ -217,6 +225,6 @@ class Forwarder:
         except ProxyError as exc:
             await self.record(call_write(call, None, None, exc.status_code, exc.message, None))
             return dialect.error(exc, call.headers())
-        translator = dialect.stream(call.body, call.route.public_name)
+        translator = dialect.stream(call)
         relay = Relay(self, self._registry, call, upstream, on_close=done, translator=translator)
         return RelayResponse(relay, headers={**call.headers(), "Cache-Control": "no-cache"})

@@ -4,6 +4,12 @@ What the client is sent is its dialect's (``StreamTranslator``): chat's own chun
 the API it speaks. The relay knows the forwarder only as a ``Recorder``: the record itself, and the
 count of calls in flight, which a stream is part of until its record is written (a lone call's
 record is committed on the event loop's thread, ``store._writer``).
+
+A stream vLLM breaks is a failed call, never a whole one: vLLM 0.32 reports an engine failure inside a
+stream as ``data: {"error": {...}}`` then ``data: [DONE]`` (``UpstreamStreamError``), and a connection
+may drop before ``[DONE]``. Either way the client's stream ends in its API's failure grammar
+(``StreamTranslator.failed``) and the record says so: the error's status (vLLM's code; 502 for a dropped
+connection) and its message, so that the trainer, the judge, export and SFT leave it out.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from proxy.errors import ProxyError, UpstreamError
+from proxy.errors import UpstreamError, UpstreamStreamError
 from proxy.gateway._call import Call, call_write
 from proxy.gateway._capture import StreamCapture
 from proxy.gateway._policies import PolicyRegistry
@@ -48,6 +54,10 @@ class Recorder(Protocol):
 
     def streamed(self) -> None:
         """The stream's record is written (or handed to the writer): one call less in flight."""
+        ...
+
+    def stream_broken(self, call: Call, reason: str) -> None:
+        """vLLM broke ``call``'s stream: ``reason`` is "upstream_error" (its error event) or "upstream_closed"."""
         ...
 
 
@@ -97,20 +107,17 @@ class Relay:
                     if event.data == b"[DONE]":
                         finished = True
                         break
-                    chunk = self._assembler.add(orjson.loads(event.data))
+                    data = orjson.loads(event.data)
+                    if "error" in data and not data.get("choices"):  # vLLM's failure event; [DONE] follows
+                        raise UpstreamStreamError.from_event(event.data, data["error"])
+                    chunk = self._assembler.add(data)
                     if chunk is not None and (out := b"".join(feed(chunk))):
                         yield out
             if not finished:
                 raise UpstreamError("the upstream closed the stream before it finished")
         except (UpstreamError, orjson.JSONDecodeError) as exc:
-            message = exc.message if isinstance(exc, ProxyError) else f"the upstream stream broke: {exc!r}"
-            self._recorded = True
-            closing = b"".join(translator.failed(message))  # its response is now a failed one, as recorded
-            try:
-                await self._forwarder.record(self._record(502, message, translator.response()))
-            finally:
-                self._uncount()
-            yield closing
+            yield await self._fail(exc if isinstance(exc, UpstreamError) else UpstreamError(
+                f"the upstream stream broke: {exc!r}"))  # fmt: skip
             return
         self._recorded = True
         response = translator.response()
@@ -122,6 +129,20 @@ class Relay:
             self._uncount()  # before the closing event: the client's next call may arrive before close() runs
         self._done = True
         yield b"".join(translator.finish())
+
+    async def _fail(self, error: UpstreamError) -> bytes:
+        """Record the call as failed, and return the client's closing events in its API's failure grammar."""
+        broken = isinstance(error, UpstreamStreamError)
+        self._recorded = True
+        closing = b"".join(self._translator.failed(error))  # its response is now a failed one, as recorded
+        self._forwarder.stream_broken(self._call, "upstream_error" if broken else "upstream_closed")
+        try:
+            await self._forwarder.record(
+                self._record(error.status_code if broken else 502, error.message, self._translator.response())
+            )
+        finally:
+            self._uncount()
+        return closing
 
     def _uncount(self) -> None:
         if self._counted:

@@ -120,14 +120,21 @@ class JudgePrompt:
 def call_messages(
     endpoint: str, request: dict[str, Any], response: dict[str, Any] | None, error: str | None
 ) -> list[dict[str, Any]]:
-    """One captured call as chat messages: the request's messages (or prompt), then the reply."""
+    """One captured call as chat messages: the request's messages (or prompt), then the reply.
+
+    A failed call (``error`` set: vLLM's error, a broken stream, a client gone mid-stream) shows as failed,
+    even when its record keeps what was sampled before the failure: the judge must not score half an answer
+    as a whole one.
+    """
     sent = request_messages(endpoint, request)  # chat, Responses and Messages calls alike
     if sent is not None:
         messages = [_message(m) for m in sent]
     else:
         messages = [{"role": "user", "content": _content(request.get("prompt"))}]
     first, reply = first_choice(response), call_reply(endpoint, response)
-    if reply is not None:
+    if error is not None:
+        messages.append({"role": "assistant", "content": f"[the call failed: {error}]"})
+    elif reply is not None:
         messages.append(_message(reply))
     elif first is not None:
         messages.append({"role": "assistant", "content": _content(first.get("text"))})

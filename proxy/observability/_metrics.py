@@ -71,6 +71,11 @@ class Metrics:
             "tracetrain_refused_requests", "Requests refused at the front door (proxy.api._door), by reason: "
             "body_too_large (413), cross_site and foreign_host (403, with no keys configured).", ["reason"], registry=r,
         )  # fmt: skip
+        self.broken_streams = Counter(
+            "tracetrain_broken_streams", "Streams vLLM broke, recorded as failed calls, by endpoint and reason: "
+            "upstream_error (vLLM's error event: an engine failure), upstream_closed (the connection dropped).",
+            ["endpoint", "reason"], registry=r,
+        )  # fmt: skip
 
     def _disk(self, r: CollectorRegistry) -> None:
         """Disk usage (proxy.observability._disk), measured every minute in the background."""
@@ -231,6 +236,9 @@ class Metrics:
 
     def refused(self, reason: str) -> None:
         self.refusals.labels(reason).inc()
+
+    def stream_broken(self, endpoint: str, reason: str) -> None:
+        self.broken_streams.labels(endpoint, reason).inc()
 
     def rewards_recorded(self, sources: list[str]) -> None:
         for source in sources:

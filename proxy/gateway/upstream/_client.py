@@ -20,7 +20,7 @@ from urllib.parse import unquote, urlsplit
 import httpx
 import orjson
 
-from proxy.errors import UpstreamError, UpstreamHTTPError, UpstreamNotReady, upstream_errors
+from proxy.errors import UpstreamError, UpstreamHTTPError, UpstreamNotReady, upstream_errors, upstream_http_error
 from proxy.gateway.upstream._http1 import Exchange, Http1Pool, TransportError
 from store import redact, without_userinfo
 
@@ -102,7 +102,7 @@ class Upstream:
     async def open_stream(self, path: str, body: bytes) -> UpstreamStream:
         """POST and return once the status line and headers arrived; the caller closes it.
 
-        An error status is read whole and raised as ``UpstreamHTTPError``.
+        An error status is read whole and raised (``proxy.errors.upstream_http_error``).
         """
         async with upstream_errors(self.base_url):
             response = await self._generation.post(path, body)
@@ -111,7 +111,7 @@ class Upstream:
                     content = await response.read()
                 finally:
                     response.release()
-                raise UpstreamHTTPError(response.status, content)
+                raise upstream_http_error(response.status, content)
         return UpstreamStream(response)
 
     async def load_lora(self, name: str, path: str) -> None:

@@ -4,16 +4,16 @@ As for the OpenAI endpoints (``_wire``), models allow extra fields: Claude Code 
 proxy has no use for (``thinking``, ``context_management``, ``cache_control`` on blocks,
 ``metadata.user_id``...), and they are kept in the record as sent. Fields follow the order of
 Anthropic's API reference; only those the translation reads, or worth a clear early error, are
-declared. Content blocks are a union tagged by ``type``: an unknown type is a 400 naming the types
-the proxy reads; images and documents validate here and are refused by the translation, which
-says why.
+declared. Content blocks are a union tagged by ``type``; a block of a type the proxy does not read
+(a newer API version's) validates as ``OtherBlock`` and becomes a placeholder the model reads
+(``tracetrain_core``), as do images for a model that reads text only and binary documents.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 # Bounds what reaches vLLM as an integer (orjson writes no integer past 64 bits; vLLM wants 32).
 _INT32 = 2**31 - 1
@@ -30,10 +30,18 @@ class TextBlock(_Open):
 
 class ImageBlock(_Open):
     type: Literal["image"]
+    source: dict[str, Any] | None = None
 
 
 class DocumentBlock(_Open):
     type: Literal["document"]
+    source: dict[str, Any] | None = None
+
+
+class OtherBlock(_Open):
+    """A block of a type the proxy does not read: a placeholder in what the model reads."""
+
+    type: str
 
 
 class ToolUseBlock(_Open):
@@ -43,7 +51,20 @@ class ToolUseBlock(_Open):
     input: Any = None  # an object; what the proxy reported back (a parser may emit other JSON) is accepted too
 
 
-ToolResultPart = Annotated[TextBlock | ImageBlock | DocumentBlock, Field(discriminator="type")]
+def _block_type(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    if not isinstance(kind, str):
+        return None  # no type: "Unable to extract tag", a 400
+    return kind if kind in _KNOWN else "other"
+
+
+_KNOWN = frozenset({"text", "image", "document", "tool_use", "tool_result", "thinking", "redacted_thinking"})
+
+ToolResultPart = Annotated[
+    Annotated[TextBlock, Tag("text")] | Annotated[ImageBlock, Tag("image")]
+    | Annotated[DocumentBlock, Tag("document")] | Annotated[OtherBlock, Tag("other")],
+    Discriminator(_block_type),
+]  # fmt: skip
 
 
 class ToolResultBlock(_Open):
@@ -55,6 +76,8 @@ class ToolResultBlock(_Open):
 
 class ThinkingBlock(_Open):
     type: Literal["thinking"]
+    thinking: str
+    signature: str  # the proxy's, on a block it answered: checked when the block comes back
 
 
 class RedactedThinkingBlock(_Open):
@@ -62,9 +85,12 @@ class RedactedThinkingBlock(_Open):
 
 
 ContentBlock = Annotated[
-    TextBlock | ImageBlock | DocumentBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
-    Field(discriminator="type"),
-]
+    Annotated[TextBlock, Tag("text")] | Annotated[ImageBlock, Tag("image")]
+    | Annotated[DocumentBlock, Tag("document")] | Annotated[ToolUseBlock, Tag("tool_use")]
+    | Annotated[ToolResultBlock, Tag("tool_result")] | Annotated[ThinkingBlock, Tag("thinking")]
+    | Annotated[RedactedThinkingBlock, Tag("redacted_thinking")] | Annotated[OtherBlock, Tag("other")],
+    Discriminator(_block_type),
+]  # fmt: skip
 
 
 class MessageParam(_Open):
@@ -74,7 +100,8 @@ class MessageParam(_Open):
 
 
 class Tool(_Open):
-    # Anthropic's server tools (web search, code execution...) carry a dated type; custom ones none or "custom".
+    # Anthropic's server tools (web search, code execution...) carry a dated type: left out, with a note to the
+    # model (tracetrain_core); custom ones none or "custom".
     type: str | None = None
     name: str = Field(min_length=1, max_length=128)
     description: str | None = None
@@ -93,8 +120,24 @@ class OutputFormat(_Open):
 
 
 class OutputConfig(_Open):
-    # ``effort`` is Claude's thinking budget: the policy has none, so it is kept in the record only.
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # vLLM's reasoning_effort
     format: OutputFormat | None = None
+
+
+class ThinkingEnabled(_Open):
+    type: Literal["enabled"]
+    budget_tokens: int = Field(ge=1024, le=_INT32)  # Anthropic's floor
+
+
+class ThinkingDisabled(_Open):
+    type: Literal["disabled"]
+
+
+class ThinkingAdaptive(_Open):
+    type: Literal["adaptive"]
+
+
+Thinking = Annotated[ThinkingEnabled | ThinkingDisabled | ThinkingAdaptive, Field(discriminator="type")]
 
 
 class CountTokensRequest(_Open):
@@ -103,6 +146,7 @@ class CountTokensRequest(_Open):
     messages: list[MessageParam] = Field(min_length=1)
     model: str = Field(min_length=1)
     system: str | list[TextBlock] | None = None
+    thinking: Thinking | None = None
     tool_choice: ToolChoice | None = None
     tools: list[Tool] | None = None
 

@@ -1,16 +1,21 @@
 """OpenAI's Responses API, translated to chat completions for vLLM and back (``RESPONSES``, a ``Dialect``).
 
 What is served, in the Responses API's own grammar as the openai SDK, the OpenAI Agents SDK and
-the Codex CLI send it: ``input`` as a string or items (messages with text and image parts,
-``function_call``, ``function_call_output``; ``reasoning`` items are dropped, the proxy never
-emits them), ``instructions``, function ``tools``, ``tool_choice``, ``parallel_tool_calls``,
-``max_output_tokens``, ``temperature``, ``top_p``, ``text.format`` (JSON schema or object), streams.
+the Codex CLI send it: ``input`` as a string or items (messages with text, image and file parts,
+``function_call``, ``function_call_output``, ``reasoning``: its text goes back to the model as the
+``reasoning`` of the answer after it), ``instructions``, function ``tools``, ``tool_choice``,
+``parallel_tool_calls``, ``max_output_tokens``, ``temperature``, ``top_p``, ``text.format`` (JSON
+schema or object), ``reasoning.effort`` (vLLM's ``reasoning_effort``: for a template that takes it,
+and ``enable_thinking`` off at "none"), streams.
 
-Refused with a 400 that says what to do: ``previous_response_id`` and ``conversation`` (the proxy
-keeps no response state: send the whole input, as the Agents SDK and Codex do by default), hosted
-tools (web search, file search, computer use...), ``background``, ``prompt`` templates, file
-inputs and item references. ``store`` is accepted and ignored: every call is recorded anyway,
-and nothing can be fetched back by id (``store: false`` semantics).
+What the model cannot use never fails a call (``tracetrain_core._responses_api``): images for a model
+that reads text only and files become placeholders it reads; hosted tools (web search, file search,
+Codex's sub-agent namespace...) are left out with a note at the end of the system prompt, and the
+items of their earlier calls are skipped. Refused with a 400 that says what to do:
+``previous_response_id`` and ``conversation`` (the proxy keeps no response state: send the whole
+input, as the Agents SDK and Codex do by default), ``background``, ``prompt`` templates and item
+references. ``store`` is accepted and ignored: every call is recorded anyway, and nothing can be
+fetched back by id (``store: false`` semantics).
 """
 
 from __future__ import annotations
@@ -21,12 +26,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import Response
 
-from proxy.errors import InvalidRequest, ProxyError, error_response
+from proxy.errors import ContextLengthExceeded, InvalidRequest, ProxyError, error_response
+from proxy.gateway._call import Call
+from proxy.gateway._served import Served
 from proxy.gateway.dialects._dialect import ChatTranslation
 from proxy.gateway.dialects.responses._shape import (
     function_call_item,
     message_item,
     new_id,
+    reasoning_item,
     response_object,
     status_of,
     usage_of,
@@ -37,6 +45,11 @@ from tracetrain_core import responses_chat_messages
 
 class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+
+class Reasoning(_Open):
+    # vLLM's reasoning_effort values (OpenAI's, and DeepSeek's "max").
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
 
 
 class ResponsesRequest(_Open):
@@ -52,6 +65,7 @@ class ResponsesRequest(_Open):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, ge=0, le=1)
     text: dict[str, Any] | None = None
+    reasoning: Reasoning | None = None
     stream: bool | None = None
     store: bool | None = None
     metadata: dict[str, Any] | None = None
@@ -63,8 +77,9 @@ class ResponsesRequest(_Open):
 
 
 _ROLES = ("user", "system", "developer", "assistant")
-_PARTS = frozenset({"input_text", "output_text", "text", "refusal", "input_image"})
-_ITEM_TYPES = frozenset({"message", "function_call", "function_call_output", "reasoning"})  # reasoning: dropped
+_TEXT_FIELDS = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal"}
+# Items of stored state: the proxy keeps none. Any other item the proxy does not read (a hosted tool's call) is skipped.
+_STATEFUL_ITEMS = frozenset({"item_reference"})
 _STATELESS = "the proxy keeps no responses: send the whole conversation as `input`, as the Agents SDK and Codex do"
 
 
@@ -97,14 +112,14 @@ def _check_message(item: dict[str, Any], where: str) -> None:
     content = item["content"]
     for j, part in enumerate(content if isinstance(content, list) else ()):
         kind = part.get("type") if isinstance(part, dict) else None
-        if not isinstance(kind, str) or kind not in _PARTS:
+        if not isinstance(kind, str):
             raise InvalidRequest(
                 f"Unsupported content part type {str(kind)[:50]!r} at '{where}.content[{j}]': "
-                "use input_text, output_text or input_image (files are not supported).",
+                "use input_text, output_text, input_image or input_file.",
                 param=f"{where}.content[{j}].type",
             )
-        text_field = "image_url" if kind == "input_image" else "refusal" if kind == "refusal" else "text"
-        _field(part, text_field, f"{where}.content[{j}]", str)
+        if kind in _TEXT_FIELDS:
+            _field(part, _TEXT_FIELDS[kind], f"{where}.content[{j}]", str)
 
 
 def _check_item(item: dict[str, Any], where: str) -> None:
@@ -118,10 +133,11 @@ def _check_item(item: dict[str, Any], where: str) -> None:
     elif kind == "function_call_output":
         _field(item, "call_id", where, str, nonempty=True)
         _field(item, "output", where, (str, list))
-    elif not isinstance(kind, str) or kind not in _ITEM_TYPES:
+    elif not isinstance(kind, str) or kind in _STATEFUL_ITEMS:
         raise InvalidRequest(
             f"Unsupported input item type {str(kind)[:50]!r} at '{where}': the proxy takes messages, "
-            f"function_call and function_call_output items (item references need stored responses; {_STATELESS}).",
+            f"function_call, function_call_output and reasoning items (item references need stored responses; "
+            f"{_STATELESS}).",
             param=f"{where}.type",
         )
 
@@ -132,14 +148,12 @@ def _check_items(items: list[dict[str, Any]]) -> None:
 
 
 def _chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The function tools in chat's shape; the others (hosted by OpenAI) are left out, with a note in the
+    prompt (``tracetrain_core.responses_chat_messages``)."""
     out = []
     for i, tool in enumerate(tools):
         if tool.get("type") != "function":
-            raise InvalidRequest(
-                f"Unsupported tool type {str(tool.get('type'))[:50]!r} at 'tools[{i}]': the proxy serves a local model "
-                "and takes function tools only (hosted tools such as web search or file search need OpenAI).",
-                param=f"tools[{i}].type",
-            )
+            continue
         where = f"tools[{i}]"
         _field(tool, "name", where, str, nonempty=True)
         _field(tool, "description", where, str, required=False)
@@ -190,7 +204,7 @@ def _refuse_state(request: ResponsesRequest) -> None:
         raise InvalidRequest("Prompt templates ('prompt') are not supported: send the input itself.", param="prompt")
 
 
-def to_chat(body: dict[str, Any]) -> dict[str, Any]:
+def to_chat(body: dict[str, Any], served: Served) -> dict[str, Any]:
     """A Responses request as the chat completions request vLLM is sent."""
     try:
         request = ResponsesRequest.model_validate(body)
@@ -199,12 +213,13 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
     _refuse_state(request)
     if isinstance(request.input, list):
         _check_items(request.input)
-    messages = responses_chat_messages(body)
-    if not messages:
+    messages = responses_chat_messages(body, images=served.images)
+    if not any(m["role"] != "system" for m in messages):
         raise InvalidRequest("'input' holds no message: send at least one.", param="input")
     chat: dict[str, Any] = {"model": request.model, "messages": messages}
-    if request.tools:
-        chat["tools"] = _chat_tools(request.tools)
+    tools = _chat_tools(request.tools or [])
+    if tools:
+        chat["tools"] = tools
         if request.tool_choice is not None:
             chat["tool_choice"] = _chat_tool_choice(request.tool_choice)
         if request.parallel_tool_calls is not None:
@@ -213,6 +228,8 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
                         ("top_p", request.top_p)):  # fmt: skip
         if value is not None:
             chat[name] = value
+    if request.reasoning is not None and request.reasoning.effort is not None:
+        chat["reasoning_effort"] = request.reasoning.effort
     response_format = _response_format(request.text) if request.text else None
     if response_format is not None:
         chat["response_format"] = response_format
@@ -222,11 +239,18 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def from_chat(chat: dict[str, Any], body: dict[str, Any], model: str) -> dict[str, Any]:
-    """A non-streamed chat completion as the Responses API's response."""
+    """A non-streamed chat completion as the Responses API's response.
+
+    Its thinking (vLLM's ``reasoning``, with ``--reasoning-parser``) is a ``reasoning`` item first, as
+    OpenAI's open-weight models answer; text that is only blanks (a tool parser's ``"\n\n"`` before a
+    call) is no message item.
+    """
     choice = (chat.get("choices") or [{}])[0]
     message = choice.get("message") or {}
     output = []
-    if message.get("content"):
+    if message.get("reasoning"):
+        output.append(reasoning_item(new_id("rs"), message["reasoning"]))
+    if message.get("content") and not message["content"].isspace():
         output.append(message_item(new_id("msg"), message["content"]))
     for call in message.get("tool_calls") or ():
         function = call.get("function") or {}
@@ -246,16 +270,18 @@ class ResponsesDialect(ChatTranslation):
 
     endpoint = "responses"
 
-    def to_chat(self, body: dict[str, Any]) -> dict[str, Any]:
-        return to_chat(body)
+    def to_chat(self, body: dict[str, Any], served: Served) -> dict[str, Any]:
+        return to_chat(body, served)
 
-    def from_chat(self, chat: dict[str, Any], body: dict[str, Any], model: str) -> dict[str, Any]:
-        return from_chat(chat, body, model)
+    def from_chat(self, chat: dict[str, Any], call: Call) -> dict[str, Any]:
+        return from_chat(chat, call.body, call.route.public_name)
 
-    def stream(self, body: dict[str, Any], model: str) -> ResponsesStream:
-        return ResponsesStream(body, model)
+    def stream(self, call: Call) -> ResponsesStream:
+        return ResponsesStream(call.body, call.route.public_name)
 
     def error(self, exc: ProxyError, headers: dict[str, str] | None = None) -> Response:
+        if isinstance(exc, ContextLengthExceeded):
+            exc = exc.with_param("input")  # as OpenAI's Responses API names it
         return error_response(exc, headers)  # the Responses API answers errors in OpenAI's shape
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from proxy.gateway.dialects._dialect import usage_detail
+
 
 def new_id(prefix: str) -> str:
     """An opaque id (``resp_...``, ``msg_...``, ``fc_...``): unique, not secret, so not from ``os.urandom`` (~5 us)."""
@@ -29,6 +31,13 @@ def function_call_item(
     }
 
 
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    """The model's thinking, as OpenAI's Responses API shapes an open-weight model's (``reasoning_text``)."""
+    content = [{"type": "reasoning_text", "text": text}] if text else []
+    return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "encrypted_content": None,
+            "status": status}  # fmt: skip
+
+
 def status_of(finish_reason: str | None) -> tuple[str, dict[str, str] | None]:
     """The response's ``status`` and ``incomplete_details`` for a chat finish reason."""
     if finish_reason == "length":
@@ -39,14 +48,18 @@ def status_of(finish_reason: str | None) -> tuple[str, dict[str, str] | None]:
 
 
 def usage_of(usage: dict[str, Any] | None) -> dict[str, Any] | None:
+    """vLLM's usage as the Responses API's: cached prompt tokens (``--enable-prompt-tokens-details``) and
+    thinking tokens (with a ``--reasoning-parser``) in their details, where vLLM reports them."""
     if not usage:
         return None
     prompt, completion = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": usage_detail(usage, "prompt_tokens_details", "cached_tokens")},
         "output_tokens": completion,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {
+            "reasoning_tokens": usage_detail(usage, "completion_tokens_details", "reasoning_tokens")
+        },
         "total_tokens": prompt + completion,
     }
 
@@ -70,7 +83,7 @@ def response_object(
         "output": output,
         "parallel_tool_calls": body.get("parallel_tool_calls", True),
         "previous_response_id": None,
-        "reasoning": {"effort": None, "summary": None},
+        "reasoning": {"effort": (body.get("reasoning") or {}).get("effort"), "summary": None},
         "store": body.get("store", True),
         "temperature": body.get("temperature", 1.0),
         "text": body.get("text") or {"format": {"type": "text"}},

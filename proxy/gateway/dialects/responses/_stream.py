@@ -1,13 +1,21 @@
 """A streamed Responses API call: vLLM's chat chunks in, the Responses API's events out, as they arrive.
 
 The events, as OpenAI sends them (each with its ``sequence_number``): ``response.created``,
-``response.in_progress``; per text item ``response.output_item.added``,
+``response.in_progress``; per reasoning item (the model's thinking, with vLLM's ``--reasoning-parser``)
+``response.output_item.added``, ``response.content_part.added`` (a ``reasoning_text`` part),
+``response.reasoning_text.delta`` ..., ``response.reasoning_text.done``, ``response.content_part.done``,
+``response.output_item.done``, as OpenAI streams an open-weight model's thinking; per text item
+``response.output_item.added``,
 ``response.content_part.added``, ``response.output_text.delta`` ..., ``response.output_text.done``,
 ``response.content_part.done``, ``response.output_item.done``; per function call
 ``response.output_item.added``, ``response.function_call_arguments.delta`` ...,
 ``response.function_call_arguments.done``, ``response.output_item.done``; then
 ``response.completed`` (``response.incomplete`` when ``max_output_tokens`` cut it), sent once the
-call is recorded. A broken upstream ends the stream with ``response.failed``.
+call is recorded. A broken upstream ends the stream with ``response.failed``: the response's status
+``failed`` and its ``error`` (``server_error``, what vLLM said).
+
+Text that is only blanks is held until something else arrives: a tool parser's ``"\n\n"`` before a
+tool call opens no message item (the non-streamed answer has none either).
 """
 
 from __future__ import annotations
@@ -17,10 +25,12 @@ from typing import Any
 
 import orjson
 
+from proxy.errors import UpstreamError
 from proxy.gateway.dialects.responses._shape import (
     function_call_item,
     message_item,
     new_id,
+    reasoning_item,
     response_object,
     status_of,
     usage_of,
@@ -38,7 +48,8 @@ class ResponsesStream:
         self._sequence = 0
         self._output: list[dict[str, Any]] = []  # the items so far, the last one maybe in progress
         self._open: dict[str, Any] | None = None  # the item in progress
-        self._text = ""  # the open message's text so far
+        self._text = ""  # the open message's (or reasoning item's) text so far
+        self._blank = ""  # blanks not sent yet: they open a message only if text follows
         self._calls: dict[int, dict[str, Any]] = {}  # chat's tool call index -> its item
         self._finish_reason: str | None = None
         self._usage: dict[str, Any] | None = None
@@ -61,6 +72,8 @@ class ResponsesStream:
             if choice.get("index", 0) != 0:
                 continue  # the Responses API samples one output
             delta = choice.get("delta") or {}
+            if delta.get("reasoning"):
+                events += self._reasoning_delta(delta["reasoning"])
             if delta.get("content"):
                 events += self._text_delta(delta["content"])
             for part in delta.get("tool_calls") or ():
@@ -76,8 +89,8 @@ class ResponsesStream:
         kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
         return [*events, self._event(kind, response=response)]
 
-    def failed(self, message: str) -> list[bytes]:
-        self._error = message
+    def failed(self, error: UpstreamError) -> list[bytes]:
+        self._error = error.message
         return [self._event("response.failed", response=self.response())]
 
     def response(self) -> dict[str, Any]:
@@ -100,9 +113,27 @@ class ResponsesStream:
         self._output.append(item)
         return self._event("response.output_item.added", output_index=len(self._output) - 1, item=item)
 
+    def _reasoning_delta(self, text: str) -> list[bytes]:
+        events = []
+        if self._open is None or self._open["type"] != "reasoning":
+            events += self._close()
+            item = reasoning_item(new_id("rs"), "", status="in_progress")
+            events.append(self._begin(item))
+            part = {"type": "reasoning_text", "text": ""}
+            events.append(self._event("response.content_part.added", item_id=item["id"],
+                                      output_index=len(self._output) - 1, content_index=0, part=part))  # fmt: skip
+        self._text += text
+        events.append(self._event("response.reasoning_text.delta", item_id=self._output[-1]["id"],
+                                  output_index=len(self._output) - 1, content_index=0, delta=text))  # fmt: skip
+        return events
+
     def _text_delta(self, text: str) -> list[bytes]:
         events = []
         if self._open is None or self._open["type"] != "message":
+            if text.isspace():
+                self._blank += text
+                return []
+            text, self._blank = self._blank + text, ""
             events += self._close()
             item = message_item(new_id("msg"), "", status="in_progress")
             item["content"] = []
@@ -123,6 +154,7 @@ class ResponsesStream:
         item = self._calls.get(index)
         if item is None:
             events += self._close()
+            self._blank = ""  # blanks before a tool call are no message
             item = function_call_item(new_id("fc"), part.get("id") or new_id("call"), function.get("name") or "", "",
                                       status="in_progress")  # fmt: skip
             self._calls[index] = item
@@ -140,7 +172,17 @@ class ResponsesStream:
             return []
         index = len(self._output) - 1
         events = []
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            done = reasoning_item(item["id"], self._text)
+            item.update(done)
+            events += [
+                self._event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                            text=self._text),
+                self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                            part=done["content"][0] if done["content"] else {"type": "reasoning_text", "text": ""}),
+            ]  # fmt: skip
+            self._text = ""
+        elif item["type"] == "message":
             done = message_item(item["id"], self._text)
             item.update(done)
             events += [
