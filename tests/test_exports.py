@@ -39,7 +39,7 @@ def test_the_proxy_subpackages_public_names() -> None:
                           "new_trajectory_id"],
         "proxy.judge": ["DEFAULT_RUBRIC", "Judge", "JudgeFailed", "JudgePrompt", "JudgeService", "Score",
                         "build_prompt"],
-        "proxy.observability": ["LangfuseExporter", "Metrics", "start_langfuse"],
+        "proxy.observability": ["Exporters", "Metrics", "start_exporters"],
         "proxy.training": ["HandoverCoordinator", "JobScheduler", "PublishError", "Publisher"],
     }  # fmt: skip
     for name, exported in faces.items():

@@ -50,6 +50,8 @@ def settings_from(args: argparse.Namespace) -> Any:
         "judge_model": args.judge_model,
         "judge_rubric": args.judge_rubric,
         "langfuse": args.langfuse or None,  # unset: TRACETRAIN_LANGFUSE decides
+        "otlp_endpoint": args.otlp_endpoint,
+        "otlp_content": args.otlp_content,
         "share_gpu": args.share_gpu,  # unset: TRACETRAIN_SHARE_GPU decides
         "handover_wait_s": args.handover_wait,
         "handover_timeout_s": args.handover_timeout,

@@ -44,7 +44,7 @@ from proxy.gateway._relay import Relay, RelayResponse, TranslatedRelay, close_un
 from proxy.gateway._router import Router
 from proxy.gateway._upstream import Upstream, UpstreamStream
 from proxy.gateway._wire import ChatCompletionRequest, CompletionRequest, json_object
-from proxy.observability._langfuse import LangfuseExporter
+from proxy.observability._exporters import Exporters
 from proxy.observability._metrics import Metrics
 from store import CallWrite, Store, StoreError, StoreFull
 
@@ -71,7 +71,7 @@ class Forwarder:
         keyer: Keyer,
         registry: PolicyRegistry,
         metrics: Metrics,
-        langfuse: LangfuseExporter | None = None,
+        exporters: Exporters | None = None,
         gate: Gate | None = None,
     ) -> None:
         # Which vLLM server takes each call (one Upstream: always that one).
@@ -82,7 +82,7 @@ class Forwarder:
         self._keyer = keyer
         self._registry = registry
         self._metrics = metrics
-        self._langfuse = langfuse
+        self._exporters = exporters  # OTLP and Langfuse: each record queued for them, never awaited
         # Calls being handled or streamed: a lone one is written on the event loop's thread (store._writer).
         self._in_flight = 0
 
@@ -108,15 +108,15 @@ class Forwarder:
                 self._metrics.call_not_recorded(write.call)
                 raise
         self._metrics.call_recorded(write.call)
-        if self._langfuse is not None:
-            self._langfuse.call_recorded(write)
+        if self._exporters is not None:
+            self._exporters.call_recorded(write)
         return True
 
     def record_nowait(self, write: CallWrite) -> None:
         self._store.record_call_nowait(write)
         self._metrics.call_recorded(write.call)
-        if self._langfuse is not None:
-            self._langfuse.call_recorded(write)
+        if self._exporters is not None:
+            self._exporters.call_recorded(write)
 
     async def handle(self, endpoint: Endpoint, raw: bytes, hints: KeyHints) -> Response:
         started_at, t0 = time.time(), time.perf_counter()
