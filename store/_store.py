@@ -3,7 +3,7 @@
 ``Store.open(url)`` connects (bringing the schema to the current revision), starts the
 group-commit writer when the process captures calls, and gathers the store's parts:
 ``policies``, ``adapters``, ``adapter_files``, ``jobs``, ``judgements``, ``reads``, ``export``, ``guards``,
-``reward_timeouts``. The few
+``reward_timeouts``, ``evaluations``. The few
 lookups on the proxy's request path (keying) are methods here. On SQLite the two asked on
 every call (a trajectory's group, an open thread) read synchronously through one raw
 ``sqlite3`` connection held for the store's life: an indexed SQLite read takes tens of
@@ -35,6 +35,7 @@ from store._adapters import Adapters, Policies
 from store._compact import Chains
 from store._derived import Seat, join_task_group
 from store._engine import connect, sqlite_sync_engine
+from store._evaluations import Evaluations
 from store._export import ExportReads
 from store._guard import Guards
 from store._jobs import Jobs
@@ -94,6 +95,7 @@ class Store:
         self.export = ExportReads(engine)
         self.guards = Guards(engine)
         self.reward_timeouts = RewardTimeouts(engine)
+        self.evaluations = Evaluations(engine)
 
     @classmethod
     async def open(cls, url: str, *, capture: bool = True) -> Store:

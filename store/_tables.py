@@ -251,6 +251,26 @@ class Judgement(SQLModel, table=True):
     finished_at: float
 
 
+class Evaluation(SQLModel, table=True):
+    """A score of one version on something it was not trained on: a held-out set, a benchmark.
+
+    Posted by whoever measured it (``POST /admin/evaluations``: the demo's held-out runs, a user's
+    evaluation job); the trainer worker logs each into its run (``--log-to``) beside the steps, at the
+    version's step. At most ``store._evaluations.KEEP`` rows per policy are kept, the oldest deleted.
+    """
+
+    __tablename__ = "evaluations"
+    __table_args__ = (Index("ix_evaluations_policy_id", "policy", "id"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    policy: str
+    version: int
+    name: str  # e.g. "held_out_success"
+    value: float
+    samples: int | None = None  # how many attempts the value stands for, when said
+    created_at: float
+
+
 def _table(model: type[SQLModel]) -> Table:
     table = model.__table__  # type: ignore[attr-defined]  # set by SQLModel's metaclass
     assert isinstance(table, Table)
@@ -267,3 +287,4 @@ training_jobs = _table(TrainingJob)
 adapters = _table(AdapterVersion)
 adapter_files = _table(AdapterFile)
 judgements = _table(Judgement)
+evaluations = _table(Evaluation)

@@ -51,7 +51,8 @@ def test_store_public_names() -> None:
 
     assert sorted(store.__all__) == [
         "ADAPTER_FIELDS", "ADVANTAGE_EPS", "AdapterFile", "AdapterFiles", "AdapterState", "Adapters",
-        "COMPACT_COLUMNS", "Call", "CallWrite", "DueRule", "ExportFilter", "ExportPage", "ExportReads",
+        "COMPACT_COLUMNS", "Call", "CallWrite", "DueRule", "EVALUATION_FIELDS", "Evaluations", "ExportFilter",
+        "ExportPage", "ExportReads",
         "FILE_NAME_PATTERN", "FileEntry",
         "GROUP_VIEW_STATES", "GpuHandover", "GroupAdvantages", "GroupCalls", "GroupChanged", "GroupRecord",
         "GroupState", "Guards", "JOB_FIELDS", "JUDGEMENT_STATES", "JobState", "Jobs", "Judgements", "MOVES",

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from tracetrain_cli._models import DEFAULT_MODEL, setting_default
+from tracetrain_cli._models import DEFAULT_MODEL, LOG_BACKENDS, setting_default
 from tracetrain_cli._serve_devices import add_device_flags
 
 
@@ -303,6 +303,27 @@ def _add_observability_flags(p: argparse.ArgumentParser) -> None:
         "background; keys from LANGFUSE_PUBLIC_KEY and LANGFUSE_SECRET_KEY, server from LANGFUSE_BASE_URL "
         "(default https://cloud.langfuse.com)",
     )
+    p.add_argument(
+        "--log-to",
+        type=log_backends,
+        default=(),
+        metavar="BACKENDS",
+        help="the trainer also logs each step's metrics, the run's configuration and posted evaluations "
+        "(POST /admin/evaluations) to these, comma-separated: tensorboard (DATA_DIR/runs/ or --log-dir), wandb "
+        "(WANDB_PROJECT, WANDB_MODE, ...), mlflow (MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME); each needs its "
+        "extra, e.g. pip install 'tracetrain[tensorboard]'",
+    )
+    p.add_argument(
+        "--log-dir", type=Path, metavar="DIR", help="with --log-to tensorboard: where runs go (default DATA_DIR/runs)"
+    )
+
+
+def log_backends(text: str) -> tuple[str, ...]:
+    """``--log-to``'s value: known backends, once each, in a fixed order."""
+    names = [name.strip().lower() for name in text.split(",") if name.strip()]
+    if unknown := [name for name in names if name not in LOG_BACKENDS]:
+        raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}; choose from {', '.join(LOG_BACKENDS)}")
+    return tuple(name for name in LOG_BACKENDS if name in names)
 
 
 def _add_handover_flags(p: argparse.ArgumentParser) -> None:

@@ -1,9 +1,9 @@
 """The admin JSON API: everything the dashboard shows, and its two actions.
 
 Reads: overview, trajectories, groups, training jobs, adapters, training state. Actions:
-train now, activate a version (rollback/forward), and resume training after the regression
-guard paused it. The admin token (``Authorization: Bearer``)
-or a dashboard session with its CSRF token admits a request (``proxy._credentials``).
+train now, activate a version (rollback/forward), resume training after the regression
+guard paused it, and record a version's evaluation (for the trainer's run loggers). The admin
+token (``Authorization: Bearer``) or a dashboard session with its CSRF token admits a request (``proxy._credentials``).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from fastapi import APIRouter, Depends, Query
 
 from proxy._params import Cursor, GroupViewState, Id, Limit, UnixTime, Version
 from proxy.admin import _service as _admin
+from proxy.admin._evaluations import EvaluationPost, record_evaluation
 from proxy.api._deps import ServicesDep, require_admin
 from proxy.errors import InvalidRequest
 
@@ -114,3 +115,11 @@ async def activate(version: Version, services: ServicesDep) -> dict[str, Any]:
     """Serve `version` as the policy (0 is the base model): a rollback or a roll forward."""
     active = await services.publisher.activate(version)
     return {"object": "policy", "policy": services.registry.policy, "active_version": active}
+
+
+@router.post("/evaluations")
+async def post_evaluation(post: EvaluationPost, services: ServicesDep) -> dict[str, Any]:
+    """Record a version's scores on what it was not trained on (held-out success, a benchmark), e.g.
+    `{"version": 3, "scores": {"held_out_success": 0.62}, "samples": 200}`. The trainer logs them to its run
+    (`--log-to`) at that version's step."""
+    return await record_evaluation(services.store, services.registry.policy, post)
