@@ -168,8 +168,8 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
 
 
 def _serve_counting(host: str, port: int) -> None:
-    """The bench's sink: 200 to every export, ``GET /count`` says what was decoded."""
-    counts = {"requests": 0, "spans": 0, "bytes": 0}
+    """The bench's sink: 200 to every export, ``GET /count`` says what was decoded (spans by path)."""
+    counts: dict[str, Any] = {"requests": 0, "bytes": 0, "spans": {}}
     lock = threading.Lock()
 
     class Handler(BaseHTTPRequestHandler):
@@ -183,7 +183,7 @@ def _serve_counting(host: str, port: int) -> None:
             spans = len(decode(raw)[0]) if self.path.endswith("/v1/traces") else 0
             with lock:
                 counts["requests"] += 1
-                counts["spans"] += spans
+                counts["spans"][self.path] = counts["spans"].get(self.path, 0) + spans
                 counts["bytes"] += size
             self._reply(b"", "application/x-protobuf")
 

@@ -35,9 +35,10 @@ from pydantic import SecretStr, ValidationError
 
 from proxy import Settings, create_app
 from proxy.observability import Exporters
-from proxy.observability._langfuse import LangfuseConfig, LangfuseScores, langfuse_receiver
+from proxy.observability._export_process import ExportConfig, langfuse_receiver
+from proxy.observability._langfuse import LangfuseConfig, LangfuseScores
 from proxy.observability._langfuse_wire import SCORES_PATH, TRACES_PATH, generation_attributes, trace_id
-from proxy.observability._otlp import ExportConfig, OtlpExport
+from proxy.observability._otlp import OtlpExport
 from store import CallWrite
 from tracetrain_cli._serve_command import settings_from
 from tracetrain_cli._serve_flags import add_serve_parser
@@ -210,7 +211,7 @@ def test_a_trajectory_is_one_trace_its_calls_generations_and_its_reward_scores(
     assert traces.headers["content-encoding"] == "gzip"
     assert traces.headers["content-type"] == "application/x-protobuf"
     assert langfuse.requests_to(SCORES_PATH)[-1].headers["authorization"] == credentials
-    assert proxy.exported["sent"] == 2
+    wait_until(lambda: proxy.exported["sent"] == 2)  # the export process publishes its counters every 0.2 s
 
 
 def test_span_attributes_are_the_ones_the_langfuse_sdk_defines() -> None:

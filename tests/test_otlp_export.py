@@ -7,6 +7,7 @@ OTLP/HTTP exporter, to a receiver on loopback that decodes the requests with ``o
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import time
@@ -27,9 +28,10 @@ from otlp_receiver import Answer, OtlpReceiver, attributes, otlp_receiver, wait_
 from pydantic import ValidationError
 
 from proxy import Settings, create_app
-from proxy.observability import Exporters
+from proxy.observability import Exporters, start_exporters
+from proxy.observability._export_process import ExportConfig
 from proxy.observability._genai import call_attributes
-from proxy.observability._otlp import ExportConfig, OtlpExport, Receiver
+from proxy.observability._otlp import OtlpExport, Receiver
 from store import CallWrite
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -144,7 +146,7 @@ def test_each_call_is_a_genai_span_and_each_trajectory_its_own_trace(
         assert got["gen_ai.usage.input_tokens"] == call["prompt_tokens"] > 0
         assert got["gen_ai.usage.output_tokens"] == call["completion_tokens"] > 0
         assert got["gen_ai.response.finish_reasons"] == [call["finish_reason"]]
-        assert got["gen_ai.conversation.id"] == call["trajectory_id"] == got["tracetrain.trajectory.id"]
+        assert got["gen_ai.conversation.id"] == call["trajectory_id"]
         assert got["tracetrain.call.id"] == call["id"]
         assert abs(span.start_time_unix_nano - call["started_at"] * 1e9) < 1e3  # within a microsecond
         assert abs((span.end_time_unix_nano - span.start_time_unix_nano) - call["latency_ms"] * 1e6) < 1e3
@@ -166,7 +168,7 @@ def test_the_attribute_names_are_the_semantic_conventions_own() -> None:
     written = call_attributes(recorded_call(1, ttft_ms=5.0, stream=True, status_code=502, error="down"), content=True)
     unknown = {name for name in written if name.startswith("gen_ai.") and name not in defined}
     assert unknown == set()
-    assert {n.split(".")[0] for n in written} == {"gen_ai", "tracetrain", "error", "http"}
+    assert {n.split(".")[0] for n in written} == {"gen_ai", "tracetrain", "error"}
 
 
 def test_messages_are_in_the_spans_only_when_asked(
@@ -217,8 +219,8 @@ def test_a_reward_is_a_span_of_evaluation_events_in_its_trajectory_trace(
     assert attributes(scores["reward"].attributes)["gen_ai.evaluation.score.value"] == 0.75
     assert attributes(scores["correct"].attributes)["gen_ai.evaluation.score.value"] == 1.0
     assert attributes(span.attributes)["tracetrain.reward.source"] == "external"
-    metrics = httpx.get(f"{proxy.url}/metrics").text
-    assert 'tracetrain_export_items{outcome="sent",receiver="otlp"} 2.0' in metrics
+    sent = 'tracetrain_export_items{outcome="sent",receiver="otlp"} 2.0'
+    wait_until(lambda: sent in httpx.get(f"{proxy.url}/metrics").text)  # published every 0.2 s
 
 
 def test_a_failed_call_is_an_error_span(receiver: OtlpReceiver) -> None:
@@ -376,3 +378,49 @@ def test_the_collectors_headers_reach_it_and_a_password_in_its_url_is_not_logged
     wait_until(lambda: len(receiver.spans()) == 1)
     assert receiver.received[0].headers["x-collector-key"] == "ck-123456"
     assert "exporting traces over OTLP" in caplog.text and "pa55word-secret" not in caplog.text
+
+
+# -- the export process --------------------------------------------------------------------------------------------
+
+
+async def eventually(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+async def test_the_export_process_takes_what_is_handed_over_within_its_bound_and_says_what_it_dropped(
+    receiver: OtlpReceiver, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = Settings(otlp_endpoint=receiver.url, data_dir=tmp_path)
+    exporters = start_exporters(settings, ExportConfig(max_queue=5, flush_interval_s=0.05))
+    assert exporters is not None
+    for i in range(12):  # the new process is still importing: nothing is taken yet
+        exporters.call_recorded(recorded_call(i))
+    assert exporters.stats()["handoff"] == {"queued": 5, "queued_bytes": 5 * 2048 + 5 * 16 * 15, "dropped": 7}
+    await eventually(lambda: exporters.stats()["otlp"]["sent"] == 5)
+    assert exporters.stats()["handoff"]["queued"] == 0 and len(receiver.spans()) == 5
+
+    exporters._process.kill()  # a crash: calls go on being answered, their spans are dropped and said so
+    await eventually(lambda: not exporters._process.is_alive())
+    with caplog.at_level(logging.WARNING, logger="tracetrain.export"):
+        exporters.call_recorded(recorded_call(20))
+        exporters._hand_over()
+    assert "the export process is gone" in caplog.text and exporters.stats()["handoff"]["dropped"] == 8
+    await exporters.aclose()
+
+
+async def test_shutdown_lets_the_export_process_send_what_was_handed_over(
+    receiver: OtlpReceiver, tmp_path: Path
+) -> None:
+    exporters = start_exporters(Settings(otlp_endpoint=receiver.url, data_dir=tmp_path),
+                                ExportConfig(flush_interval_s=60.0))  # fmt: skip
+    assert exporters is not None
+    for i in range(3):
+        exporters.call_recorded(recorded_call(i))
+    started = time.perf_counter()
+    await exporters.aclose()
+    assert len(receiver.spans()) == 3 and time.perf_counter() - started < 15
+    assert exporters.stats()["otlp"]["sent"] == 3 and exporters.stats()["handoff"]["dropped"] == 0
+    assert not exporters._process.is_alive()

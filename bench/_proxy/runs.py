@@ -79,8 +79,10 @@ def measure_cell(bench: Bench, target: str, mode: str, c: int) -> Cell:
     if target != "direct":
         pids["upstream"] = bench.servers["direct"].proc.pid
     for name, server in bench.servers.items():
-        if name.startswith("upstream") and target == "tracetrain":
+        if name.startswith("upstream") and target in ("tracetrain", "exporting"):
             pids[name] = server.proc.pid
+    if target == "exporting" or (bench.opts.observe and target in TRACETRAIN_APIS):
+        pids["collector"] = bench.servers["collector"].proc.pid
 
     def snapshot() -> dict[str, float]:
         return {

@@ -56,6 +56,11 @@ def span_id(seed: str) -> int:
     return int.from_bytes(hashlib.sha256(seed.encode()).digest()[:8], "big") or 1  # 0 is not a valid id
 
 
+def estimated_bytes(call: Mapping[str, Any]) -> int:
+    """What a queued call's span keeps alive, roughly: its request's and response's text, by their token counts."""
+    return 2048 + 16 * (int(call.get("prompt_tokens") or 0) + int(call.get("completion_tokens") or 0))
+
+
 def operation(endpoint: str) -> str:
     return _OPERATIONS.get(endpoint, "chat")
 
@@ -95,17 +100,14 @@ def call_attributes(write: CallWrite, *, content: bool) -> dict[str, AttributeVa
     if call.get("ttft_ms") is not None:
         attributes["gen_ai.response.time_to_first_chunk"] = float(call["ttft_ms"]) / 1000
     if call["status_code"] != 200:
-        attributes["error.type"] = str(call["status_code"])
+        attributes["error.type"] = str(call["status_code"])  # the HTTP status the client got
     attributes |= {
         "gen_ai.request.stream": bool(call["stream"]),
-        "tracetrain.trajectory.id": write.trajectory_id,
+        # tracetrain's own: the trajectory is gen_ai.conversation.id, the version is in gen_ai.response.model.
         "tracetrain.group.id": write.group_id,
-        "tracetrain.policy": write.policy,
-        "tracetrain.version": int(write.version),
         "tracetrain.call.id": str(call["id"]),
         "tracetrain.endpoint": str(call["endpoint"]),
         "tracetrain.keyed_by": write.keyed_by,
-        "http.response.status_code": int(call["status_code"]),
     }
     if content:
         attributes["gen_ai.input.messages"] = _json(input_messages(call))

@@ -41,14 +41,7 @@ import orjson
 from pydantic import SecretStr
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from proxy.observability._langfuse_wire import (
-    SCORES_PATH,
-    TRACES_PATH,
-    generation_attributes,
-    rejected_scores,
-    reward_scores,
-)
-from proxy.observability._otlp import Receiver
+from proxy.observability._langfuse_wire import SCORES_PATH, rejected_scores, reward_scores
 
 log = logging.getLogger("tracetrain.langfuse")
 
@@ -78,13 +71,6 @@ class LangfuseConfig:
     def basic_auth(self) -> str:
         token = base64.b64encode(f"{self.public_key}:{self.secret_key.get_secret_value()}".encode()).decode()
         return f"Basic {token}"
-
-
-def langfuse_receiver(config: LangfuseConfig) -> Receiver:
-    """Langfuse as a receiver of the OTLP export: its endpoint, its headers, its dialect of attributes."""
-    headers = {"Authorization": config.basic_auth(), "x-langfuse-ingestion-version": "4"}
-    return Receiver("langfuse", config.base_url.rstrip("/") + TRACES_PATH, generation_attributes, headers,
-                    rewards=False, gzip=True)  # fmt: skip
 
 
 class LangfuseScores:

@@ -43,9 +43,11 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.util.types import Attributes
 
+from proxy.observability._export_process import ExportConfig
 from proxy.observability._genai import (
     EVALUATION_EVENT,
     AttributeValue,
+    estimated_bytes,
     evaluation_attributes,
     reward_scores,
     span_id,
@@ -63,20 +65,6 @@ _WARN_EVERY_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
-class ExportConfig:
-    """How much a receiver may hold and how it sends. A count and a byte bound: whichever comes first."""
-
-    batch_size: int = 512  # spans per request (the SDK's default)
-    flush_interval_s: float = 1.0  # the longest a span waits for its batch to fill
-    max_queue: int = 4096  # spans held while the receiver is slow or down; beyond that they are dropped
-    max_queue_bytes: int = 64 * 2**20  # an estimate of what those spans keep alive (requests, responses)
-    # Per request, the SDK's retries included; None: OTEL_EXPORTER_OTLP_TRACES_TIMEOUT or OTEL_EXPORTER_OTLP_TIMEOUT
-    # (seconds, as the Python SDK reads them), else 10.
-    timeout_s: float | None = None
-    shutdown_timeout_s: float = 5.0  # at shutdown, the time left to send what is queued
-
-
-@dataclass(frozen=True, slots=True)
 class Receiver:
     """Where spans go and how they read there.
 
@@ -91,11 +79,6 @@ class Receiver:
     headers: Mapping[str, str] | None = None
     rewards: bool = True
     gzip: bool = False
-
-
-def estimated_bytes(call: Mapping[str, Any]) -> int:
-    """What a queued span keeps alive, roughly: its request's and response's text, by their token counts."""
-    return 2048 + 16 * (int(call.get("prompt_tokens") or 0) + int(call.get("completion_tokens") or 0))
 
 
 class _CallSpan(ReadableSpan):
@@ -173,7 +156,8 @@ class OtlpExport:
         self._counting = _Counting(receiver, config)
         self._processor = BatchSpanProcessor(
             self._counting, max_queue_size=config.max_queue + 1,  # never full: the gate below drops first
-            schedule_delay_millis=config.flush_interval_s * 1000, max_export_batch_size=config.batch_size,
+            schedule_delay_millis=config.flush_interval_s * 1000,
+            max_export_batch_size=min(config.batch_size, config.max_queue),
         )  # fmt: skip
         self._closed = False
         self._warned_at = -_WARN_EVERY_S
