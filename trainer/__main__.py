@@ -236,6 +236,11 @@ def _run_log(args: argparse.Namespace, settings: WorkerSettings) -> RunLog | Non
                            args.run_name or default_run_name(settings.policy), config)  # fmt: skip
     except MissingExtra as exc:
         raise SystemExit(f"python -m trainer: {exc}") from None
+    except Exception as exc:  # a backend that cannot start a run: W&B without a key, MLflow's server down
+        raise SystemExit(
+            f"python -m trainer: --log-to could not start the run: {type(exc).__name__}: {exc} "
+            "(W&B: set WANDB_API_KEY, or WANDB_MODE=offline; MLflow: check MLFLOW_TRACKING_URI)"
+        ) from exc
 
 
 def _at_least_one(text: str) -> int:

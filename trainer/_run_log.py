@@ -174,7 +174,9 @@ class _WandB:
         where = None if os.environ.get("WANDB_DIR") else str(log_dir)  # None: W&B's own choice
         project = None if os.environ.get("WANDB_PROJECT") else "tracetrain"
         log_dir.mkdir(parents=True, exist_ok=True)
-        self._run = wandb.init(project=project, name=run_name, config=dict(config), job_type="train", dir=where)
+        quiet = wandb.Settings(console="off")  # the worker's log stays the worker's: serve reads it
+        self._run = wandb.init(project=project, name=run_name, config=dict(config), job_type="train", dir=where,
+                               settings=quiet)  # fmt: skip
         self._run.define_metric("version")
         for family in ("train/*", "eval/*"):
             self._run.define_metric(family, step_metric="version")
