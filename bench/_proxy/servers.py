@@ -141,6 +141,15 @@ def litellm_setup_notes(server: Server) -> list[str]:
     return notes
 
 
+def children(pid: int) -> list[int]:
+    """The processes ``pid`` started, as the kernel lists them for each of its threads."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            found += [int(child) for child in (task / "children").read_text().split()]
+    return found
+
+
 def cpu_seconds(pid: int) -> float:
     """User plus system CPU time of a process, all its threads (finished ones included)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
