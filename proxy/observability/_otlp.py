@@ -1,15 +1,14 @@
-"""One OTLP receiver: recorded calls (and rewards) as spans, sent in the background by OpenTelemetry's SDK.
+"""One OTLP receiver's pipeline, in the export process: recorded calls (and rewards) as spans, sent by the SDK.
 
     call recorded --> _CallSpan (ids, times, status; attributes rendered later) --> gate (bounded: count, bytes)
         --> BatchSpanProcessor (its thread, its batches) --> _Counting --> OTLPSpanExporter (HTTP/protobuf, retries)
 
 The SDK does the batching, the encoding (``opentelemetry-proto``), the HTTP with its retries and the
-``OTEL_EXPORTER_OTLP_*`` variables. What the proxy adds is what its cost budget and its operators need:
+``OTEL_EXPORTER_OTLP_*`` variables. What tracetrain adds is what its operators need:
 
 - the proxy learns of a call once it has finished, so a span is built finished, from the record, with the
   call's own start and end (``_CallSpan``, the SDK's ``ReadableSpan``), never through a tracer;
-- its attributes, the costly part (messages serialized), are rendered when the exporter encodes the
-  span, in the processor's thread: the request path only builds the span's ids and hands it over;
+- its attributes are rendered when the exporter encodes the span, in the processor's thread;
 - a gate before the processor bounds the queue by count and by bytes (the span keeps the call's request
   and response alive) and counts what it drops, where the SDK's processor drops silently;
 - ``_Counting`` around the exporter counts what was sent, refused by the receiver (a 4xx, or spans
@@ -17,8 +16,8 @@ The SDK does the batching, the encoding (``opentelemetry-proto``), the HTTP with
 - ``_Session`` (a ``requests.Session``) reads partial successes and, for a receiver with headers of its own
   (Langfuse), sends only those: the variables' headers, meant for the collector, never reach it.
 
-A dead receiver therefore costs exports, never a call: nothing here waits on the network but the
-processor's thread.
+It runs in the export process (``_export_process``), never in the proxy's, so a slow or dead receiver
+costs exports, never a call, and the encoding's CPU never holds the proxy's interpreter.
 """
 
 from __future__ import annotations
