@@ -122,7 +122,7 @@ def run(opts: Options, workdir: Path, stack: contextlib.ExitStack) -> Results:
     if parts:
         records = merged(parts)
     if "exporting" in servers:
-        exported = collect(servers["collector"], servers["exporting"], parts[-1].stored)
+        exported = collect(servers["collector"], servers["exporting"], parts[-1].stored, parts[-1].completed)
     return Results(machine_info(opts, notes), cells, ttfb, records, profile, exported)
 
 
