@@ -128,7 +128,8 @@ class Exporters:
 
     def _put(self, message: tuple[str, Any], calls: int) -> None:
         if not self._process.is_alive():
-            self._drop(calls, "the export process is gone (see its log above); dropping spans")
+            self._drop(calls, "the export process is gone (see its log above; a script that builds the app itself "
+                       "must run it under `if __name__ == '__main__':`); dropping spans")  # fmt: skip
             return
         self._inbox.put_nowait(message)  # unbounded: the count and byte bounds above hold it
 
