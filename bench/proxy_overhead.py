@@ -28,10 +28,11 @@ from pathlib import Path
 
 # bench/ is not a package: Python puts this script's folder first on sys.path, so its helpers
 # (bench/_proxy/, bench/_host.py) import as top-level names.
+from _proxy.exports import collect
 from _proxy.options import TARGETS, Options
 from _proxy.probe import check_answers
 from _proxy.pyspy import profile_tracetrain
-from _proxy.records import count_records
+from _proxy.records import count_records, merged
 from _proxy.report import Results, machine_info, print_report, write_json
 from _proxy.runs import Bench, measure_all_ttfb, run_matrix, warm_up
 from _proxy.servers import litellm_setup_notes, start_servers
@@ -99,6 +100,8 @@ def run(opts: Options, workdir: Path, stack: contextlib.ExitStack) -> Results:
     bench = Bench(servers, opts, "bench" + secrets.token_hex(3))
     notes = litellm_setup_notes(servers["litellm"]) if "litellm" in servers else []
     for name, server in servers.items():
+        if name == "collector":
+            continue
         tag = f"{bench.run_id}-{name}-check"
         sent = check_answers(server, tag)
         bench.note(name, tag, sent, sent)
@@ -106,14 +109,21 @@ def run(opts: Options, workdir: Path, stack: contextlib.ExitStack) -> Results:
     warm_up(bench)
     cells = run_matrix(bench)
     ttfb = measure_all_ttfb(bench)
-    profile = records = None
-    if "tracetrain" in servers:  # started for any of its APIs
-        if opts.profile is not None:
-            print("profiling tracetrain under plain c=64 load ...", file=sys.stderr, flush=True)
-            profile = profile_tracetrain(bench, opts.profile, opts.duration_s)
-        bench.settle()
-        records = count_records(workdir / "tracetrain" / "tracetrain.db", bench.batches)
-    return Results(machine_info(opts, notes), cells, ttfb, records, profile)
+    profile = records = exported = None
+    if "tracetrain" in servers and opts.profile is not None:  # started for any of its APIs
+        print("profiling tracetrain under plain c=64 load ...", file=sys.stderr, flush=True)
+        profile = profile_tracetrain(bench, opts.profile, opts.duration_s)
+    parts = []
+    for process in ("tracetrain", "exporting"):  # each tracetrain process has its database
+        if process in servers:
+            bench.settle()
+            mine = [b for b in bench.batches if (b[0].split("-")[1] == "exporting") == (process == "exporting")]
+            parts.append(count_records(workdir / process / "tracetrain.db", mine))
+    if parts:
+        records = merged(parts)
+    if "exporting" in servers:
+        exported = collect(servers["collector"], servers["exporting"], parts[-1].stored, parts[-1].completed)
+    return Results(machine_info(opts, notes), cells, ttfb, records, profile, exported)
 
 
 def _exit_on_sigterm(_signum: int, _frame: object) -> None:

@@ -5,7 +5,7 @@ stands on them, starts the background tasks (``proxy._periodic``), and yields ``
 what every route reaches through ``proxy.api._deps``. Whatever was built is closed when the
 block ends, or when building fails half-way: the background tasks first (newest first: the
 judge before the hand-over, which wakes vLLM as it ends, before the publisher), then the
-Langfuse exporter (it sends what is still queued), the clients, and the store last (it writes
+trace exporters (they send what is still queued), the clients, and the store last (it writes
 every queued record first).
 """
 
@@ -31,7 +31,7 @@ from proxy.gateway import Forwarder, Gate, Keyer, PolicyRegistry, Served, Signer
 from proxy.gateway.upstream import Router
 from proxy.judge import JudgeService
 from proxy.judge._timeout import RewardTimeout
-from proxy.observability import LangfuseExporter, Metrics, start_langfuse
+from proxy.observability import Exporters, Metrics, start_exporters
 from proxy.observability._disk import DiskWatch
 from proxy.training import HandoverCoordinator, JobScheduler, Publisher
 from proxy.training._guard import RegressionGuard
@@ -55,12 +55,12 @@ class Services:
     registry: PolicyRegistry
     keyer: Keyer
     forwarder: Forwarder
-    scheduler: JobScheduler  # also told of every reward written (metrics, Langfuse, a job when due)
+    scheduler: JobScheduler  # also told of every reward written (metrics, the trace exporters, a job when due)
     publisher: Publisher
     metrics: Metrics
     token_texts: TokenTexts
     judging: JudgeService
-    langfuse: LangfuseExporter | None = None  # with --langfuse
+    exporters: Exporters | None = None  # with --otlp-endpoint or --langfuse
     handover: HandoverCoordinator | None = None  # with --share-gpu
     disk: DiskWatch | None = None  # disk usage, free space, retention of data
 
@@ -86,14 +86,14 @@ async def build_services(
                 log.warning("upstream not answering yet (%s); will ask again on the first call", exc.message)
         # The policy row holds the alias; it must exist even while vLLM is still starting.
         registry.active_version = await store.policies.ensure(settings.policy, registry.base_model or "")
-        langfuse = start_langfuse(settings)  # None unless --langfuse
-        if langfuse is not None:
-            stack.push_async_callback(langfuse.aclose)  # sends what is still queued, within its time limit
+        exporters = start_exporters(settings)  # None unless --otlp-endpoint or --langfuse
+        if exporters is not None:
+            stack.push_async_callback(exporters.aclose)  # sends what is still queued, within its time limit
         keyer = Keyer(store, group_size=settings.group_size, thread_ttl_s=settings.thread_ttl_s)
         gate = Gate(settings.handover_wait_s, metrics)  # closed only by the hand-over's coordinator
         scheduler = JobScheduler(store, policy=settings.policy, batch_groups=settings.batch_groups,
                                  min_group_size=settings.min_group_size, metrics=metrics,
-                                 langfuse=langfuse)  # fmt: skip
+                                 exporters=exporters)  # fmt: skip
         publisher = await _publishing(settings, store, registry, router, stack)
         handover = _training(settings, store, publisher, router, gate, metrics, on_upstream_stuck, stack)
         judging = JudgeService(settings, store, registry, scheduler)
@@ -111,11 +111,11 @@ async def build_services(
         admin_token = settings.admin_token.get_secret_value() if settings.admin_token else None
         served = Served(reasoning=settings.reasoning_parser is not None, images=settings.reads_images,
                         signer=Signer.for_server(settings.data_dir, admin_token))  # fmt: skip
-        forwarder = Forwarder(router, store, keyer, registry, metrics, langfuse, gate, served)
+        forwarder = Forwarder(router, store, keyer, registry, metrics, exporters, gate, served)
         yield Services(
             settings, Credentials(settings, store.sessions), store, router.upstreams[0], router, registry, keyer,
             forwarder, scheduler, publisher, metrics, TokenTexts(router.upstreams[0]), judging,
-            langfuse=langfuse, handover=handover, disk=disk,
+            exporters=exporters, handover=handover, disk=disk,
         )  # fmt: skip
 
 

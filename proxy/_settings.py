@@ -9,8 +9,10 @@ so is a non-loopback bind address with no keys configured.
 from __future__ import annotations
 
 import ipaddress
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -168,6 +170,19 @@ class Settings(BaseSettings):
     langfuse_base_url: str = Field(
         default="https://cloud.langfuse.com", validation_alias=AliasChoices("langfuse_base_url", "langfuse_host")
     )
+    # Export each call as an OpenTelemetry span (the GenAI semantic conventions) over OTLP/HTTP
+    # (proxy.observability._otlp): a collector's address (http://collector:4318; /v1/traces is appended) or its
+    # full traces URL. Unset: the standard OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT,
+    # unless OTEL_SDK_DISABLED=true or OTEL_TRACES_EXPORTER names no otlp.
+    otlp_endpoint: str | None = None
+    # Prompts and replies in those spans (gen_ai.input.messages, gen_ai.output.messages): opt-in, as the conventions
+    # make them; also OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true. Langfuse always gets them.
+    otlp_content: bool = Field(
+        default=False,
+        validation_alias=AliasChoices(
+            "otlp_content", "tracetrain_otlp_content", "otel_instrumentation_genai_capture_message_content"
+        ),
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -185,6 +200,39 @@ class Settings(BaseSettings):
         if given:
             data["upstreams"] = given[0]
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _otlp_from_otel_variables(cls, data: object) -> object:
+        """No endpoint named: OpenTelemetry's standard variables name it, as they would for any instrumented app."""
+        if not isinstance(data, dict) or data.get("otlp_endpoint") or os.environ.get("TRACETRAIN_OTLP_ENDPOINT"):
+            return data
+        env = os.environ
+        exporters = [e.strip() for e in env.get("OTEL_TRACES_EXPORTER", "otlp").split(",")]
+        if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true" or "otlp" not in exporters:
+            return data
+        if url := env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip():
+            return {**data, "otlp_endpoint": url}
+        if url := env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip():
+            return {**data, "otlp_endpoint": url.rstrip("/") + "/v1/traces"}
+        return data
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _otlp_traces_url(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        value = value.strip()
+        if not value.startswith(("http://", "https://")):
+            raise ValueError(f"the OTLP endpoint must be an http(s) URL such as http://collector:4318, got {value!r}")
+        protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+        if protocol and protocol.strip() != "http/protobuf":
+            raise ValueError(
+                f"tracetrain exports OTLP over HTTP (http/protobuf), not {protocol.strip()}: unset "
+                "OTEL_EXPORTER_OTLP_PROTOCOL and point the endpoint at the collector's HTTP port (usually 4318)"
+            )
+        path = urlsplit(value).path
+        return value.rstrip("/") + "/v1/traces" if path in ("", "/") else value
 
     @field_validator("api_keys", "reward_keys", "adapter_keys", "upstreams", mode="before")
     @classmethod

@@ -20,6 +20,7 @@ from store._errors import (
     UnknownTrajectories,
     is_disk_full,
 )
+from store._evaluations import EVALUATION_FIELDS, Evaluations
 from store._export import ExportFilter, ExportPage, ExportReads, RewardSummary
 from store._guard import TRAINING_FIELDS, Guards
 from store._jobs import JOB_FIELDS, Jobs, RewardedTrajectory, StoredCall
@@ -37,6 +38,7 @@ from store._timeouts import RewardTimeouts
 __all__ = [
     "ADAPTER_FIELDS",
     "COMPACT_COLUMNS",
+    "EVALUATION_FIELDS",
     "FILE_NAME_PATTERN",
     "GROUP_VIEW_STATES",
     "JOB_FIELDS",
@@ -51,6 +53,7 @@ __all__ = [
     "Call",
     "CallWrite",
     "DueRule",
+    "Evaluations",
     "ExportFilter",
     "ExportPage",
     "ExportReads",

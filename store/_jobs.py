@@ -282,6 +282,17 @@ class Jobs:
             by_trajectory[row["trajectory_id"]].append(StoredCall(*row.values(), *sampling))
         return [RewardedTrajectory(t.id, t.group_id, float(t.reward), by_trajectory[t.id]) for t in trajectories]
 
+    async def sampling_window(self, trajectory_ids: Sequence[str]) -> tuple[float, float] | None:
+        """When a step's trajectories were sampled: their first call's start and their last call's end (unix s)."""
+        if not trajectory_ids:
+            return None
+        query = select(func.min(C.c.started_at), func.max(C.c.started_at + C.c.latency_ms / 1000.0)).where(
+            C.c.trajectory_id.in_(list(trajectory_ids))
+        )
+        async with self._engine.connect() as conn:
+            first, last = (await conn.execute(query)).one()
+        return None if first is None else (float(first), float(last))
+
     # -- read by the dashboard and /metrics --------------------------------------------
 
     async def newest(self, limit: int) -> list[dict[str, Any]]:

@@ -3,7 +3,7 @@
 ``Store.open(url)`` connects (bringing the schema to the current revision), starts the
 group-commit writer when the process captures calls, and gathers the store's parts:
 ``policies``, ``adapters``, ``adapter_files``, ``jobs``, ``judgements``, ``reads``, ``export``, ``guards``,
-``reward_timeouts``. The few
+``reward_timeouts``, ``evaluations``. The few
 lookups on the proxy's request path (keying) are methods here. On SQLite the two asked on
 every call (a trajectory's group, an open thread) read synchronously through one raw
 ``sqlite3`` connection held for the store's life: an indexed SQLite read takes tens of
@@ -38,6 +38,7 @@ from store._compact import Chains
 from store._derived import Seat, join_task_group, release_seats, release_stale_seats
 from store._engine import connect, sqlite_sync_engine
 from store._errors import RecordRefused, StoreUnavailable, database_errors
+from store._evaluations import Evaluations
 from store._export import ExportReads
 from store._guard import Guards
 from store._jobs import Jobs
@@ -102,6 +103,7 @@ class Store:
         self.reward_timeouts = RewardTimeouts(engine)
         self.sessions = Sessions(engine)
         self._releasing: set[asyncio.Task[int]] = set()  # seats given back for records refused without waiting
+        self.evaluations = Evaluations(engine)
 
     @classmethod
     async def open(cls, url: str, *, capture: bool = True) -> Store:

@@ -267,6 +267,26 @@ class RevokedSession(SQLModel, table=True):
     expires_at: float  # when the session would have ended anyway: the row is useless after it
 
 
+class Evaluation(SQLModel, table=True):
+    """A score of one version on something it was not trained on: a held-out set, a benchmark.
+
+    Posted by whoever measured it (``POST /admin/evaluations``: the demo's held-out runs, a user's
+    evaluation job); the trainer worker logs each into its run (``--log-to``) beside the steps, at the
+    version's step. At most ``store._evaluations.KEEP`` rows per policy are kept, the oldest deleted.
+    """
+
+    __tablename__ = "evaluations"
+    __table_args__ = (Index("ix_evaluations_policy_id", "policy", "id"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    policy: str
+    version: int
+    name: str  # e.g. "held_out_success"
+    value: float
+    samples: int | None = None  # how many attempts the value stands for, when said
+    created_at: float
+
+
 def _table(model: type[SQLModel]) -> Table:
     table = model.__table__  # type: ignore[attr-defined]  # set by SQLModel's metaclass
     assert isinstance(table, Table)
@@ -284,3 +304,4 @@ adapters = _table(AdapterVersion)
 adapter_files = _table(AdapterFile)
 judgements = _table(Judgement)
 revoked_sessions = _table(RevokedSession)
+evaluations = _table(Evaluation)

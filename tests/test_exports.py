@@ -49,7 +49,7 @@ def test_the_proxy_subpackages_public_names() -> None:
                                    "Upstream", "UpstreamStream"],
         "proxy.judge": ["DEFAULT_RUBRIC", "Judge", "JudgeFailed", "JudgePrompt", "JudgeService", "Score",
                         "build_prompt"],
-        "proxy.observability": ["LangfuseExporter", "Metrics", "start_langfuse"],
+        "proxy.observability": ["Exporters", "Metrics", "start_exporters"],
         "proxy.training": ["HandoverCoordinator", "JobScheduler", "PublishError", "Publisher"],
     }  # fmt: skip
     for name, exported in faces.items():
@@ -61,7 +61,8 @@ def test_store_public_names() -> None:
 
     assert sorted(store.__all__) == [
         "ADAPTER_FIELDS", "AdapterFile", "AdapterFiles", "AdapterState", "Adapters",
-        "COMPACT_COLUMNS", "Call", "CallWrite", "DueRule", "ExportFilter", "ExportPage", "ExportReads",
+        "COMPACT_COLUMNS", "Call", "CallWrite", "DueRule", "EVALUATION_FIELDS", "Evaluations", "ExportFilter",
+        "ExportPage", "ExportReads",
         "FILE_NAME_PATTERN", "FileEntry",
         "GROUP_VIEW_STATES", "GpuHandover", "GroupCalls", "GroupChanged", "GroupRecord",
         "GroupState", "Guards", "JOB_FIELDS", "JUDGEMENT_STATES", "JobState", "Jobs", "Judgements", "MOVES",

@@ -18,7 +18,8 @@ from conftest import RunningProxy
 from fake_vllm import FakeVLLM, Reply, ToolCall
 
 from proxy.judge._prompt import call_messages as judge_messages
-from proxy.observability._langfuse_wire import generation_span
+from proxy.observability._genai import call_attributes
+from proxy.observability._langfuse_wire import generation_attributes
 from store import CallWrite
 from tracetrain_cli._main import main
 from trainer._sft import read_export, sft_examples
@@ -85,7 +86,7 @@ def test_the_dashboard_and_the_admin_api_show_the_messages_and_the_answer(looped
     assert [row["final_answer"] for row in group["members"]] == ["It is sunny."]
 
 
-def test_the_judge_and_langfuse_read_the_translated_conversation(looped: RunningProxy, fake: FakeVLLM) -> None:
+def test_the_judge_and_the_exporters_read_the_translated_conversation(looped: RunningProxy, fake: FakeVLLM) -> None:
     [_, call] = httpx.get(f"{looped.v1}/trajectories/msgs").json()["calls"]
     judged = judge_messages("messages", call["request"], call["response"], None)
     assert [m["role"] for m in judged] == ["system", "user", "assistant", "tool", "assistant"]
@@ -93,7 +94,13 @@ def test_the_judge_and_langfuse_read_the_translated_conversation(looped: Running
     row = {k: call[k] for k in ("id", "endpoint", "model", "served_model", "stream", "request", "response",
                                 "finish_reason", "prompt_tokens", "completion_tokens", "status_code", "error",
                                 "latency_ms", "ttft_ms", "started_at")}  # fmt: skip
-    span = generation_span(CallWrite(row, "msgs", "g1", "agent", "header", None, None, row["started_at"], 0))
-    attributes = {a["key"]: next(iter(a["value"].values())) for a in span["attributes"]}
-    assert orjson.loads(attributes["langfuse.observation.input"]) == fake.requests[-1]["messages"]
-    assert orjson.loads(attributes["langfuse.observation.output"]) == {"role": "assistant", "content": "It is sunny."}
+    write = CallWrite(row, "msgs", "g1", "agent", "header", None, None, row["started_at"], 0)
+    attributes = generation_attributes(write)
+    otel = call_attributes(write, content=True)  # what an OpenTelemetry collector reads
+    roles = [m["role"] for m in orjson.loads(str(otel["gen_ai.input.messages"]))]
+    assert roles == [m["role"] for m in fake.requests[-1]["messages"]]
+    sunny = {"type": "text", "content": "It is sunny."}
+    assert orjson.loads(str(otel["gen_ai.output.messages"]))[0]["parts"] == [sunny]
+    assert orjson.loads(str(attributes["langfuse.observation.input"])) == fake.requests[-1]["messages"]
+    reply = {"role": "assistant", "content": "It is sunny."}
+    assert orjson.loads(str(attributes["langfuse.observation.output"])) == reply

@@ -34,14 +34,19 @@ def ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(3, 1000) for _ in range(n)]
 
 
-async def seed_store(url: str, groups: dict[str, list[float]], *, multi_turn: bool = False, seed: int = 0) -> int:
-    """Groups of rewarded trajectories as the proxy records them; returns the queued job's id."""
+async def seed_store(
+    url: str, groups: dict[str, list[float]], *, multi_turn: bool = False, seed: int = 0, new_policy: bool = True
+) -> int:
+    """Groups of rewarded trajectories as the proxy records them; returns the queued job's id.
+
+    ``new_policy``: the policy's row too (False: a proxy made it already)."""
     rng = random.Random(seed)
     engine = await connect(url)
     now = time.time()
     async with engine.begin() as conn:
-        await conn.execute(insert(P).values(name="agent", base_model="tiny", active_version=0, created_at=now,
-                                            updated_at=now))  # fmt: skip
+        if new_policy:
+            await conn.execute(insert(P).values(name="agent", base_model="tiny", active_version=0, created_at=now,
+                                                updated_at=now))  # fmt: skip
         for group_id, rewards in groups.items():
             await conn.execute(insert(G).values(id=group_id, policy="agent", state="training", created_at=now))
             for i, reward in enumerate(rewards):

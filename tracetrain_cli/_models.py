@@ -14,6 +14,8 @@ from typing import Any
 # they need torch, which this process (the serving side) never imports. These are what they need,
 # checked without importing them.
 TRAIN_MODULES = ("torch", "transformers", "gguf", "safetensors", "tqdm")
+# ``--log-to``'s backends and the module each needs (the trainer's own list: trainer._run_loggers.BACKENDS).
+LOG_BACKENDS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 

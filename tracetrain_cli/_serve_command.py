@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import SecretStr, ValidationError
 
-from tracetrain_cli._models import TRAIN_MODULES, missing_modules, resolve_model_dir
+from tracetrain_cli._models import LOG_BACKENDS, TRAIN_MODULES, missing_modules, resolve_model_dir
 
 if TYPE_CHECKING:  # the serving modules load at `serve`, not for every command's --help
     from tracetrain_cli._precision import SamplerDtype
@@ -57,6 +57,8 @@ def settings_from(args: argparse.Namespace) -> Any:
         "judge_model": args.judge_model,
         "judge_rubric": args.judge_rubric,
         "langfuse": args.langfuse or None,  # unset: TRACETRAIN_LANGFUSE decides
+        "otlp_endpoint": args.otlp_endpoint,
+        "otlp_content": args.otlp_content,
         "share_gpu": args.share_gpu,  # unset: TRACETRAIN_SHARE_GPU decides
         "handover_wait_s": args.handover_wait,
         "handover_timeout_s": args.handover_timeout,
@@ -124,7 +126,7 @@ def run_serve(args: argparse.Namespace) -> int:
             settings,
             model_dir,
             device,
-            [*_precision_args(precision, args), *args.trainer_arg],
+            [*_precision_args(precision, args), *_log_args(args), *args.trainer_arg],
             args.trainer_procs,
             devices.trainer_shard,
         )
@@ -147,6 +149,17 @@ def _refuse_missing_extras(args: argparse.Namespace, device: Device) -> None:
             f"tracetrain serve: the trainer needs the training extra ({', '.join(missing)} not installed): "
             "pip install 'tracetrain[train]', or pass --no-train to serve and capture only"
         )
+    for backend in args.log_to if not args.no_train else ():
+        if missing_modules([LOG_BACKENDS[backend]]):
+            raise SystemExit(f"tracetrain serve: --log-to {backend} needs the {backend} package: "
+                             f"pip install 'tracetrain[{backend}]'")  # fmt: skip
+
+
+def _log_args(args: argparse.Namespace) -> list[str]:
+    """The trainer's ``--log-to`` and ``--log-dir``, as serve was given them."""
+    if not args.log_to:
+        return []
+    return [f"--log-to={','.join(args.log_to)}", *([f"--log-dir={args.log_dir.resolve()}"] if args.log_dir else [])]
 
 
 def _vllm_child(args: argparse.Namespace, settings: Any, model_dir: Path, device: Device, dtype: SamplerDtype,

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from tracetrain_cli._models import DEFAULT_MODEL, setting_default
+from tracetrain_cli._models import DEFAULT_MODEL, LOG_BACKENDS, setting_default
 from tracetrain_cli._serve_devices import add_device_flags
 
 
@@ -35,13 +35,7 @@ def add_serve_parser(sub: Any) -> None:
     _add_reward_flags(p)
     _add_guard_flags(p)
     _add_retention_flags(p)
-    p.add_argument(
-        "--langfuse",
-        action="store_true",
-        help="also send each trajectory to Langfuse as a trace (calls as generations, rewards as scores), in the "
-        "background; keys from LANGFUSE_PUBLIC_KEY and LANGFUSE_SECRET_KEY, server from LANGFUSE_BASE_URL "
-        "(default https://cloud.langfuse.com)",
-    )
+    _add_observability_flags(p)
     _add_handover_flags(p)
     p.add_argument("--no-train", action="store_true", help="serve and capture only; start no trainer")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default info)")
@@ -348,6 +342,54 @@ def _add_retention_flags(p: argparse.ArgumentParser) -> None:
         help="a complete group still missing rewards this long after its last call or reward is judged if a judge "
         "is configured (--judge-model), else closed as unrewarded and never trained (default: wait forever)",
     )
+
+
+def _add_observability_flags(p: argparse.ArgumentParser) -> None:
+    """Where traces and training metrics go besides /metrics and the dashboard (docs/OBSERVABILITY.md)."""
+    p.add_argument(
+        "--otlp-endpoint",
+        metavar="URL",
+        help="also export each captured call as an OpenTelemetry span (GenAI semantic conventions; a trajectory is a "
+        "trace, a reward a span with evaluation events) over OTLP/HTTP to this collector, e.g. "
+        "http://127.0.0.1:4318, in the background. Default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or "
+        "OTEL_EXPORTER_OTLP_ENDPOINT when set; headers from OTEL_EXPORTER_OTLP_HEADERS",
+    )
+    p.add_argument(
+        "--otlp-content",
+        action="store_true",
+        default=None,
+        help="with the OTLP export: put prompts and replies in the spans (gen_ai.input.messages, "
+        "gen_ai.output.messages); off by default, as the conventions say (also "
+        "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true)",
+    )
+    p.add_argument(
+        "--langfuse",
+        action="store_true",
+        help="also send each trajectory to Langfuse as a trace (calls as generations, rewards as scores), in the "
+        "background; keys from LANGFUSE_PUBLIC_KEY and LANGFUSE_SECRET_KEY, server from LANGFUSE_BASE_URL "
+        "(default https://cloud.langfuse.com)",
+    )
+    p.add_argument(
+        "--log-to",
+        type=log_backends,
+        default=(),
+        metavar="BACKENDS",
+        help="the trainer also logs each step's metrics, the run's configuration and posted evaluations "
+        "(POST /admin/evaluations) to these, comma-separated: tensorboard (DATA_DIR/runs/ or --log-dir), wandb "
+        "(WANDB_PROJECT, WANDB_MODE, ...), mlflow (MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME); each needs its "
+        "extra, e.g. pip install 'tracetrain[tensorboard]'",
+    )
+    p.add_argument(
+        "--log-dir", type=Path, metavar="DIR", help="with --log-to tensorboard: where runs go (default DATA_DIR/runs)"
+    )
+
+
+def log_backends(text: str) -> tuple[str, ...]:
+    """``--log-to``'s value: known backends, once each, in a fixed order."""
+    names = [name.strip().lower() for name in text.split(",") if name.strip()]
+    if unknown := [name for name in names if name not in LOG_BACKENDS]:
+        raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}; choose from {', '.join(LOG_BACKENDS)}")
+    return tuple(name for name in LOG_BACKENDS if name in names)
 
 
 def _add_handover_flags(p: argparse.ArgumentParser) -> None:

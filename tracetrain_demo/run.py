@@ -15,7 +15,8 @@
    job is pending). Every --eval-every minutes the newest version is measured too.
 4. After --steps steps or --minutes minutes, measure held-out success on the newest
    version, print the per-step table, how busy each side was, and write the plot
-   (reward-curve.png) and the numbers (results.json) to DATA_DIR/demo.
+   (reward-curve.png) and the numbers (results.json) to DATA_DIR/demo. Each held-out success is also
+   posted to the server (``POST /admin/evaluations``): with ``--log-to`` the trainer logs it into its run.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.eval_attempts:
             _say(f"measuring held-out success of agent@{version} ...")
             report.held_out.append(_Evaluation(url, run_dir, version, args.eval_attempts, args, children).result())
+            _post_evaluation(url, args.admin_token, report.held_out[-1])
         report.seconds = time.monotonic() - started
         summary(report, run_dir)
     except KeyboardInterrupt:
@@ -127,6 +129,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "the gap), else the trainer's, float32",
     )
     p.add_argument(
+        "--log-to",
+        metavar="BACKENDS",
+        help="serve's --log-to: the trainer also logs each step and each held-out evaluation to tensorboard "
+        "(DATA_DIR/demo/runs), wandb or mlflow, comma-separated (docs/OBSERVABILITY.md)",
+    )
+    p.add_argument(
         "--sampler-correction",
         choices=["auto", "none", "tis", "mis"],
         help="the trainer's correction for a sampler/learner gap (default: the task's; city: auto, tis where the "
@@ -155,7 +163,7 @@ def _start_serve(args: argparse.Namespace, data_dir: Path, run_dir: Path, childr
         sys.executable, "-m", "tracetrain_cli", "serve", "--model", str(model_dir), "--data-dir", str(run_dir),
         "--port", str(args.port), "--group-size", str(args.attempts), "--min-group-size", str(args.attempts),
         "--batch-groups", str(args.questions), f"--trainer-arg=--config={config}", *TASKS[args.task].serve_args,
-        *([f"--sampler-dtype={sampler}"] if sampler else []),
+        *([f"--sampler-dtype={sampler}"] if sampler else []), *([f"--log-to={args.log_to}"] if args.log_to else []),
     ]  # fmt: skip
     serve = ChildProcess("tracetrain serve", command, dict(os.environ), run_dir / "logs" / "serve.log")
     _say(f"starting tracetrain serve on port {args.port} (vLLM on the CPU: ~1 min; log: {serve.log_path})")
@@ -285,6 +293,7 @@ def _train(url: str, run_dir: Path, rewards_port: int, args: argparse.Namespace,
             for evaluation in [e for e in evaluations if e.done]:
                 evaluations.remove(evaluation)
                 report.held_out.append(held := evaluation.result())
+                _post_evaluation(url, args.admin_token, held)
                 report.sampling.append((held.started, held.finished))
                 bar.write(f"held-out success of agent@{held.version}: {held.success:.0%} ({held.attempts} attempts)")
             periodic = args.eval_every > 0 and args.eval_attempts > 0
@@ -301,6 +310,7 @@ def _train(url: str, run_dir: Path, rewards_port: int, args: argparse.Namespace,
         report.rounds.append((round_started, time.time()))
     for evaluation in evaluations:  # the base model's, if training ended first
         report.held_out.append(held := evaluation.result())
+        _post_evaluation(url, args.admin_token, held)
         report.sampling.append((held.started, held.finished))
     _close(report, began, cpu_before, args.task, log)
 
@@ -342,6 +352,17 @@ def _admin_get(url: str, path: str, token: str, **params: Any) -> dict[str, Any]
     response = httpx.get(f"{url}{path}", params=params, headers={"Authorization": f"Bearer {token}"}, timeout=30)
     response.raise_for_status()
     return dict(response.json())
+
+
+def _post_evaluation(url: str, token: str, held: HeldOut) -> None:
+    """Tell the server (and through it, the trainer's run loggers) a version's held-out success."""
+    body = {"version": held.version, "scores": {"held_out_success": held.success}, "samples": held.attempts}
+    try:
+        response = httpx.post(f"{url}/admin/evaluations", json=body, headers={"Authorization": f"Bearer {token}"},
+                              timeout=30)  # fmt: skip
+        response.raise_for_status()
+    except httpx.HTTPError as exc:  # a serve too old to take evaluations: the demo's own report has them
+        _say(f"could not post the held-out evaluation of agent@{held.version}: {exc}")
 
 
 def _jobs(url: str, token: str) -> list[dict[str, Any]]:

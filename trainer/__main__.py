@@ -8,6 +8,7 @@ GPU machine of its own against the same Postgres database.
 (``python -m torch.distributed.run --standalone --nproc-per-node N -m trainer ...``);
 under torchrun (``WORLD_SIZE`` set) it reads RANK, WORLD_SIZE and LOCAL_RANK instead.
 ``--shard`` splits the base over those processes (FSDP2) for a base that does not fit one device.
+``--log-to tensorboard,wandb,mlflow`` writes each step's metrics and the posted evaluations to a run there.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from trainer import _distributed
 from trainer._attention import ATTN_CHOICES
 from trainer._config import TrainConfig
 from trainer._distributed import Ranks
+from trainer._run_log import MissingExtra, RunLog, default_run_name, parse_log_to
 from trainer._worker import COLLECTIVE_TIMEOUT_S, Worker, WorkerSettings, follow
 
 
@@ -42,6 +44,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     _add_process_flags(p)
     _add_config_flags(p)
     _add_worker_flags(p)
+    _add_log_flags(p)
     p.add_argument("--once", action="store_true", help="run the queued jobs, then exit")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default info)")
     args = p.parse_args(argv)
@@ -158,6 +161,28 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_log_flags(p: argparse.ArgumentParser) -> None:
+    """Where the run's metrics go besides the store: TensorBoard, W&B, MLflow (docs/OBSERVABILITY.md)."""
+    p.add_argument(
+        "--log-to",
+        type=_backends,
+        default=(),
+        metavar="BACKENDS",
+        help="also log each step's metrics, the run's configuration and the posted evaluations to these, "
+        "comma-separated: tensorboard (into --log-dir), wandb (its own environment: WANDB_PROJECT, WANDB_MODE, "
+        "...), mlflow (MLFLOW_TRACKING_URI, default sqlite:///LOG_DIR/mlflow.db; MLFLOW_EXPERIMENT_NAME)",
+    )
+    p.add_argument("--log-dir", type=Path, help="where runs go (default DATA_DIR/runs)")
+    p.add_argument("--run-name", help="the run's name in every backend (default POLICY-YYYYmmdd-HHMMSS)")
+
+
+def _backends(text: str) -> tuple[str, ...]:
+    try:
+        return parse_log_to(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--log-to: ")) from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     group = Ranks.from_env()
@@ -199,7 +224,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if group is not None and not group.leads:
             follow(settings)
         else:
-            _lead(settings, group, once=args.once)
+            run_log = _run_log(args, settings)
+            try:
+                _lead(settings, group, once=args.once, run_log=run_log)
+            finally:
+                if run_log is not None:
+                    run_log.close()
     finally:
         _distributed.finish()
     return 0
@@ -213,6 +243,24 @@ def _policy_name(text: str) -> str:
     return text
 
 
+def _run_log(args: argparse.Namespace, settings: WorkerSettings) -> RunLog | None:
+    """The run's loggers (``--log-to``), started with the run's configuration; None without the flag."""
+    if not args.log_to:
+        return None
+    config = {"policy": settings.policy, "base_model": str(settings.base_model), "device": settings.device,
+              "procs": args.procs, "shard": settings.shard, "train": settings.config.to_dict()}  # fmt: skip
+    try:
+        return RunLog.open(args.log_to, args.log_dir or settings.data_dir / "runs",
+                           args.run_name or default_run_name(settings.policy), config)  # fmt: skip
+    except MissingExtra as exc:
+        raise SystemExit(f"python -m trainer: {exc}") from None
+    except Exception as exc:  # a backend that cannot start a run: W&B without a key, MLflow's server down
+        raise SystemExit(
+            f"python -m trainer: --log-to could not start the run: {type(exc).__name__}: {exc} "
+            "(W&B: set WANDB_API_KEY, or WANDB_MODE=offline; MLflow: check MLFLOW_TRACKING_URI)"
+        ) from exc
+
+
 def _at_least_one(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -220,9 +268,9 @@ def _at_least_one(text: str) -> int:
     return value
 
 
-def _lead(settings: WorkerSettings, group: Ranks | None, *, once: bool) -> None:
+def _lead(settings: WorkerSettings, group: Ranks | None, *, once: bool, run_log: RunLog | None = None) -> None:
     async def run() -> None:
-        worker = await Worker.open(settings, group)
+        worker = await Worker.open(settings, group, run_log)
         try:
             await worker.prepare()
             await worker.run(once=once)

@@ -21,6 +21,9 @@ With ``share_gpu`` (one GPU for vLLM and the trainer) the step, saving and recor
 while vLLM sleeps: the worker asks for the GPU through the store (``trainer._handover``).
 Every rank frees what a step held once it ends (``trainer._memory``), rank 0 before it gives the
 GPU back, so that vLLM's workers on every GPU have their memory to wake into.
+
+With ``--log-to`` the worker (rank 0) also writes the run: each recorded step's metrics, and the
+evaluations posted to the store, to TensorBoard, W&B or MLflow (``trainer._run_log``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import logging
 import os
 import shutil
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +49,7 @@ from trainer._handover import Grant, gpu_handed_over, stop_when_revoked
 from trainer._learner import Learner
 from trainer._memory import release_learner_memory, release_step_memory
 from trainer._retention import retain
+from trainer._run_log import RunLog
 from trainer._sampling import SamplingDefaults
 from trainer._step import TrainItem
 from trainer._tokenizer import model_decode
@@ -86,16 +91,20 @@ class WorkerSettings:
 class Worker:
     """The worker of one process, or rank 0 of several (``group``): the only one that talks to the store."""
 
-    def __init__(self, settings: WorkerSettings, store: Store, group: Ranks | None = None) -> None:
+    def __init__(
+        self, settings: WorkerSettings, store: Store, group: Ranks | None = None, run_log: RunLog | None = None
+    ) -> None:
         self.settings = settings
         self._store = store
         self._group = group
         self._name = f"{socket.gethostname()}:{os.getpid()}"
         self._held = HeldLearner(settings)
+        self._run_log = run_log  # --log-to: steps and evaluations written to TensorBoard, W&B, MLflow
+        self._evaluations_seen = 0  # the last evaluation id logged
 
     @classmethod
-    async def open(cls, settings: WorkerSettings, group: Ranks | None = None) -> Worker:
-        return cls(settings, await Store.open(settings.database_url, capture=False), group)
+    async def open(cls, settings: WorkerSettings, group: Ranks | None = None, run_log: RunLog | None = None) -> Worker:
+        return cls(settings, await Store.open(settings.database_url, capture=False), group, run_log)
 
     async def prepare(self) -> None:
         """Requeue the jobs a dead worker of this host left running, and load the model now.
@@ -127,6 +136,7 @@ class Worker:
         """Run jobs until cancelled (or, with ``once``, until no job is queued); returns jobs run."""
         done = 0
         while True:
+            await self.log_evaluations()
             try:
                 job = await self.claim()
             except Exception:  # the store is down or refuses writes (a full disk): wait, never exit
@@ -179,6 +189,21 @@ class Worker:
             return
         if not finished:
             log.warning("job %s: its lease ran out and another worker took it; this result is dropped", job["id"])
+        elif ok and version is not None and self._run_log is not None:
+            await asyncio.to_thread(self._run_log.step, version, metrics)
+
+    async def log_evaluations(self) -> None:
+        """Log the evaluations posted since the last look (``--log-to``); a failure waits for the next look."""
+        if self._run_log is None:
+            return
+        try:
+            rows = await self._store.evaluations.since(self.settings.policy, self._evaluations_seen)
+        except Exception:
+            log.exception("reading the posted evaluations failed; trying again at the next look")
+            return
+        for row in rows:
+            await asyncio.to_thread(self._run_log.evaluation, row["version"], row["name"], row["value"], row["samples"])
+            self._evaluations_seen = int(row["id"])
 
     async def _renew_lease(self, job_id: int) -> None:
         """Keep the claim alive while the step runs (in a thread, so this loop stays free)."""
@@ -192,6 +217,7 @@ class Worker:
                 log.exception("job %s: renewing the lease failed", job_id)
 
     async def _train(self, job: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
+        began = time.monotonic()
         holds = self._held.version
         base = await self._version_to_train_on()
         stored = await self._store.jobs.rewarded_trajectories(job["group_ids"])
@@ -216,7 +242,8 @@ class Worker:
                 result = await asyncio.to_thread(learner.step, items)
             self._held.version = -1  # the weights moved: no version until they are saved as one
             version = int(job["version"])  # decided by the claim: no other worker records it
-            metrics = {**batch.metrics, **result.to_dict(), "version": version, "trained_from": base}
+            metrics = {**batch.metrics, **result.to_dict(), "version": version, "trained_from": base,
+                       **await self._times(stored, began)}  # fmt: skip
             # A lost claim's job is another worker's now, with this version: never write over its directory.
             if not await self._store.jobs.renew(job["id"], self._name, self.settings.lease_s, progress=0.8):
                 return self._dropped(job, version, metrics)
@@ -237,6 +264,12 @@ class Worker:
         log.info("job %s: trained %s@%d (loss %.4f, reward mean %.3f, %.1f s)", job["id"], self.settings.policy,
                  version, result.loss, batch.metrics["reward_mean"], result.seconds)  # fmt: skip
         return metrics, version
+
+    async def _times(self, stored: list[Any], began: float) -> dict[str, float]:
+        """How long sampling took (the step's first call to its last answer), and this job so far."""
+        window = await self._store.jobs.sampling_window([t.id for t in stored])
+        times = {"job_seconds": time.monotonic() - began}
+        return times | ({"sampling_seconds": window[1] - window[0]} if window else {})
 
     def _dropped(self, job: dict[str, Any], version: int, metrics: dict[str, Any]) -> tuple[dict[str, Any], None]:
         log.warning("job %s: the claim was lost before %s@%d was recorded; the step is dropped", job["id"],

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # "responses" and "messages": tracetrain's /v1/responses and /v1/messages (translated to chat for the same
-# upstream), so their added latency reads beside chat's ("tracetrain").
-TARGETS = ("direct", "tracetrain", "responses", "messages", "litellm")
-# The targets served by tracetrain's one process, each by the API it speaks.
-TRACETRAIN_APIS = {"tracetrain": "chat", "responses": "responses", "messages": "messages"}
+# upstream), so their added latency reads beside chat's ("tracetrain"). "exporting": a second tracetrain process,
+# the same but exporting every call over OTLP and to Langfuse (a collector on loopback), beside "tracetrain".
+TARGETS = ("direct", "tracetrain", "exporting", "responses", "messages", "litellm")
+# The targets served by a tracetrain process, each by the API it speaks.
+TRACETRAIN_APIS = {"tracetrain": "chat", "exporting": "chat", "responses": "responses", "messages": "messages"}
 MODES = ("plain", "stream")
 
 
@@ -23,4 +24,4 @@ class Options:
     out: Path | None
     profile: Path | None
     upstreams: int = 1  # fake vLLM servers behind tracetrain (its router spreads trajectories over them)
-    observe: bool = False  # tracetrain with --langfuse (to a local sink) and /metrics scraped every second
+    observe: bool = False  # tracetrain with --langfuse (to a local collector) and /metrics scraped every second

@@ -21,6 +21,13 @@ class Records:
         return not self.short
 
 
+def merged(parts: Sequence[Records]) -> Records:
+    """The records of several tracetrain processes (each its own database) as one."""
+    by_batch = {tag: counts for part in parts for tag, counts in part.by_batch.items()}
+    return Records(sum(p.stored for p in parts), sum(p.completed for p in parts), sum(p.sent for p in parts),
+                   [s for p in parts for s in p.short], by_batch)  # fmt: skip
+
+
 def count_records(db: Path, batches: Sequence[tuple[str, int, int]]) -> Records:
     """Rows per trajectory-id prefix; a batch is short when it has fewer rows than responses."""
     conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)

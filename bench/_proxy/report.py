@@ -14,6 +14,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from .exports import EXPORT_HEAD, Exported, as_json, export_rows, export_verdicts
 from .options import MODES, TARGETS, Options
 from .probe import Ttfb
 from .records import Records
@@ -28,6 +29,7 @@ class Results:
     ttfb: dict[str, Ttfb]
     records: Records | None
     profile: str | None
+    exported: Exported | None = None  # what the collector got from "exporting"
 
     def find(self, target: str, mode: str, c: int) -> WrkResult | None:
         return next((x.result for x in self.cells if (x.target, x.mode, x.concurrency) == (target, mode, c)), None)
@@ -57,14 +59,18 @@ SUMMARY_HEAD += "tracetrain/direct|tracetrain/litellm|tt +p50 ms|tt +p99 ms|resp
 SUMMARY_HEAD += "messages +p50 ms|messages +p99 ms|litellm +p50 ms|litellm +p99 ms"
 
 
+# "exporting" reads beside "tracetrain" in a table of its own (_proxy/exports.py).
+SUMMARY_TARGETS = tuple(t for t in TARGETS if t != "exporting")
+
+
 def summary_rows(res: Results, opts: Options) -> list[list[str]]:
     """Per (mode, concurrency): req/s of each target, the ratio, added p50/p99 of each proxy."""
     rows = []
     for mode in MODES:
         for c in opts.concurrency:
-            rps = [_fmt(r.rps if (r := res.find(t, mode, c)) else None, ".0f") for t in TARGETS]
+            rps = [_fmt(r.rps if (r := res.find(t, mode, c)) else None, ".0f") for t in SUMMARY_TARGETS]
             ratio, of_direct = res.ratio(mode, c), res.of_direct(mode, c)
-            added = [_fmt(res.added(t, mode, c, p), "+.2f") for t in TARGETS[1:] for p in ("p50_ms", "p99_ms")]
+            added = [_fmt(res.added(t, mode, c, p), "+.2f") for t in SUMMARY_TARGETS[1:] for p in ("p50_ms", "p99_ms")]
             ratios = [_fmt(of_direct, ".2f") + "x" if of_direct else "n/a", f"{ratio:.1f}x" if ratio else "n/a"]
             rows.append([mode, str(c), *rps, *ratios, *added])
     return rows
@@ -131,7 +137,7 @@ def verdicts(res: Results, opts: Options) -> list[str]:
     if res.records is not None:
         shown = f"{res.records.stored} stored / {res.records.completed} answered"
         out.append(line(res.records.ok, f"every request is in the store: {shown}"))
-    return out
+    return out + export_verdicts(res.cells, res.exported)
 
 
 def ttfb_rows(res: Results) -> list[list[str]]:
@@ -150,7 +156,7 @@ def print_report(res: Results, opts: Options) -> None:
     info = res.info
     where = f"{info['cpus']} CPUs ({info['cpu_model']}), {info['wrk']}, {opts.duration_s} s per cell"
     if opts.observe:
-        where += "; tracetrain with --langfuse and /metrics scraped every second"
+        where += "; tracetrain with --langfuse (to a collector on loopback) and /metrics scraped every second"
     print(f"\n# tracetrain proxy overhead: {info['date']}, {where}")
     for note in info["notes"]:
         print(f"note: {note}")
@@ -162,6 +168,9 @@ def print_report(res: Results, opts: Options) -> None:
     if res.ttfb:
         print("\ntime to first streamed byte (concurrency 1, one keep-alive connection):")
         print(text_table(TTFB_HEAD, ttfb_rows(res)))
+    if exports := export_rows(res.cells, opts.concurrency):
+        print("\nexporters off (tracetrain) and on (exporting: OTLP + Langfuse to a collector on loopback):")
+        print(text_table(EXPORT_HEAD, exports))
     if res.records is not None:
         r = res.records
         abandoned = f"{r.sent} written, counting those wrk abandoned in flight when it stopped"
@@ -173,6 +182,8 @@ def print_report(res: Results, opts: Options) -> None:
     print(markdown_table(SUMMARY_HEAD, summary_rows(res, opts)))
     if res.ttfb:
         print("\n" + markdown_table(TTFB_HEAD, ttfb_rows(res)))
+    if exports:
+        print("\n" + markdown_table(EXPORT_HEAD, exports))
     if res.profile:
         print("\n" + res.profile)
 
@@ -199,5 +210,6 @@ def write_json(path: Path, res: Results, opts: Options) -> None:
         "ttfb": ttfb,
     }
     doc |= {"records": records, "verdicts": verdicts(res, opts), "profile": res.profile}
+    doc["exported"] = as_json(res.exported)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2) + "\n")

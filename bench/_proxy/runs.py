@@ -10,7 +10,7 @@ from _host import machine_busy_seconds
 
 from .options import MODES, TARGETS, TRACETRAIN_APIS, Options
 from .probe import TTFB_WARMUP, Ttfb, measure_ttfb
-from .servers import Server, cpu_seconds, settle
+from .servers import Server, children, cpu_seconds, settle
 from .wrk import WrkResult, run_wrk
 
 
@@ -79,12 +79,17 @@ def measure_cell(bench: Bench, target: str, mode: str, c: int) -> Cell:
     if target != "direct":
         pids["upstream"] = bench.servers["direct"].proc.pid
     for name, server in bench.servers.items():
-        if name.startswith("upstream") and target == "tracetrain":
+        if name.startswith("upstream") and target in ("tracetrain", "exporting"):
             pids[name] = server.proc.pid
+    if target == "exporting" or (bench.opts.observe and target in TRACETRAIN_APIS):
+        pids["collector"] = bench.servers["collector"].proc.pid
+    # The processes the target started itself: the trace export's (and multiprocessing's resource tracker).
+    export = children(bench.servers[target].proc.pid) if target in ("exporting",) else []
 
     def snapshot() -> dict[str, float]:
         return {
             **{name: cpu_seconds(pid) for name, pid in pids.items()},
+            **({"export": sum(cpu_seconds(pid) for pid in export)} if export else {}),
             "wrk": own_and_children_cpu_seconds(),
             "machine": machine_busy_seconds(),
         }

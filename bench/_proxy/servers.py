@@ -83,7 +83,10 @@ def start_servers(
     """Start the fake upstream and the proxies the run needs, each answering before this returns.
 
     ``upstreams`` > 1 starts more fakes ("upstream2", ...) that only tracetrain routes to.
-    ``observe``: tracetrain also exports to Langfuse (a local sink that answers 200) with ``--langfuse``.
+    ``observe``: tracetrain also exports to Langfuse (the local collector) with ``--langfuse``.
+    The target "exporting" is a second ``tracetrain serve`` exporting every call with ``--otlp-endpoint``
+    and ``--langfuse`` to a collector on loopback (``tests/otlp_receiver.py``, its own process, which
+    decodes and counts the spans: server "collector").
     """
 
     def start(name: str, argv: list[str], ready_path: str, model: str, env: dict[str, str] | None = None) -> Server:
@@ -98,20 +101,26 @@ def start_servers(
     more = [start(f"upstream{i}", [sys.executable, "tests/fake_vllm.py"], "/v1/models", BASE_MODEL)
             for i in range(2, upstreams + 1)]  # fmt: skip
     servers |= {server.name: server for server in more}
-    if set(targets) & set(TRACETRAIN_APIS):
-        argv = [tool("tracetrain"), "serve", "--upstream", upstream, "--data-dir", str(workdir / "tracetrain")]
+    exporting: dict[str, str] | None = None  # the environment of a tracetrain that exports
+    if "exporting" in targets or observe:
+        collector = start("collector", [sys.executable, "tests/otlp_receiver.py"], "/count", "")
+        servers["collector"] = collector
+        exporting = {**os.environ, "LANGFUSE_PUBLIC_KEY": "pk-lf-bench", "LANGFUSE_SECRET_KEY": "sk-lf-bench",
+                     "LANGFUSE_BASE_URL": collector.url}  # fmt: skip
+
+    def serve(name: str, exports: list[str], env: dict[str, str] | None) -> Server:
+        argv = [tool("tracetrain"), "serve", "--upstream", upstream, "--data-dir", str(workdir / name)]
         argv += [arg for server in more for arg in ("--upstream", f"{server.url}/v1")]
-        argv += ["--no-train", "--log-level", "warning"]
-        env = None
-        if observe:
-            sink = start("langfuse-sink", [sys.executable, str(Path(__file__).with_name("langfuse_sink.py"))], "/", "")
-            keys = {"LANGFUSE_PUBLIC_KEY": "pk-lf-bench", "LANGFUSE_SECRET_KEY": "sk-lf-bench"}
-            env = {**os.environ, **keys, "LANGFUSE_BASE_URL": sink.url}
-            argv.append("--langfuse")
-        servers["tracetrain"] = start("tracetrain", argv, "/readyz", POLICY, env)
+        return start(name, [*argv, "--no-train", "--log-level", "warning", *exports], "/readyz", POLICY, env)
+
+    if set(targets) & {"tracetrain", "responses", "messages"}:
+        servers["tracetrain"] = serve("tracetrain", ["--langfuse"] if observe else [], exporting)
         for name in ("responses", "messages"):  # the same process, another API
             if name in targets:
                 servers[name] = dataclasses.replace(servers["tracetrain"], name=name, api=TRACETRAIN_APIS[name])
+    if "exporting" in targets:
+        exports = ["--otlp-endpoint", servers["collector"].url, "--langfuse"]
+        servers["exporting"] = serve("exporting", exports, exporting)
     if "litellm" in targets:
         quiet = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "DISABLE_ADMIN_UI": "True", "LITELLM_LOG": "ERROR"}
         config = str(_litellm_config(workdir, fake.port))
@@ -130,6 +139,15 @@ def litellm_setup_notes(server: Server) -> list[str]:
     names = sorted({re.sub(r"^<(?:bound method )?([\w.]+).*", r"\1", c).rsplit(".", 1)[-1] for c in active})
     notes.append(f"LiteLLM runs its proxy's built-in hooks only (none configured): {', '.join(names)}")
     return notes
+
+
+def children(pid: int) -> list[int]:
+    """The processes ``pid`` started, as the kernel lists them for each of its threads."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            found += [int(child) for child in (task / "children").read_text().split()]
+    return found
 
 
 def cpu_seconds(pid: int) -> float:

@@ -2,8 +2,9 @@
 
 Reads: overview, trajectories, groups, training jobs, adapters, training state. Actions:
 train now, activate a version (rollback/forward), resume training after the regression
-guard paused it, and end every dashboard session. The admin token (``Authorization: Bearer``)
-or a dashboard session with its CSRF token admits a request (``proxy._credentials``).
+guard paused it, end every dashboard session, and record a version's evaluation (for the trainer's run
+loggers). The admin token (``Authorization: Bearer``) or a dashboard session with its CSRF token admits a
+request (``proxy._credentials``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from fastapi import APIRouter, Depends, Query
 
 from proxy._params import Cursor, GroupViewState, Id, Limit, UnixTime, Version
 from proxy.admin import _service as _admin
+from proxy.admin._evaluations import EvaluationPost, record_evaluation
 from proxy.api._deps import ServicesDep, require_admin
 from proxy.errors import InvalidRequest
 
@@ -122,3 +124,11 @@ async def revoke_sessions(services: ServicesDep) -> dict[str, str]:
     (Logging out ends one session; rotating the admin token ends them all too.)"""
     await services.credentials.admin.revoke_all()
     return {"revoked": "all sessions"}
+
+
+@router.post("/evaluations")
+async def post_evaluation(post: EvaluationPost, services: ServicesDep) -> dict[str, Any]:
+    """Record a version's scores on what it was not trained on (held-out success, a benchmark), e.g.
+    `{"version": 3, "scores": {"held_out_success": 0.62}, "samples": 200}`. The trainer logs them to its run
+    (`--log-to`) at that version's step."""
+    return await record_evaluation(services.store, services.registry.policy, post)

@@ -26,9 +26,9 @@ async def healthz() -> dict[str, str]:
 @router.get("/metrics", response_class=Response)
 async def metrics(services: ServicesDep) -> Response:
     """Prometheus exposition: requests, latency, tokens, captures, rewards, training steps, versions."""
-    langfuse = services.langfuse.stats() if services.langfuse is not None else None
+    exported = services.exporters.stats() if services.exporters is not None else None
     body = await services.metrics.render(
-        services.store, len(services.registry.loaded_versions), langfuse, services.router.views(), UPSTREAM_STATES
+        services.store, len(services.registry.loaded_versions), exported, services.router.views(), UPSTREAM_STATES
     )
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 

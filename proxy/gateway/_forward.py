@@ -35,7 +35,7 @@ from proxy.gateway._relay import Relay, RelayResponse, close_unused
 from proxy.gateway._served import Served
 from proxy.gateway.dialects import DIALECTS, Dialect, DialectName, count_tokens_chat, json_object
 from proxy.gateway.upstream import Router, Upstream, UpstreamStream
-from proxy.observability._langfuse import LangfuseExporter
+from proxy.observability._exporters import Exporters
 from proxy.observability._metrics import Metrics
 from store import CallWrite, RecordRefused, Store, StoreError, StoreFull
 
@@ -53,7 +53,7 @@ class Forwarder:
         keyer: Keyer,
         registry: PolicyRegistry,
         metrics: Metrics,
-        langfuse: LangfuseExporter | None = None,
+        exporters: Exporters | None = None,
         gate: Gate | None = None,
         served: Served | None = None,
     ) -> None:
@@ -65,7 +65,7 @@ class Forwarder:
         self._keyer = keyer
         self._registry = registry
         self._metrics = metrics
-        self._langfuse = langfuse
+        self._exporters = exporters  # OTLP and Langfuse: each record queued for them, never awaited
         self._served = served if served is not None else Served()  # what the model and its vLLM take
         # Calls being handled or streamed: a lone one is written on the event loop's thread (store._writer).
         self._in_flight = 0
@@ -94,15 +94,15 @@ class Forwarder:
                 self._keyer.forget(write.trajectory_id)  # its seat was given back (store._writer)
                 raise
         self._metrics.call_recorded(write.call)
-        if self._langfuse is not None:
-            self._langfuse.call_recorded(write)
+        if self._exporters is not None:
+            self._exporters.call_recorded(write)
         return True
 
     def record_nowait(self, write: CallWrite) -> None:
         self._store.record_call_nowait(write)
         self._metrics.call_recorded(write.call)
-        if self._langfuse is not None:
-            self._langfuse.call_recorded(write)
+        if self._exporters is not None:
+            self._exporters.call_recorded(write)
 
     def streaming(self) -> None:
         """A stream's relay starts: it counts in flight until its record is written (``streamed``)."""

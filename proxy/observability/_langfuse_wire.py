@@ -1,13 +1,15 @@
-"""What the Langfuse exporter sends, and how it reads the answers: pure functions, no I/O.
+"""What Langfuse receives: a call's span attributes in Langfuse's dialect, rewards as scores. Pure, no I/O.
 
 A trajectory is a trace, each captured call a generation in it, each reward a score on it.
 The trace id is ``Langfuse.create_trace_id(seed=trajectory_id)`` (the first 16 bytes of the
-id's SHA-256, as the SDK derives one), and the trajectory id is in the trace's metadata.
-Two endpoints, the ones the v5 SDK itself uses:
+id's SHA-256, as the SDK derives one, and as ``proxy.observability._genai.trace_id`` does for
+every receiver), and the trajectory id is in the trace's metadata. Two endpoints, the ones the
+v5 SDK itself uses:
 
-- ``POST /api/public/otel/v1/traces``: OTLP/HTTP JSON, gzipped, with the SDK's ``langfuse.*``
-  span attributes and ``x-langfuse-ingestion-version: 4``; one complete span per call, with
-  the trace's attributes on every span (what v4 ingestion expects);
+- ``POST /api/public/otel/v1/traces``: OTLP/HTTP, sent by the same OpenTelemetry exporter as any
+  collector's spans (``proxy.observability._otlp``), gzipped, with ``x-langfuse-ingestion-version: 4``;
+  each span carries the SDK's ``langfuse.*`` attributes written here, the trace's on every span
+  (what v4 ingestion expects);
 - ``POST /api/public/scores``: a JSON list of scores; 202, or 207 with accepted and rejected counts.
 
 Both take basic auth, public key as the user and secret key as the password.
@@ -17,8 +19,6 @@ Both take basic auth, public key as the user and secret key as the password.
 from __future__ import annotations
 
 import contextlib
-import gzip
-import hashlib
 import time
 import uuid
 from collections.abc import Mapping
@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 import orjson
 
+from proxy.observability._genai import trace_id as otel_trace_id
 from store import CallWrite, redact
 from tracetrain_core import call_messages, call_reply
 
@@ -36,13 +37,6 @@ SCORES_PATH = "/api/public/scores"
 # Request fields that are the prompt, who asked or the transport, not how to sample (the Responses API's
 # input and instructions, Anthropic's system are the prompt too).
 _NOT_PARAMETERS = frozenset({"model", "messages", "prompt", "user", "stream", "input", "instructions", "system"})
-
-
-def rejected_spans(response: httpx.Response) -> int:
-    """OTLP partial success: ``{"partialSuccess": {"rejectedSpans": N}}``; an empty object is full success."""
-    with contextlib.suppress(ValueError, TypeError, AttributeError):
-        return int((orjson.loads(response.content).get("partialSuccess") or {}).get("rejectedSpans") or 0)
-    return 0
 
 
 def rejected_scores(response: httpx.Response) -> int:
@@ -55,12 +49,8 @@ def rejected_scores(response: httpx.Response) -> int:
 
 
 def trace_id(trajectory_id: str) -> str:
-    """The Langfuse trace id of a trajectory: ``Langfuse.create_trace_id(seed=trajectory_id)``."""
-    return hashlib.sha256(trajectory_id.encode()).digest()[:16].hex()
-
-
-def _span_id(call_id: str) -> str:
-    return hashlib.sha256(call_id.encode()).digest()[:8].hex()
+    """The Langfuse trace id of a trajectory, in hex: ``Langfuse.create_trace_id(seed=trajectory_id)``."""
+    return f"{otel_trace_id(trajectory_id):032x}"
 
 
 def _iso(epoch_s: float) -> str:
@@ -69,16 +59,6 @@ def _iso(epoch_s: float) -> str:
 
 def _json(value: Any) -> str:
     return orjson.dumps(value).decode()
-
-
-def _otlp_value(value: str | bool | int | float) -> dict[str, Any]:
-    if isinstance(value, bool):
-        return {"boolValue": value}
-    if isinstance(value, int):
-        return {"intValue": str(value)}  # OTLP JSON writes 64-bit integers as strings
-    if isinstance(value, float):
-        return {"doubleValue": value}
-    return {"stringValue": value}
 
 
 def _input(call: Mapping[str, Any]) -> Any:
@@ -99,12 +79,10 @@ def _output(call: Mapping[str, Any]) -> Any:
     return outputs[0] if len(outputs) == 1 else outputs or None
 
 
-def generation_span(write: CallWrite) -> dict[str, Any]:
-    """One recorded call as an OTLP span that Langfuse reads as a generation."""
+def generation_attributes(write: CallWrite) -> dict[str, str | bool | int | float]:
+    """A recorded call's span attributes as Langfuse reads a generation (the span itself: ``_otlp._CallSpan``)."""
     call = write.call
     request: dict[str, Any] = call["request"]
-    start_ns = round(float(call["started_at"]) * 1e9)
-    end_ns = start_ns + round(float(call["latency_ms"]) * 1e6)
     prompt_tokens, completion_tokens = int(call["prompt_tokens"]), int(call["completion_tokens"])
     parameters = {
         k: v
@@ -141,49 +119,10 @@ def generation_span(write: CallWrite) -> dict[str, Any]:
     if call.get("ttft_ms") is not None:
         first_token = float(call["started_at"]) + float(call["ttft_ms"]) / 1000
         attributes["langfuse.observation.completion_start_time"] = _json(_iso(first_token))
-    span: dict[str, Any] = {
-        "traceId": trace_id(write.trajectory_id),
-        "spanId": _span_id(call["id"]),
-        "name": call["endpoint"],
-        "kind": 3,  # CLIENT: a call to the model server
-        "startTimeUnixNano": str(start_ns),
-        "endTimeUnixNano": str(end_ns),
-    }
     if call["status_code"] != 200:
-        error = redact(call["error"]) if call["error"] else None  # as the store keeps it (store._record_check)
         attributes["langfuse.observation.level"] = "WARNING" if call["status_code"] == 499 else "ERROR"
-        attributes["langfuse.observation.status_message"] = error
-        span["status"] = {"code": 2, "message": error or ""}  # ERROR
-    span["attributes"] = [{"key": k, "value": _otlp_value(v)} for k, v in attributes.items() if v is not None]
-    return span
-
-
-_ENVELOPE_HEAD = (
-    b'{"resourceSpans":[{"resource":{"attributes":[{"key":"service.name","value":{"stringValue":"tracetrain"}}]},'
-    b'"scopeSpans":[{"scope":{"name":"tracetrain"},"spans":['
-)
-_ENVELOPE_TAIL = b"]}]}]}"
-
-
-def encode_spans(calls: list[CallWrite], max_bytes: int) -> list[tuple[bytes, int]]:
-    """Gzipped OTLP export requests for ``calls``, each under ``max_bytes`` of JSON (one span at least)."""
-    requests: list[tuple[bytes, int]] = []
-    chunk: list[bytes] = []
-    size = 0
-
-    def flush() -> None:
-        requests.append((gzip.compress(_ENVELOPE_HEAD + b",".join(chunk) + _ENVELOPE_TAIL, 5), len(chunk)))
-
-    for write in calls:
-        span = orjson.dumps(generation_span(write))
-        if chunk and size + len(span) > max_bytes:
-            flush()
-            chunk, size = [], 0
-        chunk.append(span)
-        size += len(span) + 1
-    if chunk:
-        flush()
-    return requests
+        attributes["langfuse.observation.status_message"] = redact(call["error"])
+    return {k: v for k, v in attributes.items() if v is not None}
 
 
 def reward_scores(reward: Mapping[str, Any]) -> list[dict[str, Any]]:

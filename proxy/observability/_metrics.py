@@ -12,7 +12,7 @@ Each app has its own registry, so several apps in one process (tests) do not col
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -182,10 +182,11 @@ class Metrics:
         )  # fmt: skip
 
     def _memory(self, r: CollectorRegistry) -> None:
-        """The Langfuse export, and what this process holds in memory."""
-        self.langfuse = Gauge(
-            "tracetrain_langfuse_items", "Langfuse export (--langfuse): items by outcome, since start.", ["outcome"],
-            registry=r,
+        """The trace export, and what this process holds in memory."""
+        self.exported = Gauge(
+            "tracetrain_export_items", "Trace export (--otlp-endpoint, --langfuse): spans (scores for "
+            "langfuse_scores) by receiver and outcome, since start; queued and queued_bytes: waiting now (bounded).",
+            ["receiver", "outcome"], registry=r,
         )  # fmt: skip
         self.compact_held = Gauge(
             "tracetrain_compact_capture_held", "Compact capture's memory in this process (store._compact, bounded): "
@@ -248,11 +249,11 @@ class Metrics:
         self,
         store: Store,
         loaded_versions: int,
-        langfuse: dict[str, int] | None = None,
+        exported: Mapping[str, Mapping[str, int]] | None = None,
         upstreams: Sequence[dict[str, Any]] = (),
         upstream_states: Sequence[str] = (),
     ) -> bytes:
-        """The exposition text, with the store's figures (and the Langfuse exporter's counters) read now.
+        """The exposition text, with the store's figures (and the trace exporters' counters) read now.
 
         ``upstreams``: each vLLM server as ``Router.views()`` describes it; ``upstream_states``: every
         state a server can be in (``proxy.gateway.UPSTREAM_STATES``), a series each.
@@ -275,8 +276,9 @@ class Metrics:
         self.loaded.set(loaded_versions)
         for what, held in store.compact_memory().items():
             self.compact_held.labels(what).set(held)
-        for outcome, count in (langfuse or {}).items():
-            self.langfuse.labels(outcome).set(count)
+        for receiver, counts in (exported or {}).items():
+            for outcome, count in counts.items():
+                self.exported.labels(receiver, outcome).set(count)
         self._set_upstreams(upstreams, upstream_states)
         return generate_latest(self.registry)
 

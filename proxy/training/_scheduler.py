@@ -7,8 +7,8 @@ in one transaction: a group is used once. While the regression guard has paused 
 policy's training (``proxy.training._guard``), no job is created. The trainer worker claims queued jobs from the
 store; the proxy never imports it.
 
-Every reward written, posted (``POST /v1/rewards``) or judged, passes ``rewards_written``:
-counted in ``/metrics``, sent to Langfuse, and a job is made if enough groups are ready now.
+Every reward written, posted (``POST /v1/rewards``) or judged, passes ``rewards_written``: counted
+in ``/metrics``, queued for the trace exporters (OTLP, Langfuse), and a job made if enough groups are ready.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from proxy.observability._langfuse import LangfuseExporter
+from proxy.observability._exporters import Exporters
 from proxy.observability._metrics import Metrics
 from store import JobState, RewardRecord, Store, TrainingState
 
@@ -35,11 +35,11 @@ class JobScheduler:
         batch_groups: int,
         min_group_size: int,
         metrics: Metrics | None = None,
-        langfuse: LangfuseExporter | None = None,
+        exporters: Exporters | None = None,
     ) -> None:
         self._store = store
         self._metrics = metrics
-        self._langfuse = langfuse
+        self._exporters = exporters
         self._policy = policy
         self._batch_groups = batch_groups
         self._min_group_size = min_group_size
@@ -78,7 +78,7 @@ class JobScheduler:
         ready (``may_train``; not the judge's scores beside external rewards), a job if due."""
         if self._metrics is not None:
             self._metrics.rewards_recorded([r.source for r in rewards])
-        if self._langfuse is not None:
-            self._langfuse.rewards_recorded(dataclasses.asdict(r) for r in rewards)
+        if self._exporters is not None:
+            self._exporters.rewards_recorded([dataclasses.asdict(r) for r in rewards])
         if may_train:
             await self.maybe_create_job()

@@ -1,0 +1,226 @@
+"""What the trainer tells TensorBoard, W&B or MLflow (``--log-to``): one run per worker, written by rank 0.
+
+    claim -> step -> record   --> RunLog.step(version, metrics)        train/loss, train/reward_mean, ...
+    POST /admin/evaluations   --> store.evaluations --> RunLog.evaluation(...)   eval/held_out_success, ...
+
+Every number of a step's metrics is logged as ``train/<name>`` at the step's version: the reward's
+mean and spread (``reward_mean``, ``reward_std``), the loss, the sampler/learner gap
+(``logprob_mismatch_mean``, ``_max``, ``_on_policy``), tokens trained and captured (``trained_tokens``,
+``samples_completion_tokens``, ``samples_call_tokens``), the step's times (``seconds``: the optimizer
+step; ``job_seconds``: the job until the step's end, its batch built from the store included), its
+sampling time (``sampling_seconds``: its trajectories' first call to their last answer), the version.
+The run's configuration (the training config, the policy, the base model, the device) is logged once,
+at the start.
+
+Evaluations come from other processes (the demo's held-out runs, a user's benchmark), through the store:
+the worker reads what is new at each beat and logs it as ``eval/<name>`` at the version it measured.
+Logging never fails a step: a backend that raises is logged (once a minute) and the step goes on.
+
+The writers, one per backend, each through its library's own API:
+
+- ``tensorboard``: ``torch.utils.tensorboard.SummaryWriter`` (the ``tensorboard`` package) into
+  ``LOG_DIR/RUN_NAME``; scalars at ``global_step`` = the version, the configuration as text.
+- ``wandb``: ``wandb.init`` (``WANDB_PROJECT``, default ``tracetrain``; ``WANDB_MODE``, ``WANDB_ENTITY``,
+  ``WANDB_DIR`` as W&B reads them, files under LOG_DIR unless ``WANDB_DIR``); every metric plotted against
+  ``version`` (``define_metric``), since an evaluation of an older version may come after newer steps.
+- ``mlflow``: ``MlflowClient`` against ``MLFLOW_TRACKING_URI`` (default ``sqlite:///LOG_DIR/mlflow.db``), in
+  ``MLFLOW_EXPERIMENT_NAME`` (default ``tracetrain``); metrics at ``step`` = the version, the configuration
+  as the run's parameters.
+
+Each library is imported only when asked for; a missing one is a ``MissingExtra`` naming what to install.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+log = logging.getLogger("tracetrain.trainer.runlog")
+
+_WARN_EVERY_S = 60.0
+
+Backend = Literal["tensorboard", "wandb", "mlflow"]
+BACKENDS: tuple[Backend, ...] = ("tensorboard", "wandb", "mlflow")
+# The module each backend needs, and the extra that installs it.
+_NEEDS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+_MLFLOW_PARAM_CHARS = 6000  # MLflow refuses longer parameter values
+
+
+class MissingExtra(RuntimeError):
+    """A backend's library is not installed; the message says what to install."""
+
+
+def check_installed(backends: tuple[Backend, ...]) -> None:
+    """Raise ``MissingExtra`` for the first backend whose library is missing (before anything starts)."""
+    for backend in backends:
+        if importlib.util.find_spec(_NEEDS[backend]) is None:
+            raise MissingExtra(f"--log-to {backend} needs the {backend} package: pip install 'tracetrain[{backend}]'")
+
+
+def parse_log_to(text: str) -> tuple[Backend, ...]:
+    """``"tensorboard,wandb"`` -> the backends, in order, once each; ValueError naming a wrong one."""
+    names = [name.strip().lower() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in BACKENDS]
+    if unknown:
+        raise ValueError(f"--log-to: unknown {', '.join(unknown)}; choose from {', '.join(BACKENDS)}")
+    return tuple(dict.fromkeys(name for name in BACKENDS if name in names))
+
+
+def default_run_name(policy: str) -> str:
+    return f"{policy}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+class RunLog:
+    """The run's writers; ``step`` and ``evaluation`` block on them (call from a thread)."""
+
+    def __init__(self, writers: Mapping[Backend, Writer]) -> None:
+        self.writers = dict(writers)
+        self._warned_at: dict[str, float] = {}
+
+    @classmethod
+    def open(cls, backends: Sequence[Backend], log_dir: Path, run_name: str, config: Mapping[str, Any]) -> RunLog:
+        """Start a run in each backend (``MissingExtra`` first, before any starts)."""
+        check_installed(tuple(backends))
+        writers: dict[Backend, Writer] = {}
+        try:
+            for backend in backends:
+                writers[backend] = open_writer(backend, log_dir, run_name, config)
+        except BaseException:
+            RunLog(writers).close()
+            raise
+        log.info("logging the run %s to %s", run_name, ", ".join(backends))
+        return cls(writers)
+
+    def step(self, version: int, metrics: Mapping[str, Any]) -> None:
+        """A recorded step's numbers, as ``train/<name>`` at ``version``."""
+        values = {f"train/{name}": float(v) for name, v in metrics.items() if _is_number(v)}
+        self._write(values | {"train/version": float(version)}, version)
+
+    def evaluation(self, version: int, name: str, value: float, samples: int | None = None) -> None:
+        """An evaluation of ``version``, as ``eval/<name>`` (and ``eval/<name>_samples`` when said)."""
+        values = {f"eval/{name}": float(value)}
+        if samples is not None:
+            values[f"eval/{name}_samples"] = float(samples)
+        self._write(values, version)
+
+    def close(self) -> None:
+        for backend, writer in self.writers.items():
+            try:
+                writer.close()
+            except Exception:
+                log.exception("closing the %s run failed", backend)
+
+    def _write(self, values: Mapping[str, float], version: int) -> None:
+        for backend, writer in self.writers.items():
+            try:
+                writer.scalars(values, version)
+            except Exception:  # a logger's trouble is never the step's
+                now = time.monotonic()
+                if now - self._warned_at.get(backend, -_WARN_EVERY_S) >= _WARN_EVERY_S:
+                    self._warned_at[backend] = now
+                    log.exception("logging to %s failed; training goes on", backend)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# -- the writers ---------------------------------------------------------------------------------------
+
+
+class Writer(Protocol):
+    def scalars(self, values: Mapping[str, float], version: int) -> None: ...
+    def close(self) -> None: ...
+
+
+def open_writer(backend: Backend, log_dir: Path, run_name: str, config: Mapping[str, Any]) -> Writer:
+    check_installed((backend,))
+    if backend == "tensorboard":
+        return _TensorBoard(log_dir, run_name, config)
+    if backend == "wandb":
+        return _WandB(log_dir, run_name, config)
+    return _MLflow(log_dir, run_name, config)
+
+
+class _TensorBoard:
+    def __init__(self, log_dir: Path, run_name: str, config: Mapping[str, Any]) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.path = log_dir / run_name
+        self._writer = SummaryWriter(log_dir=str(self.path))
+        self._writer.add_text("config", "```json\n" + json.dumps(config, indent=2, default=str) + "\n```", 0)
+        self._writer.flush()
+
+    def scalars(self, values: Mapping[str, float], version: int) -> None:
+        for name, value in values.items():
+            self._writer.add_scalar(name, value, global_step=version)
+        self._writer.flush()  # a step is minutes apart: let TensorBoard show it now
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class _WandB:
+    def __init__(self, log_dir: Path, run_name: str, config: Mapping[str, Any]) -> None:
+        import wandb
+
+        where = None if os.environ.get("WANDB_DIR") else str(log_dir)  # None: W&B's own choice
+        project = None if os.environ.get("WANDB_PROJECT") else "tracetrain"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        quiet = wandb.Settings(console="off")  # the worker's log stays the worker's: serve reads it
+        self._run = wandb.init(project=project, name=run_name, config=dict(config), job_type="train", dir=where,
+                               settings=quiet)  # fmt: skip
+        self._run.define_metric("version")
+        for family in ("train/*", "eval/*"):
+            self._run.define_metric(family, step_metric="version")
+
+    def scalars(self, values: Mapping[str, float], version: int) -> None:
+        self._run.log({**values, "version": version})
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class _MLflow:
+    def __init__(self, log_dir: Path, run_name: str, config: Mapping[str, Any]) -> None:
+        from mlflow import MlflowClient
+        from mlflow.entities import Param
+
+        log_dir.mkdir(parents=True, exist_ok=True)
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{log_dir.resolve() / 'mlflow.db'}"
+        self._client = MlflowClient(tracking_uri=uri)
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or "tracetrain"
+        experiment = self._client.get_experiment_by_name(name)
+        experiment_id = experiment.experiment_id if experiment else self._client.create_experiment(name)
+        run = self._client.create_run(experiment_id, run_name=run_name, tags={"tracetrain.run": run_name})
+        self.run_id: str = run.info.run_id
+        params = [Param(k, str(v)[:_MLFLOW_PARAM_CHARS]) for k, v in _flat(config).items()]
+        for i in range(0, len(params), 100):  # MLflow takes at most 100 parameters a batch
+            self._client.log_batch(self.run_id, params=params[i : i + 100])
+
+    def scalars(self, values: Mapping[str, float], version: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(name, value, now, version) for name, value in values.items()]
+        self._client.log_batch(self.run_id, metrics=metrics)
+
+    def close(self) -> None:
+        self._client.set_terminated(self.run_id)
+
+
+def _flat(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, Mapping):
+            out |= _flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = json.dumps(value) if isinstance(value, list | tuple) else value
+    return out
