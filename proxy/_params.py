@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from fastapi import Query
 from pydantic import Field, TypeAdapter
 
+from proxy._policy_config import POLICY_NAME_PATTERN
 from store import FILE_NAME_PATTERN
 
 MAX_INT = 2**31 - 1
@@ -27,8 +28,8 @@ _CURSOR_PATTERN = r"^[A-Za-z0-9_.:|+\-]{1,256}$"
 
 Id = Annotated[str, Field(pattern=ID_PATTERN)]
 Version = Annotated[int, Field(ge=0, le=MAX_INT)]
-# A policy's name (proxy.Settings.policy) and a file of one of its adapters (store.FILE_NAME_PATTERN).
-PolicyName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,200}$")]
+# A policy's name (proxy.Settings.policies) and a file of one of its adapters (store.FILE_NAME_PATTERN).
+PolicyName = Annotated[str, Field(pattern=POLICY_NAME_PATTERN)]
 FileName = Annotated[str, Field(pattern=FILE_NAME_PATTERN)]
 Limit = Annotated[int, Query(ge=1, le=1000, description="Items per page.")]
 Cursor = Annotated[str | None, Query(pattern=_CURSOR_PATTERN, description="The next_cursor of the previous page.")]

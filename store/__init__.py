@@ -6,7 +6,7 @@ the proxy, and the proxy never loads torch. ``Store.open(url)`` is the way in.
 """
 
 from store._adapter_files import FILE_NAME_PATTERN, AdapterFile, AdapterFiles, FileEntry
-from store._adapters import ADAPTER_FIELDS, Adapters, Policies
+from store._adapters import ADAPTER_FIELDS, Adapters
 from store._compact import COMPACT_COLUMNS
 from store._engine import connect
 from store._errors import (
@@ -22,7 +22,17 @@ from store._export import ExportFilter, ExportPage, ExportReads, RewardSummary
 from store._guard import TRAINING_FIELDS, Guards
 from store._jobs import JOB_FIELDS, Jobs, RewardedTrajectory, StoredCall
 from store._judgements import JUDGEMENT_STATES, DueRule, GroupCalls, GroupChanged, Judgements
-from store._lifecycle import MOVES, AdapterState, GpuHandover, GroupState, JobState, TrainingState, allowed
+from store._lifecycle import (
+    MOVES,
+    AdapterState,
+    GpuHandover,
+    GroupState,
+    JobState,
+    PolicyState,
+    TrainingState,
+    allowed,
+)
+from store._policies import Policies, PolicyAdded
 from store._reads import GROUP_VIEW_STATES, GroupRecord, Reads, TrajectoryFilter, TrajectoryRecord
 from store._retention import PruneReport, PruneRule
 from store._rewards import RewardIn, RewardRecord
@@ -61,6 +71,8 @@ __all__ = [
     "Jobs",
     "Judgements",
     "Policies",
+    "PolicyAdded",
+    "PolicyState",
     "PruneReport",
     "PruneRule",
     "Reads",

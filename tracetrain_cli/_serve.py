@@ -115,7 +115,7 @@ def trainer_argv(
         sys.executable, "-m", "trainer",
         "--database-url", settings.resolved_database_url,
         "--data-dir", str(settings.data_dir.resolve()),
-        "--policy", settings.policy,
+        # No --policy: it trains every policy the store serves, those added at run time too.
         "--base-model", str(model_dir.resolve()),
         "--device", device,
         *(["--procs", str(procs)] if procs > 1 else []),
@@ -195,9 +195,10 @@ async def serve(plan: ServePlan) -> None:
 
 def _log_ready(settings: Settings) -> None:
     """Where agents, reward services and the operator go now (``tracetrain demo`` waits for the first line)."""
+    models = " or ".join(repr(name) for name in settings.policies)
     log.info(
-        "ready: agents use OPENAI_BASE_URL=http://%s:%d/v1 and model %r; rewards go to POST /v1/rewards",
-        settings.host, settings.port, settings.policy,
+        "ready: agents use OPENAI_BASE_URL=http://%s:%d/v1 and model %s; rewards go to POST /v1/rewards",
+        settings.host, settings.port, models,
     )  # fmt: skip
     token_file = settings.data_dir / "admin-token"
     from_file = (

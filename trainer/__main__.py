@@ -1,7 +1,8 @@
 """``python -m trainer``: the trainer worker (``tracetrain serve`` starts it as a child process).
 
-It claims queued training jobs of one policy from the store, trains a GRPO step on the
-LoRA and records the adapter; the proxy publishes it. Run it beside the proxy, or on a
+It claims queued training jobs of every policy the store serves (or of those given with --policy), the
+policy trained least recently first, trains a GRPO step on the policy's LoRA and records the adapter;
+the proxy publishes it. Run it beside the proxy, or on a
 GPU machine of its own against the same Postgres database.
 
 ``--procs N`` trains on N processes: the command runs itself again under torchrun
@@ -49,7 +50,13 @@ def _add_job_flags(p: argparse.ArgumentParser) -> None:
     """Whose jobs, from which store, on which base, and where the adapters go."""
     p.add_argument("--database-url", required=True, help="the proxy's store (SQLAlchemy async URL)")
     p.add_argument("--data-dir", type=Path, required=True, help="adapters go to DATA_DIR/adapters/POLICY/N/")
-    p.add_argument("--policy", default="agent", help="the policy whose jobs to run (default agent)")
+    p.add_argument(
+        "--policy",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a policy whose jobs to run; repeatable (default: every policy the store serves, added ones too)",
+    )
     p.add_argument("--base-model", type=Path, required=True, help="the HF model directory vLLM serves")
     p.add_argument("--init-adapter", type=Path, help="a LoRA directory to start from (e.g. an SFT warm start)")
 
@@ -180,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:
             raise SystemExit(f"python -m trainer: {exc}") from None
     settings = WorkerSettings(
-        database_url=args.database_url, data_dir=args.data_dir, policy=args.policy, base_model=args.base_model,
+        database_url=args.database_url, data_dir=args.data_dir, policies=tuple(args.policy), base_model=args.base_model,
         config=config, init_adapter=args.init_adapter, device=device, share_gpu=args.share_gpu,
         shard=args.shard, attn_implementation=args.attn_implementation, collective_timeout_s=args.collective_timeout,
         keep_versions=args.keep_versions, adapter_files=args.adapter_files,
