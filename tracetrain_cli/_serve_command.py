@@ -224,7 +224,10 @@ def _with_adapter_resolver(settings: Any, launch: Any) -> tuple[Any, Any]:
         launch,
         adapters_url=f"http://{url_host(settings.host)}:{settings.port}",
         adapters_key=settings.adapter_keys[0].get_secret_value(),
-        adapters_keep=settings.keep_versions,
+        # The largest window of the policies named: each policy's downloads are kept per policy.
+        adapters_keep=max(
+            [settings.keep_versions, *(o.keep_versions for o in settings.policy_configs.values() if o.keep_versions)]
+        ),
     )
     return settings, launch
 

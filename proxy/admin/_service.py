@@ -91,6 +91,8 @@ async def overview(services: Sources, policy: str | None = None) -> dict[str, An
         "gpu_handover": await _gpu_handover(services),
         "upstreams": await _upstreams(services),
         "paused": [p["training"] for p in summaries if p["training"]["paused"]],
+        # The one policy in view (named, or the only one there is): its training state; None with several.
+        "training": summaries[0]["training"] if len(summaries) == 1 else None,
         "groups_unrewarded": sum(p["groups_unrewarded"] for p in summaries),
         "disk": _disk(services),
     }

@@ -118,9 +118,9 @@ async def train_now(services: ServicesDep, policy: PolicyParam = None) -> dict[s
     if job is None:
         size = services.registry.get(name).settings.min_group_size if name in services.registry else None
         raise InvalidRequest(
-            f"No group of {name} is ready: a group is ready when all its trajectories are rewarded and it has at "
-            f"least {size or services.settings.min_group_size} of them (see GET /admin/groups?state=ready&policy="
-            f"{name}); a retired policy trains nothing."
+            f"No group is ready to train {name} on: a group is ready when all its trajectories are rewarded and it "
+            f"has at least {size or services.settings.min_group_size} of them (see GET /admin/groups?state=ready"
+            f"&policy={name}); a retired policy trains nothing."
         )
     return {"object": "training_job", **job}
 

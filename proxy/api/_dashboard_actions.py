@@ -113,7 +113,7 @@ async def train_now(
         size = services.registry.get(name).settings.min_group_size if name in services.registry else None
         return await adapters_page(
             request, services, admin, name, status=400,
-            error=f"No group of {name} is ready to train on: a group is ready when all its trajectories are rewarded "
+            error=f"No group is ready to train {name} on: a group is ready when all its trajectories are rewarded "
             f"and it has at least {size or services.settings.min_group_size} of them; a retired policy trains nothing.",
         )  # fmt: skip
     return _to("/admin/ui/training", name, notice="queued", job=job["id"])
