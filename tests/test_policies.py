@@ -249,3 +249,38 @@ def database(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     from test_replicas import _pg_url
 
     return f"sqlite+aiosqlite:///{tmp_path / 'shared.db'}" if request.param == "sqlite" else _pg_url()
+
+
+def test_a_restarted_vllm_gets_every_policys_published_versions_back(
+    start_proxy: Callable[..., RunningProxy], fake: FakeVLLM
+) -> None:
+    proxy = start_proxy(policies=("support", "sql"))
+    for policy in ("support", "sql"):
+        record_adapter(proxy, policy, 1)
+    wait_for(lambda: {"support@1", "sql@1"} <= set(fake.loras))
+    fake.loras.clear()  # what a vLLM restarted under the proxy holds: the base model alone
+    wait_for(lambda: {"support@1", "sql@1"} <= set(fake.loras), timeout=15)  # the publisher's check, every 5 s
+    assert call(proxy, "support").model == "support@1" and call(proxy, "sql").model == "sql@1"
+
+
+@pytest.mark.filterwarnings("ignore:Item 'summary' on TypedDict")  # litellm's response types, built on first use
+def test_the_judge_scores_only_the_groups_of_the_policies_it_rewards(
+    start_proxy: Callable[..., RunningProxy], fake: FakeVLLM
+) -> None:
+    from fake_vllm import Reply
+    from test_judge import fake_judge
+
+    asked = fake_judge(fake)
+    judged = {"reward_source": "judge", "judge_quiet_s": 0.2, "group_size": 2, "min_group_size": 2,
+              "batch_groups": 1, "judge_rubric": "Name the capital."}  # fmt: skip
+    proxy = start_proxy(policies=("support", "sql"), policy_configs={"sql": judged}, group_size=2, min_group_size=2)
+    fake.script(Reply("Paris."), Reply("Lyon."), Reply("Paris."), Reply("Lyon."))
+    task = [{"role": "user", "content": "What is the capital of France?"}]
+    for model in ("sql", "sql", "support", "support"):
+        proxy.client().chat.completions.create(model=model, messages=task)
+    jobs = wait_for(lambda: httpx.get(f"{proxy.url}/admin/jobs").json()["data"], timeout=15)
+    assert [job["policy"] for job in jobs] == ["sql"]  # its group was judged, rewarded and queued
+    time.sleep(0.5)  # a scan or two more: support's complete group is never judged
+    assert len(asked) == 1 and "Name the capital." in str(asked[0]["messages"])  # its own rubric
+    rewards = {(r["policy"], r["reward"]) for r in proxy.rows("SELECT policy, reward FROM trajectories")}
+    assert rewards == {("sql", 1.0), ("sql", 0.0), ("support", None)}

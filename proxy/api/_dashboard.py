@@ -191,9 +191,11 @@ async def _page(
     """A page, with the policy picker: every policy (retired ones muted), the one picked (None: all)."""
     policies = [{"name": p["name"], "state": p["state"]} for p in await services.store.policies.all()]
     context.setdefault("picker_path", request.url.path)  # a page of one item picks on its list instead
+    # Links keep the policy picked; with one policy there is nothing to pick.
+    keep = policy is not None and len(policies) > 1
     return _render(
         request, name, admin=admin, section=section, title=section, notice=_notice(request, policy), policy=policy,
-        policies=policies, policy_q=f"?policy={quote(policy, safe='')}" if policy else "", **context,
+        policies=policies, policy_q=f"?policy={quote(policy, safe='')}" if keep else "", **context,
     )  # fmt: skip
 
 

@@ -15,6 +15,7 @@ from starlette.responses import RedirectResponse, Response
 
 from proxy._credentials import COOKIE, SESSION_S, cookie_is_secure
 from proxy._params import Id, PolicyName, Version
+from proxy._services import Services
 from proxy.admin import _policies
 from proxy.admin import _service as _admin
 from proxy.api._dashboard import _admit, _auth, _login_page, _or_error_page, _safe_next, adapters_page, forms
@@ -25,9 +26,11 @@ Csrf = Annotated[str, Form()]
 PolicyField = Annotated[PolicyName | None, Form()]
 
 
-def _to(path: str, policy: str, **notice: str | int) -> RedirectResponse:
-    query = "&".join(f"{key}={quote(str(value), safe='')}" for key, value in notice.items())
-    return RedirectResponse(f"{path}?policy={quote(policy, safe='')}&{query}", status_code=303)
+def _to(services: Services, path: str, policy: str, **notice: str | int) -> RedirectResponse:
+    """Back to ``path`` with a notice; naming the policy unless it is the only one served (the page's default)."""
+    named = {} if services.registry.names() == [policy] else {"policy": policy}
+    query = "&".join(f"{key}={quote(str(value), safe='')}" for key, value in {**named, **notice}.items())
+    return RedirectResponse(f"{path}?{query}", status_code=303)
 
 
 # -- log in and out ------------------------------------------------------------------------
@@ -86,7 +89,7 @@ async def activate(
         active = await services.publisher.activate(name, version)
     except ProxyError as exc:
         return await adapters_page(request, services, admin, name, error=exc.message, status=exc.status_code)
-    return _to("/admin/ui/adapters", name, notice="activated", version=active)
+    return _to(services, "/admin/ui/adapters", name, notice="activated", version=active)
 
 
 @forms.post("/ui/training/resume")
@@ -96,7 +99,7 @@ async def resume_training(
     _admit(request, csrf_token)
     name = await _or_error_page(request, _policies.chosen(services, policy), "Not found")
     await _admin.resume_training(services, name)
-    return _to("/admin/ui/training", name, notice="resumed")
+    return _to(services, "/admin/ui/training", name, notice="resumed")
 
 
 @forms.post("/ui/train")
@@ -116,7 +119,7 @@ async def train_now(
             error=f"No group is ready to train {name} on: a group is ready when all its trajectories are rewarded "
             f"and it has at least {size or services.settings.min_group_size} of them; a retired policy trains nothing.",
         )  # fmt: skip
-    return _to("/admin/ui/training", name, notice="queued", job=job["id"])
+    return _to(services, "/admin/ui/training", name, notice="queued", job=job["id"])
 
 
 @forms.post("/ui/policies")
@@ -125,7 +128,7 @@ async def add_policy(
 ) -> Response:
     _admit(request, csrf_token)
     await _or_error_page(request, _policies.add_policy(services, name, None), "Not added")
-    return _to("/admin/ui/policies", name, notice="added", name=name)
+    return _to(services, "/admin/ui/policies", name, notice="added", name=name)
 
 
 @forms.post("/ui/policies/{name}/retire")

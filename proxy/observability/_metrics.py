@@ -248,17 +248,18 @@ class Metrics:
         """
         policies = await store.policies.all()  # retired ones too: their data stays, and so do their series
         jobs = await store.jobs.counts_by_policy()
+        for name in sorted({str(p["name"]) for p in policies} | {policy for policy, _ in jobs}):
+            for state in JobState:
+                self.jobs.labels(name, state.value).set(jobs.get((name, state.value), 0))
+            if (step := await store.jobs.last(JobState.SUCCEEDED, name)) is not None:
+                self._set_last_step(step)
         self.paused.clear()
         for policy in policies:
             name = str(policy["name"])
-            for state in JobState:
-                self.jobs.labels(name, state.value).set(jobs.get((name, state.value), 0))
             self.steps.labels(name).set(await store.adapters.count(name))
             self.version.labels(name).set(int(policy["active_version"]))
             self.rolled_back.labels(name).set(len(await store.guards.rolled_back_versions(name)))
             self.unrewarded.labels(name).set(await store.reward_timeouts.unrewarded(name))
-            if (step := await store.jobs.last(JobState.SUCCEEDED, name)) is not None:
-                self._set_last_step(step)
             paused = policy.get("training") == TrainingState.PAUSED
             reason = str(policy.get("training_reason") or "") if paused else ""
             self.paused.labels(name, reason).set(1 if paused else 0)
