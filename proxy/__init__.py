@@ -11,11 +11,12 @@ Inside, imports run one way, top to bottom (import-linter holds it; docs/ARCHITE
     data/ | training/                    rewards in, trajectories out | jobs, publishing, guard, hand-over
     gateway/                             one call: key, forward, capture; the upstreams
     observability/                       /metrics, Langfuse, disk usage
-    _credentials | _params | _periodic   keys and the admin token; parameter types; a background beat
-    _settings | errors                   the settings; the error tree and every error's response
+    _credentials | _policy_keys | ...    keys and the admin token, keys bound to policies; parameter types; a beat
+    _settings | _policy_config | errors  the settings, each policy's own; the error tree and every error's response
 """
 
 from proxy._app import create_app
+from proxy._policy_config import PolicyOverrides, SamplingDefaults
 from proxy._settings import Settings
 
-__all__ = ["Settings", "create_app"]
+__all__ = ["PolicyOverrides", "SamplingDefaults", "Settings", "create_app"]

@@ -24,6 +24,7 @@ import httpx
 
 from proxy._credentials import Credentials
 from proxy._periodic import every
+from proxy._policy_keys import PolicyKeys
 from proxy._settings import Settings
 from proxy.admin import TokenTexts
 from proxy.errors import UpstreamError
@@ -35,9 +36,8 @@ from proxy.observability import Exporters, Metrics, start_exporters
 from proxy.observability._disk import DiskWatch
 from proxy.training import HandoverCoordinator, JobScheduler, Publisher
 from proxy.training._guard import RegressionGuard
-from proxy.training._regression import GuardConfig
 from proxy.training._step_watch import StepWatch
-from store import Store
+from store import PolicyAdded, Store
 
 log = logging.getLogger("tracetrain.proxy")
 
@@ -49,10 +49,11 @@ _UPSTREAM_POOLS = 1
 class Services:
     settings: Settings
     credentials: Credentials  # every key and the admin token (proxy._credentials)
+    policy_keys: PolicyKeys  # keys bound to policies, and the scope each gives a request (proxy._policy_keys)
     store: Store
     upstream: Upstream  # the first server, for what any one of them answers alike (a tokenizer's texts)
     router: Router  # every server, and which one takes each call
-    registry: PolicyRegistry
+    registry: PolicyRegistry  # the policies served, as the store says (the publisher keeps it so)
     keyer: Keyer
     forwarder: Forwarder
     scheduler: JobScheduler  # also told of every reward written (metrics, the trace exporters, a job when due)
@@ -78,29 +79,26 @@ async def build_services(
         store = await Store.open(settings.resolved_database_url)
         stack.push_async_callback(store.close)
         router = await _router(settings, transport, stack)
-        registry = PolicyRegistry(settings.policy, settings.served_model)
+        registry = PolicyRegistry(settings.served_model)
         if registry.base_model is None:
             try:
                 registry.base_model = await router.base_model()
             except UpstreamError as exc:
                 log.warning("upstream not answering yet (%s); will ask again on the first call", exc.message)
-        # The policy row holds the alias; it must exist even while vLLM is still starting.
-        registry.active_version = await store.policies.ensure(settings.policy, registry.base_model or "")
+        await _named_policies(settings, store, registry.base_model or "")
         exporters = start_exporters(settings)  # None unless --otlp-endpoint or --langfuse
         if exporters is not None:
             stack.push_async_callback(exporters.aclose)  # sends what is still queued, within its time limit
         keyer = Keyer(store, group_size=settings.group_size, thread_ttl_s=settings.thread_ttl_s)
         gate = Gate(settings.handover_wait_s, metrics)  # closed only by the hand-over's coordinator
-        scheduler = JobScheduler(store, policy=settings.policy, batch_groups=settings.batch_groups,
-                                 min_group_size=settings.min_group_size, metrics=metrics,
-                                 exporters=exporters)  # fmt: skip
-        publisher = await _publishing(settings, store, registry, router, stack)
-        handover = _training(settings, store, publisher, router, gate, metrics, on_upstream_stuck, stack)
+        scheduler = JobScheduler(store, registry, metrics=metrics, exporters=exporters)
+        publisher = await _publishing(settings, store, registry, router, stack)  # fills the registry from the store
+        handover = _training(settings, store, publisher, registry, router, gate, metrics, on_upstream_stuck, stack)
         judging = JudgeService(settings, store, registry, scheduler)
-        judging.start()  # scans for complete groups unless rewards are external only
+        judging.start()  # judges the groups of the policies whose rewards come from (or beside) the judge
         stack.push_async_callback(judging.close)
-        if settings.reward_timeout_s is not None:
-            _start(stack, RewardTimeout(settings, store, judging, metrics).run(), "tracetrain-reward-timeout")
+        timeout = RewardTimeout(settings, store, judging, metrics, registry)
+        _start(stack, timeout.run(), "tracetrain-reward-timeout")  # for the policies with --reward-timeout
         disk = DiskWatch(store, metrics, settings.data_dir, min_free_bytes=settings.min_free_disk_mb * 2**20,
                          keep_trajectories_days=settings.keep_trajectories_days)  # fmt: skip
         _start(stack, disk.run(), "tracetrain-disk")
@@ -113,10 +111,23 @@ async def build_services(
                         signer=Signer.for_server(settings.data_dir, admin_token))  # fmt: skip
         forwarder = Forwarder(router, store, keyer, registry, metrics, exporters, gate, served)
         yield Services(
-            settings, Credentials(settings, store.sessions), store, router.upstreams[0], router, registry, keyer,
-            forwarder, scheduler, publisher, metrics, TokenTexts(router.upstreams[0]), judging,
+            settings, Credentials(settings, store.sessions), PolicyKeys(settings), store, router.upstreams[0], router,
+            registry, keyer, forwarder, scheduler, publisher, metrics, TokenTexts(router.upstreams[0]), judging,
             exporters=exporters, handover=handover, disk=disk,
         )  # fmt: skip
+
+
+async def _named_policies(settings: Settings, store: Store, base_model: str) -> None:
+    """The policies ``--policy`` names, served (a retired one again) with the settings ``--policy-config`` gives.
+
+    The rows must exist even while vLLM is still starting: they hold each alias. Policies added through the
+    admin API are in the store already, and served as well.
+    """
+    for name in settings.policies:
+        overrides = settings.policy_configs.get(name)
+        added = await store.policies.add(name, base_model, overrides.stored() if overrides is not None else None)
+        if added is PolicyAdded.READDED:
+            log.warning("policy %s was retired; --policy names it, so it is served again", name)
 
 
 async def _router(settings: Settings, transport: httpx.AsyncBaseTransport | None, stack: AsyncExitStack) -> Router:
@@ -141,10 +152,7 @@ async def _publishing(
     settings: Settings, store: Store, registry: PolicyRegistry, router: Router, stack: AsyncExitStack
 ) -> Publisher:
     """The publisher, with what the store says is served adopted, and the servers' health watched."""
-    publisher = Publisher(
-        store, registry, router, keep_versions=settings.keep_versions, unload_grace_s=settings.unload_grace_s,
-        guard=settings.regression_guard, delivery=settings.adapter_delivery,
-    )  # fmt: skip
+    publisher = Publisher(store, registry, router, settings)
     # Publishing starts once this proxy serves: a vLLM that fetches an adapter by name
     # (tracetrain_vllm's resolver) may fetch it from this very proxy.
     await publisher.adopt()
@@ -159,23 +167,21 @@ def _training(
     settings: Settings,
     store: Store,
     publisher: Publisher,
+    registry: PolicyRegistry,
     router: Router,
     gate: Gate,
     metrics: Metrics,
     on_upstream_stuck: Callable[[str], None] | None,
     stack: AsyncExitStack,
 ) -> HandoverCoordinator | None:
-    """The regression guard (``--regression-guard``) and the GPU hand-over (``--share-gpu``), when asked for."""
-    if settings.regression_guard:
-        cfg = GuardConfig(margin=settings.regression_margin, alpha=settings.regression_alpha,
-                          max_groups=settings.regression_groups)  # fmt: skip
-        guard = RegressionGuard(store, publisher, metrics, cfg, policy=settings.policy)
-        _start(stack, guard.run(), "tracetrain-regression-guard")
+    """The regression guard (for each policy whose settings keep it on) and the GPU hand-over (``--share-gpu``)."""
+    guard = RegressionGuard(store, publisher, metrics, registry)
+    _start(stack, guard.run(), "tracetrain-regression-guard")
     if not settings.share_gpu:
         return None
     handover = HandoverCoordinator(
-        store, publisher, router.upstreams, gate, metrics, policy=settings.policy,
-        timeout_s=settings.handover_timeout_s, on_stuck=on_upstream_stuck,
+        store, publisher, router.upstreams, gate, metrics, timeout_s=settings.handover_timeout_s,
+        on_stuck=on_upstream_stuck,
     )  # fmt: skip
     _start(stack, handover.run(), "tracetrain-gpu-handover")  # a hand-over under way wakes vLLM as it ends
     return handover

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -17,6 +18,7 @@ from urllib.parse import urlsplit
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from proxy._policy_config import PolicyOverrides, PolicySettings, SamplingDefaults
 from store import POLICY_NAME_PATTERN, redact
 
 _PLACEHOLDER_SECRETS = frozenset(
@@ -71,9 +73,16 @@ class Settings(BaseSettings):
     # SQLAlchemy async URL; defaults to SQLite (WAL) in the data directory.
     database_url: str | None = None
 
-    # The name agents use as `model`; its versions are `policy@N` (`policy@0` is the base model).
-    # Also a directory name (DATA_DIR/adapters/<policy>): it starts with a letter or a digit, so never "." or "..".
-    policy: str = Field(default="agent", pattern=POLICY_NAME_PATTERN)
+    # The names agents use as `model`, one per policy (an agent's LoRA line on the base model); each one's versions
+    # are `NAME@N` (`NAME@0` is the base model). `policy=NAME` is accepted for one; env TRACETRAIN_POLICIES
+    # (comma-separated) or TRACETRAIN_POLICY. Policies added through the admin API are served as well: the store
+    # holds them (docs/POLICIES.md).
+    policies: Annotated[tuple[str, ...], NoDecode] = Field(
+        default=("agent",), min_length=1, validation_alias=AliasChoices("tracetrain_policies", "tracetrain_policy")
+    )
+    # The settings a policy overrides (`--policy-config NAME=FILE`; env TRACETRAIN_POLICY_CONFIGS as JSON, name to
+    # settings): written into the store when the proxy starts, for every replica and the trainer to apply.
+    policy_configs: dict[str, PolicyOverrides] = Field(default_factory=dict)
     # A derived group (same task prompt) takes at most this many trajectories, then a new one opens.
     group_size: int = Field(default=8, ge=1)
     # A group is ready for training when all its trajectories are rewarded and it has this many.
@@ -153,9 +162,13 @@ class Settings(BaseSettings):
     header_timeout_s: float = Field(default=15.0, gt=0, allow_inf_nan=False)
     body_timeout_s: float = Field(default=60.0, gt=0, allow_inf_nan=False)
 
-    # Credentials. Inference keys authorize /v1 generation calls, reward keys /v1/rewards.
+    # Credentials. Inference keys authorize /v1 generation calls, reward keys /v1/rewards; both for every policy.
     api_keys: Secrets = ()
     reward_keys: Secrets = ()
+    # Keys bound to a policy (`--policy-key NAME=KEY`, repeatable; env TRACETRAIN_POLICY_KEYS="NAME=KEY,..."): such
+    # a key calls that policy's model, reads its trajectories and groups and posts its rewards, and nothing else
+    # (proxy._policy_keys). A key named for several policies reaches each of them.
+    policy_keys: Annotated[tuple[tuple[str, SecretStr], ...], NoDecode] = ()
     admin_token: SecretStr | None = None
     # Keys that may only read adapter files (GET /v1/adapters/...): what vLLM's resolver sends
     # (TRACETRAIN_ADAPTERS_KEY there). The admin token reads them too; without adapter keys it alone does.
@@ -186,19 +199,22 @@ class Settings(BaseSettings):
 
     @model_validator(mode="before")
     @classmethod
-    def _one_upstream_list(cls, data: object) -> object:
-        """``upstream=`` (one URL, as before), ``upstreams=`` and the two variables become ``upstreams``.
+    def _one_list_each(cls, data: object) -> object:
+        """``upstream=`` (one URL, as before), ``upstreams=`` and the two variables become ``upstreams``;
+        ``policy=`` (one name, as before), ``policies=`` and theirs become ``policies``.
 
         Keyword arguments come first, so flags win over the environment.
         """
         if not isinstance(data, dict):
             return data
         data = dict(data)
-        given = [
-            data.pop(k) for k in ("upstreams", "upstream", "tracetrain_upstreams", "tracetrain_upstream") if k in data
-        ]
-        if given:
-            data["upstreams"] = given[0]
+        for field, names in (
+            ("upstreams", ("upstreams", "upstream", "tracetrain_upstreams", "tracetrain_upstream")),
+            ("policies", ("policies", "policy", "tracetrain_policies", "tracetrain_policy")),
+        ):
+            given = [data.pop(k) for k in names if k in data]
+            if given:
+                data[field] = given[0]
         return data
 
     @model_validator(mode="before")
@@ -234,12 +250,50 @@ class Settings(BaseSettings):
         path = urlsplit(value).path
         return value.rstrip("/") + "/v1/traces" if path in ("", "/") else value
 
-    @field_validator("api_keys", "reward_keys", "adapter_keys", "upstreams", mode="before")
+    @field_validator("api_keys", "reward_keys", "adapter_keys", "upstreams", "policies", mode="before")
     @classmethod
     def _split_keys(cls, value: object) -> object:
         if isinstance(value, str):
             return tuple(part.strip() for part in value.split(",") if part.strip())
         return value
+
+    @field_validator("policies")
+    @classmethod
+    def _policy_names(cls, values: tuple[str, ...]) -> tuple[str, ...]:
+        for name in values:
+            if not re.fullmatch(POLICY_NAME_PATTERN, name):
+                raise ValueError(
+                    f"policy name {name!r}: 1-100 letters, digits, '_', '.' or '-', beginning with a letter or digit"
+                )
+        if len(set(values)) != len(values):
+            raise ValueError(f"a policy is named twice: {', '.join(values)}")
+        return values
+
+    @field_validator("policy_keys", mode="before")
+    @classmethod
+    def _policy_key_pairs(cls, values: object) -> object:
+        """Each key as ``NAME=KEY`` (flags; the variable: comma-separated), or as a (name, key) pair."""
+        if isinstance(values, str):
+            values = [part.strip() for part in values.split(",") if part.strip()]
+        if not isinstance(values, tuple | list):
+            return values
+        pairs = []
+        for item in values:
+            if isinstance(item, str):
+                name, sep, key = item.partition("=")
+                if not sep or not key:
+                    raise ValueError("a policy key is NAME=KEY (the policy's name, '=', then the key)")
+                item = (name.strip(), key.strip())
+            pairs.append(item)
+        return tuple(pairs)
+
+    @field_validator("policy_keys")
+    @classmethod
+    def _policy_key_names(cls, values: tuple[tuple[str, SecretStr], ...]) -> tuple[tuple[str, SecretStr], ...]:
+        for name, _ in values:
+            if not re.fullmatch(POLICY_NAME_PATTERN, name):
+                raise ValueError(f"--policy-key {name}=...: {name!r} is not a policy name")
+        return values
 
     @field_validator("judge_rubric")
     @classmethod
@@ -290,6 +344,7 @@ class Settings(BaseSettings):
             *self.api_keys,
             *self.reward_keys,
             *self.adapter_keys,
+            *(key for _, key in self.policy_keys),
             *([self.admin_token] if self.admin_token else []),
         ]
         for secret in secrets:
@@ -300,12 +355,15 @@ class Settings(BaseSettings):
                     "or a well-known dummy value); generate one with: "
                     "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
                 )
-        if not is_loopback(self.host) and not self.api_keys:
+        if not is_loopback(self.host) and not (self.api_keys or self.policy_keys):
             raise ValueError(
                 f"refusing to listen on {self.host} with no inference keys: anyone on the network could use "
                 "the model and write trajectories. Set TRACETRAIN_API_KEYS (and TRACETRAIN_REWARD_KEYS, "
                 "TRACETRAIN_ADMIN_TOKEN), or bind to 127.0.0.1."
             )
+        unnamed = [name for name in self.policy_configs if name not in self.policies]
+        if unnamed:
+            raise ValueError(f"settings are given for {', '.join(unnamed)}, which --policy does not name")
         return self
 
     @model_validator(mode="after")
@@ -318,6 +376,18 @@ class Settings(BaseSettings):
         if self.langfuse and not self.langfuse_base_url.startswith(("http://", "https://")):
             raise ValueError(f"LANGFUSE_BASE_URL must be an http(s) URL, got {redact(self.langfuse_base_url)!r}")
         return self
+
+    @property
+    def policy_defaults(self) -> PolicySettings:
+        """Every policy's settings where it overrides none (``proxy._policy_config``): the server's."""
+        fields = PolicySettings.__dataclass_fields__
+        return PolicySettings(**{name: getattr(self, name) for name in fields if name not in ("name", "sampling")},
+                              name="", sampling=SamplingDefaults())  # fmt: skip
+
+    @property
+    def policy(self) -> str:
+        """The first policy named: what a single-policy set-up calls *the* policy."""
+        return self.policies[0]
 
     @property
     def judge_configured(self) -> bool:

@@ -6,7 +6,7 @@ the proxy, and the proxy never loads torch. ``Store.open(url)`` is the way in.
 """
 
 from store._adapter_files import FILE_NAME_PATTERN, AdapterFile, AdapterFiles, FileEntry
-from store._adapters import ADAPTER_FIELDS, POLICY_NAME_PATTERN, Adapters, Policies
+from store._adapters import ADAPTER_FIELDS, POLICY_NAME_PATTERN, Adapters
 from store._batch import CallWrite
 from store._compact import COMPACT_COLUMNS
 from store._engine import connect
@@ -25,7 +25,17 @@ from store._export import ExportFilter, ExportPage, ExportReads, RewardSummary
 from store._guard import TRAINING_FIELDS, Guards
 from store._jobs import JOB_FIELDS, Jobs, RewardedTrajectory, StoredCall
 from store._judgements import JUDGEMENT_STATES, DueRule, GroupCalls, GroupChanged, Judgements
-from store._lifecycle import MOVES, AdapterState, GpuHandover, GroupState, JobState, TrainingState, allowed
+from store._lifecycle import (
+    MOVES,
+    AdapterState,
+    GpuHandover,
+    GroupState,
+    JobState,
+    PolicyState,
+    TrainingState,
+    allowed,
+)
+from store._policies import Policies, PolicyAdded
 from store._reads import GROUP_VIEW_STATES, GroupRecord, Reads, TrajectoryFilter, TrajectoryRecord
 from store._redact import redact, without_userinfo
 from store._retention import PruneReport, PruneRule
@@ -68,6 +78,8 @@ __all__ = [
     "Jobs",
     "Judgements",
     "Policies",
+    "PolicyAdded",
+    "PolicyState",
     "PruneReport",
     "PruneRule",
     "Reads",

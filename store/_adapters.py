@@ -1,4 +1,4 @@
-"""Policies and their adapter versions: recording, claiming for publication, the active alias.
+"""Adapter versions: recording, claiming for publication, publishing (the alias itself: ``store._policies``).
 
 The trainer records an adapter (``trained``); one proxy replica claims it (``loading``,
 with a lease), loads it into every vLLM, marks it ``published`` and flips the policy's
@@ -23,7 +23,6 @@ from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from store._adapter_files import AdapterFile, write_files
-from store._engine import insert_ignore
 from store._lifecycle import AdapterState, JobState, move
 from store._tables import adapters as A
 from store._tables import policies as P
@@ -35,44 +34,6 @@ from store._version_retention import Pruned, prune_versions, pruned_versions
 POLICY_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}$"
 ADAPTER_FIELDS = ("policy", "version", "path", "job_id", "state", "error", "metrics", "created_at", "published_at",
                   "lease_owner", "lease_expires_at", "reclaimed", "guard")  # fmt: skip
-
-
-class Policies:
-    def __init__(self, engine: AsyncEngine) -> None:
-        self._engine = engine
-
-    async def ensure(self, name: str, base_model: str) -> int:
-        """Create the policy row if missing; return its active version."""
-        now = time.time()
-        async with self._engine.begin() as conn:
-            await conn.execute(
-                insert_ignore(self._engine.dialect.name, P, ["name"]),
-                [{"name": name, "base_model": base_model, "active_version": 0, "created_at": now, "updated_at": now}],
-            )
-            row = (await conn.execute(select(P.c.active_version).where(P.c.name == name))).one()
-        return int(row[0])
-
-    async def active_version(self, name: str) -> int | None:
-        async with self._engine.connect() as conn:
-            value = (await conn.execute(select(P.c.active_version).where(P.c.name == name))).scalar()
-        return None if value is None else int(value)
-
-    async def flip(self, name: str, version: int, *, forward_only: bool = False) -> bool:
-        """Point the policy's alias at ``version``; ``forward_only``: only if it serves an older one.
-
-        Returns whether the alias moved (or already pointed there).
-        """
-        where = P.c.name == name
-        if forward_only:
-            where &= P.c.active_version <= version
-        async with self._engine.begin() as conn:
-            moved = await conn.execute(update(P).where(where).values(active_version=version, updated_at=time.time()))
-        return bool(moved.rowcount)
-
-    async def all(self) -> list[dict[str, Any]]:
-        async with self._engine.connect() as conn:
-            rows = (await conn.execute(select(P).order_by(P.c.name))).all()
-        return [dict(row._mapping) for row in rows]
 
 
 class Adapters:

@@ -3,9 +3,10 @@
 A group is *ready* when it is ``open``, every trajectory in it is rewarded and it has at
 least ``min_group_size`` of them. One transaction creates a queued job and moves its
 groups to ``training``, so a group is trained once whichever replica asked. A worker
-claims the oldest queued job with a lease and renews it while it trains; a job whose
-lease ran out (the worker died) is queued again by whoever notices first, exactly once.
-One job of a policy runs at a time, and its claim decides the adapter version it records.
+claims a queued job with a lease (of the policy trained least recently: ``claim_next``) and
+renews it while it trains; a job whose lease ran out (the worker died) is queued again by
+whoever notices first, exactly once. One job of a policy runs at a time, and its claim
+decides the adapter version it records.
 
 When the worker shares its GPU with vLLM (``--share-gpu``), each step is a hand-over in the
 job's ``gpu_state`` (``store.GpuHandover``): the worker asks (``request_gpu``) and waits; the
@@ -19,28 +20,27 @@ limit (``revoke_gpu``). The store is the only channel: the proxy and the worker 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import and_, case, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncEngine
 
 from store._compact import expand
-from store._lifecycle import GpuHandover, GroupState, JobState, move
+from store._gpu_handover import GpuHandovers
+from store._lifecycle import GpuHandover, GroupState, JobState, PolicyState, move
 from store._tables import adapters as A
 from store._tables import calls as C
 from store._tables import groups as G
+from store._tables import policies as P
 from store._tables import training_jobs as J
 from store._tables import trajectories as T
 
 JOB_FIELDS = ("id", "policy", "state", "group_ids", "version", "metrics", "progress", "error", "worker",
               "lease_expires_at", "reclaimed", "created_at", "started_at", "finished_at", "gpu_state",
               "gpu_requested_at", "gpu_granted_at", "gpu_released_at", "gpu_asleep_s")  # fmt: skip
-_HANDOVER_FIELDS = (J.c.id, J.c.policy, J.c.state, J.c.worker, J.c.lease_expires_at, J.c.gpu_state,
-                    J.c.gpu_requested_at, J.c.gpu_granted_at, J.c.gpu_released_at, J.c.gpu_asleep_s)  # fmt: skip
-_OPEN_HANDOVER = (GpuHandover.REQUESTED.value, GpuHandover.GRANTED.value)
+_OTHERS = J.alias("others")  # the other jobs, beside the one a claim reads
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,16 +68,19 @@ class RewardedTrajectory:
     calls: list[StoredCall]
 
 
-def ready_condition(min_group_size: int) -> Any:
-    """The HAVING clause of a ready group, over ``groups`` outer-joined with its trajectories."""
+def ready_condition(min_group_size: int, per_policy: Mapping[str, int] | None = None) -> Any:
+    """The HAVING clause of a ready group, over ``groups`` outer-joined with its trajectories.
+
+    ``per_policy``: policies whose groups need another least size than ``min_group_size``.
+    """
     size = func.count(T.c.pk)
-    return and_(G.c.state == GroupState.OPEN.value, size >= min_group_size, func.count(T.c.reward) == size)
+    least: Any = min_group_size
+    if per_policy:
+        least = case(*((G.c.policy == name, n) for name, n in sorted(per_policy.items())), else_=min_group_size)
+    return and_(G.c.state == GroupState.OPEN.value, size >= least, func.count(T.c.reward) == size)
 
 
-class Jobs:
-    def __init__(self, engine: AsyncEngine) -> None:
-        self._engine = engine
-
+class Jobs(GpuHandovers):
     # -- made by the proxy -------------------------------------------------------------
 
     async def ready_groups(self, policy: str, min_group_size: int) -> list[str]:
@@ -118,29 +121,63 @@ class Jobs:
         returned and kept in the job's ``version``. Of workers claiming together, the unique index on running
         jobs (``ux_training_jobs_running``) lets one win; the version is computed inside the winning ``UPDATE``.
         """
-        others = J.alias("others")
-        running = select(others.c.id).where(others.c.policy == policy, others.c.state == JobState.RUNNING.value)
-        newest = select(func.coalesce(func.max(A.c.version), 0) + 1).where(A.c.policy == policy).scalar_subquery()
-        query = (
-            select(J).where(J.c.policy == policy, J.c.state == JobState.QUEUED.value, ~running.exists())
-            .order_by(J.c.id).limit(1)
-            .with_for_update(of=J, skip_locked=True)  # Postgres: two workers claim two jobs, not one each try
+        query = self._claimable().where(J.c.policy == policy).order_by(J.c.id)
+        return await self._claim(query, owner, lease_s, lambda _: first_version)
+
+    async def claim_next(
+        self, owner: str, lease_s: float, *, policies: Sequence[str] | None = None,
+        first_versions: Mapping[str, int] | None = None,
+    ) -> dict[str, Any] | None:  # fmt: skip
+        """Take a queued job of any policy (of ``policies``, when given) fairly: the policy trained least
+        recently first (the oldest newest start of its jobs; one never trained before any), then its oldest job.
+
+        A policy with a job running is skipped (one step of a policy at a time, as in ``claim``), and so is a
+        retired one. With every policy always having work, the claims go round the policies: a job queued
+        while N other policies have work starts within N claims, however many jobs those policies queued.
+        ``first_versions``: the least version each policy's step records (``claim``'s ``first_version``).
+        """
+        newest_start = select(func.max(_OTHERS.c.started_at)).where(_OTHERS.c.policy == J.c.policy).scalar_subquery()
+        retired = select(P.c.name).where(P.c.name == J.c.policy, P.c.state == PolicyState.RETIRED.value).exists()
+        query = self._claimable().where(~retired).order_by(func.coalesce(newest_start, 0.0), J.c.id)
+        if policies is not None:
+            query = query.where(J.c.policy.in_(list(policies)))
+        firsts = dict(first_versions or {})
+        return await self._claim(query, owner, lease_s, lambda policy: firsts.get(policy, 1))
+
+    @staticmethod
+    def _claimable() -> Any:
+        """Queued jobs of policies with no job running, locked as they are read (Postgres skips rows another
+        worker is claiming: two workers claim two jobs, not one each try)."""
+        running = select(_OTHERS.c.id).where(_OTHERS.c.policy == J.c.policy, _OTHERS.c.state == JobState.RUNNING.value)
+        return (
+            select(J).where(J.c.state == JobState.QUEUED.value, ~running.exists())
+            .limit(1).with_for_update(of=J, skip_locked=True)
         )  # fmt: skip
+
+    async def _claim(
+        self, query: Any, owner: str, lease_s: float, first_version: Callable[[str], int]
+    ) -> dict[str, Any] | None:
         try:
             async with self._engine.begin() as conn:
                 job = (await conn.execute(query)).first()
                 if job is None:
                     return None
+                first = first_version(job.policy)
+                newest = (
+                    select(func.coalesce(func.max(A.c.version), 0) + 1).where(A.c.policy == job.policy)
+                    .scalar_subquery()
+                )  # fmt: skip
                 now = time.time()
                 won = await move(conn, J, J.c.id == job.id, JobState.QUEUED, JobState.RUNNING, worker=owner,
                                  started_at=now, progress=0.05, lease_expires_at=now + lease_s,
-                                 version=case((newest > first_version, newest), else_=first_version))  # fmt: skip
+                                 version=case((newest > first, newest), else_=first))  # fmt: skip
                 if not won:
                     return None
                 version = (await conn.execute(select(J.c.version).where(J.c.id == job.id))).scalar_one()
         except IntegrityError:  # another worker's claim on a job of the policy came first
             return None
-        return {**job._mapping, "worker": owner, "state": JobState.RUNNING.value, "version": int(version)}
+        return {**job._mapping, "worker": owner, "state": JobState.RUNNING.value, "started_at": now,
+                "version": int(version)}  # fmt: skip
 
     async def renew(self, job_id: int, owner: str, lease_s: float, progress: float | None = None) -> bool:
         """Extend the lease (and report progress); False when the job is no longer this owner's."""
@@ -199,61 +236,19 @@ class Jobs:
                                GpuHandover.REVOKED, column="gpu_state", gpu_released_at=time.time())  # fmt: skip
         return taken
 
-    # -- the GPU hand-over (shared mode: the worker steps while vLLM sleeps) -------------
-
-    async def request_gpu(self, job_id: int, owner: str) -> bool:
-        """The worker asks for the GPU for its step; False when the job is no longer its own."""
-        mine = (J.c.id == job_id) & (J.c.worker == owner) & (J.c.state == JobState.RUNNING.value)
-        async with self._engine.begin() as conn:
-            return bool(
-                await move(
-                    conn, J, mine, (GpuHandover.NONE, GpuHandover.RELEASED, GpuHandover.REVOKED),
-                    GpuHandover.REQUESTED, column="gpu_state", gpu_requested_at=time.time(), gpu_granted_at=None,
-                    gpu_released_at=None, gpu_asleep_s=None,
-                )
-            )  # fmt: skip
-
-    async def pending_gpu_requests(self, policy: str) -> list[dict[str, Any]]:
-        """The open hand-overs of ``policy`` (requested or granted), oldest request first: the proxy's to serve."""
-        query = select(*_HANDOVER_FIELDS).where(J.c.policy == policy, J.c.gpu_state.in_(_OPEN_HANDOVER))
+    async def running(self, policy: str | None = None) -> list[dict[str, Any]]:
+        """The running jobs of every policy (of ``policy`` alone, when given)."""
+        query = select(J).where(J.c.state == JobState.RUNNING.value)
+        if policy is not None:
+            query = query.where(J.c.policy == policy)
         async with self._engine.connect() as conn:
-            rows = await conn.execute(query.order_by(J.c.gpu_requested_at, J.c.id))
-            return [dict(row._mapping) for row in rows.all()]
+            return [dict(row._mapping) for row in (await conn.execute(query)).all()]
 
-    async def gpu_handover(self, job_id: int) -> dict[str, Any] | None:
-        """A job's hand-over as it stands: its state, worker and lease, ``gpu_state`` and times."""
+    async def group_policies(self, group_ids: Sequence[str]) -> dict[str, str]:
+        """Group id -> its policy, for ``group_ids`` (rewards just written: whose jobs may be due)."""
         async with self._engine.connect() as conn:
-            row = (await conn.execute(select(*_HANDOVER_FIELDS).where(J.c.id == job_id))).first()
-        return dict(row._mapping) if row else None
-
-    async def grant_gpu(self, job_id: int) -> bool:
-        """vLLM sleeps: the GPU is the worker's. False when the job stopped running meanwhile."""
-        running = (J.c.id == job_id) & (J.c.state == JobState.RUNNING.value)
-        async with self._engine.begin() as conn:
-            return bool(await move(conn, J, running, GpuHandover.REQUESTED, GpuHandover.GRANTED, column="gpu_state",
-                                   gpu_granted_at=time.time()))  # fmt: skip
-
-    async def release_gpu(self, job_id: int, owner: str) -> bool:
-        """The worker's step is over (its adapter recorded, or it failed); False when it was revoked meanwhile."""
-        async with self._engine.begin() as conn:
-            return bool(await move(conn, J, (J.c.id == job_id) & (J.c.worker == owner), GpuHandover.GRANTED,
-                                   GpuHandover.RELEASED, column="gpu_state", gpu_released_at=time.time()))  # fmt: skip
-
-    async def revoke_gpu(self, job_id: int) -> bool:
-        """The proxy ends a hand-over whose worker is gone or whose step took too long; False if it ended first."""
-        async with self._engine.begin() as conn:
-            return bool(await move(conn, J, J.c.id == job_id, (GpuHandover.REQUESTED, GpuHandover.GRANTED),
-                                   GpuHandover.REVOKED, column="gpu_state", gpu_released_at=time.time()))  # fmt: skip
-
-    async def record_gpu_asleep(self, job_id: int, seconds: float) -> None:
-        """How long vLLM slept for the job's step, written by the proxy once vLLM is awake again."""
-        async with self._engine.begin() as conn:
-            await conn.execute(update(J).where(J.c.id == job_id).values(gpu_asleep_s=seconds))
-
-    async def running(self, policy: str) -> list[dict[str, Any]]:
-        async with self._engine.connect() as conn:
-            rows = await conn.execute(select(J).where(J.c.policy == policy, J.c.state == JobState.RUNNING.value))
-            return [dict(row._mapping) for row in rows.all()]
+            rows = await conn.execute(select(G.c.id, G.c.policy).where(G.c.id.in_(list(group_ids))))
+            return {str(group): str(policy) for group, policy in rows.all()}
 
     async def rewarded_trajectories(self, group_ids: Sequence[str]) -> list[RewardedTrajectory]:
         """The rewarded trajectories of ``group_ids`` with their calls in order: what a step trains on."""
@@ -295,21 +290,38 @@ class Jobs:
 
     # -- read by the dashboard and /metrics --------------------------------------------
 
-    async def newest(self, limit: int) -> list[dict[str, Any]]:
+    async def newest(self, limit: int, policy: str | None = None) -> list[dict[str, Any]]:
+        """The newest ``limit`` jobs of every policy (of ``policy`` alone, when given)."""
+        query = select(J).order_by(J.c.id.desc()).limit(limit)
+        if policy is not None:
+            query = query.where(J.c.policy == policy)
         async with self._engine.connect() as conn:
-            rows = (await conn.execute(select(J).order_by(J.c.id.desc()).limit(limit))).all()
-        return [dict(row._mapping) for row in rows]
+            return [dict(row._mapping) for row in (await conn.execute(query)).all()]
 
-    async def counts(self) -> dict[str, int]:
+    async def counts(self, policy: str | None = None) -> dict[str, int]:
+        """Jobs by state, of every policy (of ``policy`` alone, when given)."""
+        query = select(J.c.state, func.count()).group_by(J.c.state)
+        if policy is not None:
+            query = query.where(J.c.policy == policy)
         async with self._engine.connect() as conn:
-            rows = (await conn.execute(select(J.c.state, func.count()).group_by(J.c.state))).all()
+            rows = (await conn.execute(query)).all()
         return {str(state): int(n) for state, n in rows}
 
-    async def last(self, state: JobState) -> dict[str, Any] | None:
-        """The newest job in ``state`` (succeeded: by finish time; running: the oldest running)."""
-        order = J.c.finished_at.desc() if state is JobState.SUCCEEDED else J.c.id
+    async def counts_by_policy(self) -> dict[tuple[str, str], int]:
+        """(policy, state) -> how many jobs: what /metrics shows."""
         async with self._engine.connect() as conn:
-            row = (await conn.execute(select(J).where(J.c.state == state.value).order_by(order).limit(1))).first()
+            rows = await conn.execute(select(J.c.policy, J.c.state, func.count()).group_by(J.c.policy, J.c.state))
+            return {(str(policy), str(state)): int(n) for policy, state, n in rows.all()}
+
+    async def last(self, state: JobState, policy: str | None = None) -> dict[str, Any] | None:
+        """The newest job in ``state`` (succeeded: by finish time; running: the oldest running), of every policy
+        (of ``policy`` alone, when given)."""
+        order = J.c.finished_at.desc() if state is JobState.SUCCEEDED else J.c.id
+        query = select(J).where(J.c.state == state.value).order_by(order).limit(1)
+        if policy is not None:
+            query = query.where(J.c.policy == policy)
+        async with self._engine.connect() as conn:
+            row = (await conn.execute(query)).first()
         return dict(row._mapping) if row else None
 
 

@@ -45,6 +45,7 @@ class GroupCalls:
 
     state: str
     calls: dict[str, list[dict[str, Any]]]  # trajectory id -> [{"endpoint", "request", "response", "error"}]
+    policy: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +67,7 @@ class Judgements:
 
     async def group_calls(self, group_id: str) -> GroupCalls | None:
         async with self._engine.connect() as conn:
-            group = (await conn.execute(select(G.c.state).where(G.c.id == group_id))).first()
+            group = (await conn.execute(select(G.c.state, G.c.policy).where(G.c.id == group_id))).first()
             if group is None:
                 return None
             trajectories = (
@@ -84,7 +85,7 @@ class Judgements:
         for row in expand([dict(call._mapping) for call in calls]):
             if row.pop("id") and row["trajectory_id"] in by_trajectory:
                 by_trajectory[row["trajectory_id"]].append(row)
-        return GroupCalls(str(group.state), by_trajectory)
+        return GroupCalls(str(group.state), by_trajectory, str(group.policy))
 
     async def cached_scores(self, cache_key: str) -> list[dict[str, Any]] | None:
         """The scores of the newest ok judgement that asked the same thing."""

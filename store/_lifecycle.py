@@ -16,6 +16,8 @@
               retired | failed | rolled_back | discarded ──retention deleted its files──▶ pruned   (for good)
     training: active ──the regression guard rolled a version back──▶ paused ──an admin resumes──▶ active
               (a policy's ``training`` column: paused, no job is created and no adapter published)
+    policy:   serving ──an admin retires it──▶ retired ──added again──▶ serving
+              (a policy's ``state`` column: retired, it is neither served nor trained; its rows stay readable)
     gpu:      none ──asked──▶ requested ──vLLM asleep──▶ granted ──adapter recorded──▶ released
                                   └──────────┬──────────────┘
                                              ▼
@@ -76,6 +78,13 @@ class TrainingState(enum.StrEnum):
     PAUSED = "paused"
 
 
+class PolicyState(enum.StrEnum):
+    """Whether a policy is served: ``policies.state``. An admin retires it; adding it again serves it again."""
+
+    SERVING = "serving"
+    RETIRED = "retired"
+
+
 class GpuHandover(enum.StrEnum):
     """Where a running job stands with the one GPU it shares with vLLM (``tracetrain serve --share-gpu``)."""
 
@@ -86,7 +95,7 @@ class GpuHandover(enum.StrEnum):
     REVOKED = "revoked"  # ended by the proxy: the worker died, or the step took too long
 
 
-State = GroupState | JobState | AdapterState | GpuHandover | TrainingState
+State = GroupState | JobState | AdapterState | GpuHandover | TrainingState | PolicyState
 
 MOVES: frozenset[tuple[State, State]] = frozenset(
     {
@@ -120,6 +129,8 @@ MOVES: frozenset[tuple[State, State]] = frozenset(
         (AdapterState.DISCARDED, AdapterState.PRUNED),
         (TrainingState.ACTIVE, TrainingState.PAUSED),
         (TrainingState.PAUSED, TrainingState.ACTIVE),
+        (PolicyState.SERVING, PolicyState.RETIRED),
+        (PolicyState.RETIRED, PolicyState.SERVING),
         (GpuHandover.NONE, GpuHandover.REQUESTED),
         (GpuHandover.REQUESTED, GpuHandover.GRANTED),
         (GpuHandover.GRANTED, GpuHandover.RELEASED),

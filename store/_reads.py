@@ -8,6 +8,7 @@ Pages are keyset cursors: trajectories by descending key, groups by descending
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,8 @@ class TrajectoryFilter:
     version: int | None = None
     created_after: float | None = None
     created_before: float | None = None
+    # Only these policies' (a key confined to some policies reads only theirs); None: every policy.
+    policies: frozenset[str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +72,8 @@ class Reads:
             query = query.where(T.c.group_id == where.group_id)
         if where.policy is not None:
             query = query.where(T.c.policy == where.policy)
+        if where.policies is not None:
+            query = query.where(T.c.policy.in_(sorted(where.policies)))
         if where.rewarded is not None:
             query = query.where(T.c.reward.is_not(None) if where.rewarded else T.c.reward.is_(None))
         if after is not None:
@@ -99,11 +104,17 @@ class Reads:
         state: str | None,
         limit: int,
         after: tuple[float, str] | None,
+        policies: frozenset[str] | None = None,
+        min_group_sizes: Mapping[str, int] | None = None,
     ) -> list[dict[str, Any]]:
-        """Groups with size, rewards and ``view_state`` (their state, or "ready"); ``limit + 1`` rows."""
+        """Groups with size, rewards and ``view_state`` (their state, or "ready"); ``limit + 1`` rows.
+
+        ``policies``: only these policies' groups (None: every policy's). ``min_group_sizes``: the policies
+        whose groups are ready at another size than ``min_group_size``.
+        """
         size = func.count(T.c.pk)
         n_rewarded = func.count(T.c.reward)
-        ready = ready_condition(min_group_size)
+        ready = ready_condition(min_group_size, min_group_sizes)
         query = (
             select(
                 G.c.id,
@@ -123,6 +134,8 @@ class Reads:
         )
         if policy is not None:
             query = query.where(G.c.policy == policy)
+        if policies is not None:
+            query = query.where(G.c.policy.in_(sorted(policies)))
         if state == "ready":
             query = query.having(ready)
         elif state == GroupState.OPEN.value:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,23 +49,35 @@ class RewardRecord:
                 "created_at": self.created_at}  # fmt: skip
 
 
-async def add_rewards(engine: AsyncEngine, rewards: Iterable[RewardIn]) -> list[RewardRecord]:
+async def add_rewards(
+    engine: AsyncEngine,
+    rewards: Iterable[RewardIn],
+    policies: frozenset[str] | None = None,
+    check: Callable[[set[str]], None] | None = None,
+) -> list[RewardRecord]:
     """Record rewards in one transaction; any unknown trajectory id rejects the whole batch.
 
     An external reward becomes the trajectory's reward (and ends its threading: a rewarded
-    trajectory takes no more calls by continuation). Returns the rewards written.
+    trajectory takes no more calls by continuation). Returns the rewards written. ``policies``: only
+    trajectories of these policies may be rewarded; another policy's is unknown (None: every policy).
+    ``check`` is given the policies the batch rewards before anything is written; what it raises
+    rejects the whole batch.
     """
     items = list(rewards)
     wanted = {r.trajectory_id for r in items}
     now = time.time()
+    query = select(T.c.id, T.c.group_id, T.c.policy).where(T.c.id.in_(wanted))
+    if policies is not None:
+        query = query.where(T.c.policy.in_(sorted(policies)))
     async with engine.begin() as conn:
-        rows = (await conn.execute(select(T.c.id, T.c.group_id).where(T.c.id.in_(wanted)))).all()
+        rows = (await conn.execute(query)).all()
         group_of = {row[0]: row[1] for row in rows}
         if missing := wanted - group_of.keys():
             raise UnknownTrajectories(list(missing))
+        if check is not None:
+            check({str(row[2]) for row in rows})
         created = [
-            RewardRecord(r.trajectory_id, group_of[r.trajectory_id], r.reward, r.metrics, r.source, r.explanation,
-                         now)
+            RewardRecord(r.trajectory_id, group_of[r.trajectory_id], r.reward, r.metrics, r.source, r.explanation, now)
             for r in items
         ]
         await conn.execute(insert(R), [reward.row() for reward in created])

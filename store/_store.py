@@ -32,7 +32,7 @@ from sqlalchemy import Connection, Engine, bindparam, func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from store._adapter_files import AdapterFiles
-from store._adapters import Adapters, Policies
+from store._adapters import Adapters
 from store._batch import CallWrite
 from store._compact import Chains
 from store._derived import Seat, join_task_group, release_seats, release_stale_seats
@@ -43,12 +43,14 @@ from store._export import ExportReads
 from store._guard import Guards
 from store._jobs import Jobs
 from store._judgements import Judgements
+from store._policies import Policies
 from store._reads import Reads
 from store._record_check import checked_call
 from store._retention import PruneReport, PruneRule, prune_trajectories, vacuum
 from store._rewards import RewardIn, RewardRecord, add_rewards
 from store._sessions import Sessions
 from store._tables import adapters as A
+from store._tables import groups as G
 from store._tables import policies as P
 from store._tables import trajectories as T
 from store._timeouts import RewardTimeouts
@@ -65,18 +67,22 @@ _OPEN_THREADS = select(T.c.id, T.c.group_id, T.c.tail_hash).where(
 )
 # The same two on SQLite's own driver (the hot path).
 _SQLITE_TRAJECTORY_GROUP = "SELECT group_id, policy FROM trajectories WHERE id = ?"
-# What the publisher acts on, in brief (``publishing_state``).
+_GROUP_POLICY = select(G.c.policy).where(G.c.id == bindparam("id"))
+_SQLITE_GROUP_POLICY = "SELECT policy FROM groups WHERE id = ?"
+# What the publisher acts on, in brief (``publishing_state``): every policy's adapters by state, and its row.
 _ADAPTER_STATES = (
-    select(A.c.state, func.count(), func.max(A.c.version))
-    .where(A.c.policy == bindparam("policy"))
-    .group_by(A.c.state)
-    .order_by(A.c.state)
+    select(A.c.policy, A.c.state, func.count(), func.max(A.c.version))
+    .group_by(A.c.policy, A.c.state)
+    .order_by(A.c.policy, A.c.state)
 )
-_POLICY_STATE = select(P.c.active_version, P.c.training, P.c.rolled_back_at).where(P.c.name == bindparam("policy"))
+_POLICY_STATE = select(P.c.name, P.c.state, P.c.active_version, P.c.training, P.c.rolled_back_at,
+                       P.c.updated_at).order_by(P.c.name)  # fmt: skip
 _SQLITE_ADAPTER_STATES = (
-    "SELECT state, count(*), max(version) FROM adapters WHERE policy = ? GROUP BY state ORDER BY state"
+    "SELECT policy, state, count(*), max(version) FROM adapters GROUP BY policy, state ORDER BY policy, state"
 )
-_SQLITE_POLICY_STATE = "SELECT active_version, training, rolled_back_at FROM policies WHERE name = ?"
+_SQLITE_POLICY_STATE = (
+    "SELECT name, state, active_version, training, rolled_back_at, updated_at FROM policies ORDER BY name"
+)
 _SQLITE_OPEN_THREADS = (
     "SELECT id, group_id, tail_hash FROM trajectories WHERE tail_hash IN ({}) AND updated_at >= ? AND reward IS NULL"
 )
@@ -214,10 +220,17 @@ class Store:
         """Bytes of the store by part: calls, adapter_files, database (``store._usage``)."""
         return await store_bytes(self.engine)
 
-    async def add_rewards(self, rewards: Iterable[RewardIn]) -> list[RewardRecord]:
-        """Record rewards (``store._rewards``); a failing database raises ``StoreFull`` or ``StoreUnavailable``."""
+    async def add_rewards(
+        self,
+        rewards: Iterable[RewardIn],
+        policies: frozenset[str] | None = None,
+        check: Callable[[set[str]], None] | None = None,
+    ) -> list[RewardRecord]:
+        """Record rewards all or none (``store._rewards``): ``policies``, when given, are the only ones whose
+        trajectories exist for this batch; ``check`` may refuse the policies it rewards. A failing database
+        raises ``StoreFull`` or ``StoreUnavailable``."""
         with database_errors("record the rewards"):
-            return await add_rewards(self.engine, rewards)
+            return await add_rewards(self.engine, rewards, policies, check)
 
     # -- lookups for keying -------------------------------------------------------------
 
@@ -238,17 +251,27 @@ class Store:
                 rows = list((await conn.execute(_TRAJECTORY_GROUP, {"id": trajectory_id})).all())
         return (rows[0][0], rows[0][1]) if rows else None
 
-    async def publishing_state(self, policy: str) -> tuple[Any, ...]:
-        """What the proxy's publisher acts on, in brief: it changes whenever an adapter of ``policy``
-        changes state (a count moves) or the policy's alias or training state moves. Two reads; on
-        SQLite through the event loop's own connection, so a poll every 100 ms costs microseconds."""
+    async def group_policy(self, group_id: str) -> str | None:
+        """The policy of a stored group, or None: a call that names a group may only join its own policy's."""
         if self._reader is not None:
-            adapters = self._reader.execute(_SQLITE_ADAPTER_STATES, (policy,)).fetchall()
-            state = self._reader.execute(_SQLITE_POLICY_STATE, (policy,)).fetchall()
+            rows = self._reader.execute(_SQLITE_GROUP_POLICY, (group_id,)).fetchall()
         else:
             async with self.engine.connect() as conn:
-                adapters = list((await conn.execute(_ADAPTER_STATES, {"policy": policy})).all())
-                state = list((await conn.execute(_POLICY_STATE, {"policy": policy})).all())
+                rows = list((await conn.execute(_GROUP_POLICY, {"id": group_id})).all())
+        return str(rows[0][0]) if rows else None
+
+    async def publishing_state(self) -> tuple[Any, ...]:
+        """What the proxy's publisher acts on, in brief: it changes whenever an adapter of any policy
+        changes state (a count moves), or a policy is added, retired or changed (its alias, training
+        state or settings). Two reads; on SQLite through the event loop's own connection, so a poll
+        every 100 ms costs microseconds."""
+        if self._reader is not None:
+            adapters = self._reader.execute(_SQLITE_ADAPTER_STATES).fetchall()
+            state = self._reader.execute(_SQLITE_POLICY_STATE).fetchall()
+        else:
+            async with self.engine.connect() as conn:
+                adapters = list((await conn.execute(_ADAPTER_STATES)).all())
+                state = list((await conn.execute(_POLICY_STATE)).all())
         return tuple(tuple(row) for row in adapters), tuple(tuple(row) for row in state)
 
     async def find_open_thread(self, tail_hashes: Sequence[str], since: float) -> tuple[str, str, str] | None:

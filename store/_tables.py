@@ -41,6 +41,12 @@ class Policy(SQLModel, table=True):
     paused_at: float | None = None
     # The guard's last rollback: an adapter whose step started before it was trained from the bad version.
     rolled_back_at: float | None = None
+    # The settings this policy overrides (proxy.PolicyOverrides: group size, batch, retention, guard, judge,
+    # sampling defaults); None: the server's for all of them.
+    config: dict[str, Any] | None = _json(None)
+    # store.PolicyState: "serving", or "retired" (not served or trained; its data stays readable) since retired_at.
+    state: str = Field(default="serving", sa_column_kwargs={"server_default": "serving"})
+    retired_at: float | None = None
 
 
 class Group(SQLModel, table=True):
@@ -152,9 +158,11 @@ class TrainingJob(SQLModel, table=True):
 
     __tablename__ = "training_jobs"
     # One step of a policy at a time: of workers claiming together, one wins (store._jobs.Jobs.claim).
+    # The policy served least recently is found by its newest start (store.Jobs.claim_next).
     __table_args__ = (
         Index("ux_training_jobs_running", "policy", unique=True, sqlite_where=text("state = 'running'"),
               postgresql_where=text("state = 'running'")),
+        Index("ix_training_jobs_policy_started", "policy", "started_at"),
     )  # fmt: skip
 
     id: int | None = Field(default=None, primary_key=True)

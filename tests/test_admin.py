@@ -266,7 +266,7 @@ def test_judge_now_from_a_group_page_shows_scores_explanations_and_failures(
     assert [j["state"] for j in group["judgements"]] == ["ok", "failed"]
     assert "Checked the capital." in httpx.get(f"{proxy.url}/admin/ui/groups/jg").text
     metrics = httpx.get(f"{proxy.url}/metrics").text
-    assert metric(metrics, 'tracetrain_rewards_total{source="judge"}') == 2
+    assert metric(metrics, 'tracetrain_rewards_total{policy="agent",source="judge"}') == 2
 
 
 def test_group_advantages_are_the_trainers_centered_and_scaled_ones() -> None:
@@ -440,11 +440,11 @@ def test_metrics_count_requests_tokens_captures_rewards_and_training(proxy: Runn
     response = httpx.get(f"{proxy.url}/metrics")
     assert response.headers["content-type"].startswith("text/plain")
     text = response.text
-    assert metric(text, 'tracetrain_requests_total{endpoint="chat.completions",status="200"}') == 2
+    assert metric(text, 'tracetrain_requests_total{endpoint="chat.completions",policy="agent",status="200"}') == 2
     assert metric(text, 'tracetrain_request_latency_seconds_count{endpoint="chat.completions"}') == 2
-    assert metric(text, 'tracetrain_tokens_total{kind="completion"}') > 0
-    assert metric(text, "tracetrain_captured_calls_total") == 2
-    assert metric(text, 'tracetrain_rewards_total{source="external"}') == 1
+    assert metric(text, 'tracetrain_tokens_total{kind="completion",policy="agent"}') > 0
+    assert metric(text, 'tracetrain_captured_calls_total{policy="agent"}') == 2
+    assert metric(text, 'tracetrain_rewards_total{policy="agent",source="external"}') == 1
     assert metric(text, 'tracetrain_policy_active_version{policy="agent"}') == 1
     assert metric(text, 'tracetrain_training_steps{policy="agent"}') == 1
-    assert metric(text, "tracetrain_versions_loaded") == 2
+    assert metric(text, 'tracetrain_versions_loaded{policy="agent"}') == 2

@@ -317,10 +317,10 @@ async def test_a_stream_cancelled_before_its_first_event_is_recorded_and_closed(
         time.time(),
         time.perf_counter(),
     )
-    registry = PolicyRegistry("agent", "base")
+    registry = PolicyRegistry.of("agent", base_model="base")
     forwarder = Forwarder()
     response = RelayResponse(Relay(forwarder, registry, call, Upstream()), headers={})  # type: ignore[arg-type]
-    assert registry.in_flight[0] == 1 and forwarder._in_flight == 1
+    assert registry.in_flight[("agent", 0)] == 1 and forwarder._in_flight == 1
 
     async def receive() -> dict:
         return {"type": "http.disconnect"}
@@ -332,7 +332,7 @@ async def test_a_stream_cancelled_before_its_first_event_is_recorded_and_closed(
         await response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
     assert closed == [True]
     assert [(w.call["status_code"], w.call["error"]) for w in written] == [(499, "the client disconnected mid-stream")]
-    assert registry.in_flight[0] == 0 and forwarder._in_flight == 0
+    assert registry.in_flight[("agent", 0)] == 0 and forwarder._in_flight == 0
 
 
 async def test_a_lone_stream_is_recorded_on_the_event_loops_thread_and_stops_counting_before_done(
@@ -360,7 +360,7 @@ async def test_a_lone_stream_is_recorded_on_the_event_loops_thread_and_stops_cou
     async with httpx.AsyncClient() as control:
         upstream = Upstream(f"{fake.url}/v1", [control], timeout_s=30.0)  # type: ignore[attr-defined]
         keyer = Keyer(store, group_size=8, thread_ttl_s=60)
-        forwarder = Forwarder(upstream, store, keyer, PolicyRegistry("agent"), Metrics())
+        forwarder = Forwarder(upstream, store, keyer, PolicyRegistry.of("agent"), Metrics())
         body = orjson.dumps({"model": "agent", "messages": QUESTION, "stream": True})
         response = await forwarder.handle("chat.completions", body, KeyHints(header_trajectory="run-1"))
         in_flight_at_done = None
@@ -397,7 +397,7 @@ async def test_streams_one_after_another_keep_one_upstream_connection(
     async with httpx.AsyncClient() as control:
         upstream = Upstream(f"{fake.url}/v1", [control], timeout_s=30.0)  # type: ignore[attr-defined]
         keyer = Keyer(store, group_size=8, thread_ttl_s=60)
-        forwarder = Forwarder(upstream, store, keyer, PolicyRegistry("agent"), Metrics())
+        forwarder = Forwarder(upstream, store, keyer, PolicyRegistry.of("agent"), Metrics())
         bodies: list[bytes] = []
         sent: list[dict] = []
 

@@ -163,7 +163,7 @@ def test_two_proxies_two_vllm_servers_and_a_trainer_on_one_postgres(
                                "group_size": GROUP_SIZE, "min_group_size": GROUP_SIZE, "batch_groups": 2}  # fmt: skip
     proxies = [start_proxy(data_dir=tmp_path / name, **options) for name in ("proxy-a", "proxy-b")]
     wait_for(lambda: all(set(upstream_states(p).values()) == {"serving"} for p in proxies))
-    settings = WorkerSettings(database_url=pg_url, data_dir=tmp_path / "trainer", policy="agent",
+    settings = WorkerSettings(database_url=pg_url, data_dir=tmp_path / "trainer", policies=("agent",),
                               base_model=wide_tiny_model,
                               config=TrainConfig(lora_r=8, lora_alpha=16, learning_rate=1e-3, dtype="float32"),
                               poll_s=0.05)  # fmt: skip

@@ -80,8 +80,13 @@ def test_messages_answer_anthropics_prompt_is_too_long(proxy: RunningProxy, smal
     messages = [{"role": "user", "content": LONG}]
     with client, pytest.raises(anthropic.BadRequestError) as raised:
         client.messages.create(model="agent", max_tokens=16, stream=stream, messages=messages)
-    assert raised.value.body == {"type": "error", "error": {  # type: ignore[comparison-overlap]
-        "type": "invalid_request_error", "message": f"prompt is too long: {LIMIT + 1} tokens > {LIMIT} maximum"}}
+    assert raised.value.body == {
+        "type": "error",
+        "error": {  # type: ignore[comparison-overlap]
+            "type": "invalid_request_error",
+            "message": f"prompt is too long: {LIMIT + 1} tokens > {LIMIT} maximum",
+        },
+    }
 
 
 @needs_codex

@@ -6,7 +6,7 @@ import proxy
 
 
 def test_proxy_public_names() -> None:
-    assert sorted(proxy.__all__) == ["Settings", "create_app"]
+    assert sorted(proxy.__all__) == ["PolicyOverrides", "SamplingDefaults", "Settings", "create_app"]
 
 
 def test_the_serving_path_never_imports_torch() -> None:
@@ -36,7 +36,8 @@ def test_the_proxy_subpackages_public_names() -> None:
         "proxy.data": ["RewardBatch", "RewardPost", "get_trajectory", "list_groups", "list_trajectories",
                        "post_rewards"],
         "proxy.gateway": ["Forwarder", "Gate", "Key", "KeyHints", "Keyer", "NOT_AWAKE", "PolicyRegistry",
-                          "RETRY_AFTER_FAILED_S", "Route", "Served", "Signer", "Upstream", "new_trajectory_id"],
+                          "RETRY_AFTER_FAILED_S", "Route", "Served", "ServedPolicy", "Signer", "Upstream",
+                          "new_trajectory_id"],
         "proxy.gateway.dialects": ["CHAT", "COMPLETIONS", "ChatCompletionRequest", "ChatTranslation",
                                    "CompletionRequest", "CountTokensRequest", "DIALECTS", "Dialect", "DialectName",
                                    "MESSAGES", "MessagesRequest", "PASSTHROUGH_EVENTS", "RESPONSES",
@@ -66,9 +67,9 @@ def test_store_public_names() -> None:
         "FILE_NAME_PATTERN", "FileEntry",
         "GROUP_VIEW_STATES", "GpuHandover", "GroupCalls", "GroupChanged", "GroupRecord",
         "GroupState", "Guards", "JOB_FIELDS", "JUDGEMENT_STATES", "JobState", "Jobs", "Judgements", "MOVES",
-        "POLICY_NAME_PATTERN", "Policies", "PruneReport", "PruneRule", "Reads", "RecordRefused", "RewardIn",
-        "RewardRecord", "RewardSummary", "RewardTimeouts", "RewardedTrajectory", "SchemaTooNew", "Sessions", "Store",
-        "StoreError", "StoreFull", "StoreUnavailable", "StoredCall",
+        "POLICY_NAME_PATTERN", "Policies", "PolicyAdded", "PolicyState", "PruneReport", "PruneRule", "Reads",
+        "RecordRefused", "RewardIn", "RewardRecord", "RewardSummary", "RewardTimeouts", "RewardedTrajectory",
+        "SchemaTooNew", "Sessions", "Store", "StoreError", "StoreFull", "StoreUnavailable", "StoredCall",
         "TRAINING_FIELDS", "TrainingState", "TrajectoryFilter", "TrajectoryRecord", "TransitionRefused",
         "UnknownTrajectories", "allowed", "connect", "is_disk_full", "redact", "without_userinfo",
     ]  # fmt: skip

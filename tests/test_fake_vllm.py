@@ -380,9 +380,12 @@ def test_serve_in_thread_serves_any_asgi_app() -> None:
 def test_pause_wait_answers_once_the_running_stream_has_finished(url: str, fake: FakeVLLM) -> None:
     fake.token_delay_s = 0.02
     fake.script(Reply(" ".join(["word"] * 20)))
-    with httpx.Client(base_url=url, timeout=10) as http, http.stream(
-        "POST", "/v1/chat/completions", json={"model": BASE, "messages": HELLO, "stream": True}
-    ) as streamed:
+    with (
+        httpx.Client(base_url=url, timeout=10) as http,
+        http.stream(
+            "POST", "/v1/chat/completions", json={"model": BASE, "messages": HELLO, "stream": True}
+        ) as streamed,
+    ):
         lines = streamed.iter_lines()
         first = next(lines)
         with httpx.Client(base_url=url, timeout=10) as other:

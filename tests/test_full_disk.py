@@ -107,7 +107,7 @@ def test_a_training_step_on_a_full_disk_fails_without_a_version_and_the_next_one
     settings = settings_for(tmp_path, tiny_model_dir, data_dir=small_disk)  # the store stays on tmp_path's disk
     url = settings.database_url
     first = asyncio.run(seed_store(url, {"g1": [1.0, 0.0, 0.5]}))
-    settings.adapters_dir.mkdir(parents=True)
+    settings.adapters_of("agent").mkdir(parents=True)
     filler = fill(small_disk)
 
     assert asyncio.run(run_worker(settings)) == 1  # the worker survives the failure
@@ -115,13 +115,13 @@ def test_a_training_step_on_a_full_disk_fails_without_a_version_and_the_next_one
     (job,) = asyncio.run(fetch(url, select(J).where(J.c.id == first)))
     assert job.state == "failed" and "No space left on device" in job.error
     assert asyncio.run(fetch(url, select(A))) == []  # nothing recorded, so nothing published
-    assert list(settings.adapters_dir.iterdir()) == []  # no half-written directory either
+    assert list(settings.adapters_of("agent").iterdir()) == []  # no half-written directory either
 
     filler.unlink()
     asyncio.run(_queue_again(url, first))
     assert asyncio.run(run_worker(settings)) == 1
     (adapter,) = asyncio.run(fetch(url, select(A)))
-    assert adapter.version == 1 and (settings.adapters_dir / "1" / "adapter_model.safetensors").is_file()
+    assert adapter.version == 1 and (settings.adapters_of("agent") / "1" / "adapter_model.safetensors").is_file()
 
 
 async def _queue_again(url: str, job_id: int) -> None:

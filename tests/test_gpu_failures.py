@@ -158,7 +158,8 @@ async def test_a_step_still_computing_when_the_grant_is_revoked_stops_at_its_nex
     await trainer.jobs.release(job_id, WORKER)  # queued again, for the real worker
     config = TINY.model_copy(update={"micro_batch_tokens": 8})  # one 6-token sample per micro-batch
     settings = WorkerSettings(database_url=proxy.settings.resolved_database_url, data_dir=proxy.settings.data_dir,
-                              policy="agent", base_model=tiny_model_dir, config=config, share_gpu=True)  # fmt: skip
+                              policies=("agent",), base_model=tiny_model_dir, config=config,
+                              share_gpu=True)  # fmt: skip
     worker = await Worker.open(settings)
     try:
         assert await asyncio.wait_for(worker.run(once=True), 60) == 1
@@ -185,7 +186,7 @@ def test_a_rank_above_0_empties_cudas_cache_after_each_step_before_it_waits_for_
     alive = lambda: any(ref() is not None for ref in step_memory)  # noqa: E731
     cache = CudaCache(monkeypatch, alive)
     items = tuple(distributed_learner.batch())
-    words: list[Any] = [Step(0, -1, items), Step(0, 0, items), Stop()]
+    words: list[Any] = [Step("agent", 0, ("agent", -1), items), Step("agent", 0, ("agent", 0), items), Stop()]
     heard: list[tuple[int, list[bool]]] = []  # at each word: how many steps ran, and the cache calls so far
 
     def listen() -> Any:
@@ -204,7 +205,7 @@ def test_a_rank_above_0_empties_cudas_cache_after_each_step_before_it_waits_for_
 
     monkeypatch.setattr(_distributed, "listen", listen)
     monkeypatch.setattr(Learner, "step", step)
-    settings = _worker.WorkerSettings("sqlite+aiosqlite:///unused.db", tmp_path, "agent", tiny_model_dir, TINY)
+    settings = _worker.WorkerSettings("sqlite+aiosqlite:///unused.db", tmp_path, ("agent",), tiny_model_dir, TINY)
     _worker.follow(settings)
 
     # Before the second word, after a good step; before the third, after a failed one: emptied, nothing alive.
@@ -228,13 +229,14 @@ def test_a_learner_rebuilt_at_another_version_frees_the_one_it_held_first(
             alive.add(self)
 
     monkeypatch.setattr(_worker, "Learner", Counted)
-    settings = _worker.WorkerSettings("sqlite+aiosqlite:///unused.db", tmp_path, "agent", tiny_model_dir, TINY)
-    build_tiny_lora(tiny_model_dir, settings.adapters_dir / "1", r=8)
+    settings = _worker.WorkerSettings("sqlite+aiosqlite:///unused.db", tmp_path, ("agent",), tiny_model_dir, TINY)
+    # Another rank than the learner's: it cannot be switched in place (Learner.switch), so a new learner is built.
+    build_tiny_lora(tiny_model_dir, settings.adapters_of("agent") / "1", r=4)
     held = _worker.HeldLearner(settings)
-    held.at(0)
-    rebuilt = held.at(1)  # a rollback, or a publish that failed: the weights to train on changed
+    held.at("agent", 0)
+    rebuilt = held.at("agent", 1)  # a rollback, or a publish that failed: the weights to train on changed
     assert held_at_build == [0, 0]  # the old learner was gone before the new one loaded its base
-    assert held.version == 1 and held.at(1) is rebuilt and held_at_build == [0, 0]
+    assert held.holds == ("agent", 1) and held.at("agent", 1) is rebuilt and held_at_build == [0, 0]
 
 
 async def test_a_vllm_that_keeps_refusing_to_sleep_stops_training_says_why_and_serves_on(

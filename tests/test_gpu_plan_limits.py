@@ -17,7 +17,7 @@ import pytest
 import torch
 from test_gpu_plan import H100, QWEN_1_5B, fake_nvidia_smi, gpus, model_dir, plan, shape  # noqa: F401
 
-from tracetrain_cli._gpu_estimate import GiB, TrainerNeeds, VllmLora, estimate_memory
+from tracetrain_cli._gpu_estimate import DEFAULT_TARGET_MODULES, GiB, TrainerNeeds, VllmLora, estimate_memory
 from tracetrain_cli._gpu_inputs import parse_nvidia_smi, read_model_shape
 from tracetrain_cli._gpu_plan import Overrides, PlanError, kv_cache_per_gpu, plan_gpus
 from tracetrain_cli._gpu_render import render_plan
@@ -144,13 +144,16 @@ def test_the_estimate_plans_what_a_sleeping_vllm_keeps_and_the_host_ram_of_its_b
     m = p.memory
     assert m.host_vllm_backup == model.weight_bytes  # level 1 copies the bf16 weights into pinned host memory
     assert m.host_trainer_load == model.weight_bytes  # one trainer process reads the base on the host
-    assert m.host_peak(shared=True) == 2 * model.weight_bytes and m.host_peak(shared=False) == model.weight_bytes
+    assert m.host_vllm_loras == 4 * 2 * model.lora_params(16, DEFAULT_TARGET_MODULES)  # vLLM's copies of 4 adapters
+    loras = m.host_vllm_loras
+    assert m.host_peak(shared=True) == 2 * model.weight_bytes + loras
+    assert m.host_peak(shared=False) == model.weight_bytes + loras
     text = render_plan(p)
     assert "asleep it keeps ~1.7 GiB" in text and "level-1 backup" in text and "peft's fp32 inputs" in text
     gpu = p.gpus[0]
     room = gpu.free - gpu.margin - m.trainer_resident - m.step
     assert room >= int(1.7 * GiB)  # the step fits beside a sleeping vLLM of 1.7 GiB, not only of 1 GiB
-    too_little = 2 * model.weight_bytes - 1
+    too_little = 2 * model.weight_bytes + loras - 1
     forced = plan_gpus(parse_nvidia_smi(gpus(1)), model, TrainerNeeds(), host_ram=too_little,
                        overrides=Overrides(memory_fraction=p.memory_fraction))  # fmt: skip
     assert any("host RAM" in w for w in forced.warnings)

@@ -402,7 +402,7 @@ async def test_the_shared_gpu_worker_keeps_its_lease_while_it_waits_and_steps_be
     job_id = await claimed_job(trainer, calls_per_trajectory=1)
     await trainer.jobs.release(job_id, WORKER)  # queued again, for the real worker to claim
     settings = WorkerSettings(
-        database_url=proxy.settings.resolved_database_url, data_dir=proxy.settings.data_dir, policy="agent",
+        database_url=proxy.settings.resolved_database_url, data_dir=proxy.settings.data_dir, policies=("agent",),
         base_model=tiny_model_dir, config=TrainConfig(lora_r=8, lora_alpha=16, dtype="float32"), share_gpu=True,
         lease_s=0.6,
     )  # fmt: skip

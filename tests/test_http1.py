@@ -254,9 +254,13 @@ def test_an_answer_that_is_not_http_and_a_refused_connection(run: Run) -> None:
 
 def test_a_large_body_is_read_whole_through_the_read_pause(run: Run) -> None:
     big = orjson.dumps({"text": "x" * 3_000_000})  # past the high-water mark: reading pauses and resumes
-    chunked = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + b"".join(
-        b"%x\r\n%s\r\n" % (len(part), part) for part in (big[i : i + 65536] for i in range(0, len(big), 65536))
-    ) + b"0\r\n\r\n"
+    chunked = (
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+        + b"".join(
+            b"%x\r\n%s\r\n" % (len(part), part) for part in (big[i : i + 65536] for i in range(0, len(big), 65536))
+        )
+        + b"0\r\n\r\n"
+    )
 
     async def main() -> None:
         async with _Server(_ok(big), chunked) as url:

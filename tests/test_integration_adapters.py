@@ -78,7 +78,7 @@ def test_a_vllm_that_cannot_see_the_trainers_disk_loads_the_adapter_through_the_
         # The trainer, on "another machine": only the database URL is shared; its disk is its own.
         trainer_disk = tmp_path / "trainer-machine"
         worker_settings = WorkerSettings(
-            database_url=database, data_dir=trainer_disk, policy="agent", base_model=tiny_model_dir,
+            database_url=database, data_dir=trainer_disk, policies=("agent",), base_model=tiny_model_dir,
             config=TrainConfig(lora_r=8, lora_alpha=16, learning_rate=1e-2, dtype="float32"),
         )  # fmt: skip
         proxy.stop()  # so that nothing publishes before the trainer's directory is gone

@@ -79,7 +79,6 @@ def tokenizer(long_model: Path) -> Any:
     return AutoTokenizer.from_pretrained(long_model)
 
 
-
 def as_vllm_renders(message: dict[str, Any]) -> dict[str, Any]:
     """A chat message as vLLM 0.32 hands it to the template: tool-call arguments parsed, a non-object as {}."""
     if not message.get("tool_calls"):

@@ -43,6 +43,7 @@ async def test_responses_and_messages_carry_a_reasoning_models_thinking_streamed
 
     def decode(ids: list[int]) -> str:  # as vLLM detokenizes what it streams: special tokens skipped
         return str(tokenizer.decode(ids, skip_special_tokens=True))
+
     try:
         await serve.wait_for_output(READY, timeout_s=420)
         with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120) as client:

@@ -77,7 +77,6 @@ def tokenizer(long_model: Path) -> Any:
     return AutoTokenizer.from_pretrained(long_model)
 
 
-
 def vllm_tools(request: dict[str, Any]) -> list[dict[str, Any]] | None:
     """The request's function tools as vLLM hands them to the chat template (its FunctionDefinition's dump)."""
     tools = []

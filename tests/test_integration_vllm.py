@@ -129,7 +129,7 @@ def test_a_trained_step_is_published_and_serves_the_next_call(
     assert job["state"] == "queued" and job["group_ids"] == ["capital-of-france"]
 
     settings = WorkerSettings(
-        database_url=proxy.settings.resolved_database_url, data_dir=proxy.settings.data_dir, policy="agent",
+        database_url=proxy.settings.resolved_database_url, data_dir=proxy.settings.data_dir, policies=("agent",),
         base_model=tiny_model, config=TrainConfig(lora_r=8, lora_alpha=16, learning_rate=1e-2, dtype="float32"),
     )  # fmt: skip
 

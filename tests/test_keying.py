@@ -189,7 +189,7 @@ async def test_a_call_the_store_cannot_key_is_not_answered_and_says_why(fake: Fa
     store = await Store.open(f"sqlite+aiosqlite:///{tmp_path / 'tt.db'}")
     async with httpx.AsyncClient() as control:
         upstream = Upstream(f"{fake.url}/v1", [control], timeout_s=30.0)  # type: ignore[attr-defined]
-        forwarder = Forwarder(upstream, store, BrokenStore(), PolicyRegistry("agent"), Metrics())  # type: ignore[arg-type]
+        forwarder = Forwarder(upstream, store, BrokenStore(), PolicyRegistry.of("agent"), Metrics())  # type: ignore[arg-type]
         for hints in (KeyHints(header_trajectory="run-8"), KeyHints()):
             with pytest.raises(ProxyStoreUnavailable) as raised:
                 await forwarder.handle("chat.completions", orjson.dumps({"model": "agent", "messages": TASK}), hints)
@@ -259,7 +259,7 @@ async def test_a_lone_stream_is_sent_upstream_before_its_seat_and_closed_if_the_
     async with httpx.AsyncClient() as control:
         upstream = Upstream(f"{fake.url}/v1", [control], timeout_s=30.0)  # type: ignore[attr-defined]
         keyer = WatchedKeyer(store, group_size=8, thread_ttl_s=60)
-        forwarder = Forwarder(upstream, store, keyer, PolicyRegistry("agent"), Metrics())
+        forwarder = Forwarder(upstream, store, keyer, PolicyRegistry.of("agent"), Metrics())
         body = orjson.dumps({"model": "agent", "messages": TASK, "stream": True})
         for name in ("warm", "seated"):  # the first opens the kept connection the second's request leaves on
             response = await forwarder.handle("chat.completions", body, KeyHints(header_trajectory=name))

@@ -37,10 +37,25 @@ from tracetrain_cli._main import main
 
 DATA = Path(__file__).parent / "data"
 NEW_COLUMNS: dict[str, dict[str, Any]] = {
-    "training_jobs": {"lease_expires_at": None, "reclaimed": 0, "gpu_state": "none", "gpu_requested_at": None,
-                      "gpu_granted_at": None, "gpu_released_at": None, "gpu_asleep_s": None},
+    "training_jobs": {
+        "lease_expires_at": None,
+        "reclaimed": 0,
+        "gpu_state": "none",
+        "gpu_requested_at": None,
+        "gpu_granted_at": None,
+        "gpu_released_at": None,
+        "gpu_asleep_s": None,
+    },
     "adapters": {"lease_owner": None, "lease_expires_at": None, "reclaimed": 0, "guard": None},
-    "policies": {"training": "active", "training_reason": None, "paused_at": None, "rolled_back_at": None},
+    "policies": {
+        "training": "active",
+        "training_reason": None,
+        "paused_at": None,
+        "rolled_back_at": None,
+        "config": None,
+        "state": "serving",
+        "retired_at": None,
+    },  # 0009: every old policy is served
     "groups": {"judge_owner": None, "judge_lease_expires_at": None},
     "calls": {"prefix_of": None, "prefix_tokens": 0, "prefix_messages": 0},  # 0007: every old row is whole
 }

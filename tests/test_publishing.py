@@ -136,6 +136,7 @@ async def test_the_publisher_syncs_wholly_only_when_the_store_changed(
     import sqlite3
 
     import proxy.training._publisher as publishing
+    from proxy import Settings
     from proxy.gateway import PolicyRegistry, Upstream
     from proxy.gateway.upstream._router import Router
     from store import Store
@@ -148,12 +149,13 @@ async def test_the_publisher_syncs_wholly_only_when_the_store_changed(
         upstream = Upstream(f"{fake.url}/v1", [client], timeout_s=10.0)  # type: ignore[attr-defined]
         router = Router([upstream])
         await router.check_once()
-        registry = PolicyRegistry("agent", None)
-        publisher = publishing.Publisher(store, registry, router, keep_versions=3, poll_s=0.02)
+        registry = PolicyRegistry()
+        publisher = publishing.Publisher(store, registry, router, Settings(keep_versions=3), poll_s=0.02)
+        await publisher.adopt()
         whole_sync = publisher.sync_once
 
         async def counted() -> None:
-            syncs.append(registry.active_version)
+            syncs.append(registry.get("agent").active_version)
             await whole_sync()
 
         publisher.sync_once = counted  # type: ignore[method-assign]
@@ -170,11 +172,11 @@ async def test_the_publisher_syncs_wholly_only_when_the_store_changed(
         conn.commit()
         conn.close()
         for _ in range(200):
-            if registry.active_version == 1:
+            if registry.get("agent").active_version == 1:
                 break
             await asyncio.sleep(0.02)
         polling.cancel()
         upstream.close()
     await store.close()
     assert idle == 1  # the first poll's
-    assert registry.active_version == 1 and fake.loras == {"agent@1": str(path)}
+    assert registry.get("agent").active_version == 1 and fake.loras == {"agent@1": str(path)}

@@ -158,7 +158,7 @@ def test_the_dashboard_says_why_training_paused_and_resumes_it_with_its_csrf_tok
         done = client.post("/admin/ui/training/resume", data={"csrf_token": csrf_of(page.text)})
 
         assert done.status_code == 303 and done.headers["location"] == "/admin/ui/training?notice=resumed"
-        assert "Training resumed" in client.get(done.headers["location"]).text
+        assert "Training of agent resumed" in client.get(done.headers["location"]).text
     assert httpx.post(f"{proxy.url}/admin/training/resume").status_code == 401  # the API needs the token too
     assert not httpx.get(f"{proxy.url}/admin/training", headers=auth).json()["paused"]
 

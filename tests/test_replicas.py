@@ -140,9 +140,8 @@ async def test_two_replicas_scanning_together_judge_a_group_once(
                         min_group_size=2, batch_groups=5, judge_quiet_s=0.05)  # fmt: skip
     judges = []
     for store in replicas:
-        registry = PolicyRegistry(settings.policy, settings.served_model)
-        registry.base_model = fake.base_model
-        scheduler = JobScheduler(store, policy="agent", batch_groups=5, min_group_size=2)
+        registry = PolicyRegistry.of("agent", base_model=fake.base_model, settings=settings)
+        scheduler = JobScheduler(store, registry)
         judges.append(JudgeService(settings, store, registry, scheduler, backoff_s=0.01))
     keyer = Keyer(replicas[0], group_size=2, thread_ttl_s=60)
     for _ in range(2):
@@ -182,7 +181,7 @@ async def test_an_adapter_a_dead_replica_left_loaded_is_published_by_another(
         await vllm.load_lora("agent@1", str(path))
         router = Router([vllm])
         await router.check_once()  # in rotation: the publisher loads only into servers that serve
-        publisher = Publisher(alive, PolicyRegistry("agent", None), router, keep_versions=3)
+        publisher = Publisher(alive, PolicyRegistry(), router, Settings(keep_versions=3))
         await publisher.sync_once()
         vllm.close()
     adapter = await alive.adapters.get("agent", 1)
@@ -197,13 +196,13 @@ async def test_a_version_leaves_vllm_after_the_unload_grace_even_while_another_r
     # runs on a version that left the window is safe for --unload-grace after this replica saw it leave.
     grace = 0.5
     async with httpx.AsyncClient() as client:
-        registries = [PolicyRegistry("agent", fake.base_model) for _ in replicas]
+        registries = [PolicyRegistry(fake.base_model) for _ in replicas]
         publishers, upstreams = [], []
         for store, registry in zip(replicas, registries, strict=True):
             upstreams.append(Upstream(f"{fake.url}/v1", [client], timeout_s=10.0))  # type: ignore[attr-defined]
             router = Router([upstreams[-1]])
             await router.check_once()
-            publishers.append(Publisher(store, registry, router, keep_versions=1, unload_grace_s=grace))
+            publishers.append(Publisher(store, registry, router, Settings(keep_versions=1), unload_grace_s=grace))
         a, b = publishers
         await replicas[0].policies.ensure("agent", fake.base_model)
         for version in (1, 2):
@@ -212,8 +211,8 @@ async def test_a_version_leaves_vllm_after_the_unload_grace_even_while_another_r
             await a.sync_once()
             await b.sync_once()
         left = time.monotonic()  # agent@1 left the window of one version: A counts its grace from here
-        assert registries[1].active_version == 2 and set(fake.loras) == {"agent@1", "agent@2"}
-        with registries[1].serving(1):  # a long call through replica B, started on agent@1 before the flip
+        assert registries[1].get("agent").active_version == 2 and set(fake.loras) == {"agent@1", "agent@2"}
+        with registries[1].serving("agent", 1):  # a long call through replica B, started on agent@1 before the flip
             await a.sync_once()
             await b.sync_once()
             assert "agent@1" in fake.loras, "unloaded within the grace"
@@ -257,8 +256,9 @@ async def test_two_replicas_scheduling_together_train_a_group_once(replicas: tup
         await replicas[0].record_call(recorded(key, time.time()))
         ids.append(key.trajectory_id)
     await replicas[0].add_rewards([RewardIn(t, float(i % 2)) for i, t in enumerate(ids)])
-    schedulers = [JobScheduler(s, policy="agent", batch_groups=2, min_group_size=2) for s in replicas]
-    jobs = await asyncio.gather(*(s.maybe_create_job() for s in schedulers for _ in range(3)))
+    served = Settings(batch_groups=2, min_group_size=2)
+    schedulers = [JobScheduler(s, PolicyRegistry.of("agent", settings=served)) for s in replicas]
+    jobs = await asyncio.gather(*(s.maybe_create_job("agent") for s in schedulers for _ in range(3)))
     made = [j for j in jobs if j is not None]
     assert len(made) == 1 and len(made[0]["group_ids"]) == 2
     claims = await asyncio.gather(

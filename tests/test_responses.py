@@ -32,7 +32,6 @@ CHAT_WEATHER_TOOL = {
 }
 
 
-
 def sse_events(response: httpx.Response) -> list[tuple[str, dict]]:
     """(event name, data) of each server-sent event, as sent."""
     events, name = [], None

@@ -42,7 +42,7 @@ def test_without_a_judge_a_group_missing_rewards_is_closed_unrewarded_and_never_
     assert overview["groups_unrewarded"] == 1 and overview["training"]["reward_timeout_s"] == 0.6
     metrics = httpx.get(f"{proxy.url}/metrics").text
     assert 'tracetrain_groups_unrewarded{policy="agent"} 1.0' in metrics
-    assert 'tracetrain_reward_timeouts_total{outcome="unrewarded"} 1.0' in metrics
+    assert 'tracetrain_reward_timeouts_total{outcome="unrewarded",policy="agent"} 1.0' in metrics
     assert "Groups unrewarded" in httpx.get(f"{proxy.url}/admin").text
     listed = httpx.get(f"{proxy.url}/admin/groups", params={"state": "unrewarded"}).json()["data"]
     assert [g["id"] for g in listed] == ["late"]
@@ -72,7 +72,8 @@ def test_with_a_judge_the_judges_scores_become_the_groups_rewards(start_proxy, f
     assert trajectories == {"right": (1.0, "judge"), "wrong": (0.0, "judge")}
     (judged,) = httpx.get(f"{proxy.url}/admin/judgements").json()["data"]
     assert (judged["state"], judged["trigger"], judged["reward_source"]) == ("ok", "timeout", "judge")
-    assert 'tracetrain_reward_timeouts_total{outcome="judged"} 1.0' in httpx.get(f"{proxy.url}/metrics").text
+    metrics = httpx.get(f"{proxy.url}/metrics").text
+    assert 'tracetrain_reward_timeouts_total{outcome="judged",policy="agent"} 1.0' in metrics
 
 
 def test_a_group_the_judge_cannot_score_is_closed_unrewarded(start_proxy, fake: FakeVLLM) -> None:

@@ -205,9 +205,9 @@ def test_a_server_back_gets_every_published_adapter_before_it_takes_traffic(
     assert seen, "the server back in rotation took no traffic"
     assert all(model in loaded for model, loaded in seen), seen
     views = {u["url"]: u["versions"] for u in httpx.get(f"{two.url}/admin/overview").json()["upstreams"]}
-    assert views == {first.v1: [1, 2], second.v1: [1, 2]}
+    assert views == {first.v1: ["agent@1", "agent@2"], second.v1: ["agent@1", "agent@2"]}
     metrics = httpx.get(f"{two.url}/metrics").text
-    assert f'tracetrain_upstream_version_loaded{{upstream="{second.v1}",version="2"}} 1.0' in metrics
+    assert f'tracetrain_upstream_version_loaded{{policy="agent",upstream="{second.v1}",version="2"}} 1.0' in metrics
 
 
 def test_the_alias_flips_only_once_both_servers_hold_the_adapter(

@@ -34,7 +34,7 @@ import trainer._run_log as run_loggers
 from store import Store
 from tracetrain_cli._models import LOG_BACKENDS
 from tracetrain_cli._serve_flags import log_backends
-from trainer._run_log import RunLog, parse_log_to
+from trainer._run_log import RunLog, RunLogs, parse_log_to
 from trainer._worker import Worker
 
 CONFIG = {"policy": "agent", "base_model": "/models/tiny", "train": {"learning_rate": 3e-4, "lora_r": 8}}
@@ -148,16 +148,18 @@ def test_the_worker_logs_each_step_and_the_evaluations_posted_to_the_store(
         store = await Store.open(settings.database_url, capture=False)
         await store.evaluations.record("agent", 0, {"held_out_success": 0.25}, samples=8)
         await store.evaluations.record("other-policy", 0, {"held_out_success": 0.99})  # another policy's: not ours
-        log = RunLog.open(("tensorboard",), tmp_path / "runs", "agent-worker", {"policy": "agent"})
-        worker = Worker(settings, store, run_log=log)
+        runs = RunLogs(lambda policy: RunLog.open(("tensorboard",), tmp_path / "runs", f"{policy}-worker",
+                                                  {"policy": policy}))  # fmt: skip
+        worker = Worker(settings, store, run_log=runs)
         try:
             done = await worker.run(once=True)
             await store.evaluations.record("agent", 1, {"held_out_success": 0.5})
             await worker.log_evaluations()  # what the worker's next beat does
+            assert runs.policies == ["agent"]  # a run per policy trained, none for another policy's evaluations
             [job] = await store.jobs.newest(1)
             return done, job["metrics"]
         finally:
-            log.close()
+            runs.close()
             await store.close()
 
     done, metrics = asyncio.run(evaluate_then_train())

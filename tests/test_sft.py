@@ -151,7 +151,7 @@ def test_sft_command_writes_an_adapter_that_the_grpo_worker_starts_from(
     assert not torch.allclose(plain, warm)
 
     settings = WorkerSettings(
-        database_url=f"sqlite+aiosqlite:///{tmp_path / 'grpo.db'}", data_dir=tmp_path / "grpo", policy="agent",
+        database_url=f"sqlite+aiosqlite:///{tmp_path / 'grpo.db'}", data_dir=tmp_path / "grpo", policies=("agent",),
         base_model=tiny_model_dir, config=TrainConfig(dtype="float32", learning_rate=1e-3), init_adapter=out,
     )  # fmt: skip
     asyncio.run(queue_a_job(settings.database_url))

@@ -69,7 +69,7 @@ async def test_metrics_show_the_newest_steps_gap_and_turn_accounting(store: Stor
                                  "samples_split_rerendered": 4, "trained_token_share": 0.9, "loss": 0.1,
                                  "forwarded_tokens": 1800, "forwarded_per_sampled_token": 2.5})  # fmt: skip
     metrics = Metrics()
-    text = (await metrics.render(store, loaded_versions=1)).decode()
+    text = (await metrics.render(store, loaded_versions={"agent": 1})).decode()
     assert 'tracetrain_training_last_step{metric="logprob_mismatch_mean",policy="agent"} 0.031' in text
     assert 'tracetrain_training_last_step{metric="calls_per_trajectory",policy="agent"} 3.0' in text
     assert 'tracetrain_training_last_step{metric="samples_split_rerendered",policy="agent"} 4.0' in text

@@ -121,7 +121,7 @@ def test_two_processes_record_the_adapter_one_process_would(
         data.mkdir()
         urls[data] = f"sqlite+aiosqlite:///{data / 'store.db'}"
         asyncio.run(seed_jobs(urls[data]))
-    asyncio.run(run_one_process(WorkerSettings(urls[one], one, "agent", tiny_model_dir, CONFIG)))
+    asyncio.run(run_one_process(WorkerSettings(urls[one], one, ("agent",), tiny_model_dir, CONFIG)))
     config = tmp_path / "train.json"
     config.write_text(CONFIG.model_dump_json())
     command = [sys.executable, "-m", "trainer", "--procs", "2", "--database-url", urls[two], "--data-dir", str(two),

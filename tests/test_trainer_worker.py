@@ -92,7 +92,7 @@ def settings_for(tmp_path: Path, model: Path, **overrides: Any) -> WorkerSetting
     options: dict[str, Any] = {
         "database_url": f"sqlite+aiosqlite:///{tmp_path / 'store.db'}",
         "data_dir": tmp_path,
-        "policy": "agent",
+        "policies": ("agent",),
         "base_model": model,
         "config": CONFIG,
     }

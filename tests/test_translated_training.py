@@ -65,7 +65,7 @@ def test_a_group_of_responses_and_messages_trajectories_trains_agent_at_1(
     assert job["state"] == "queued" and job["group_ids"] == [GROUP]
 
     settings = WorkerSettings(
-        database_url=proxy.settings.resolved_database_url, data_dir=proxy.settings.data_dir, policy="agent",
+        database_url=proxy.settings.resolved_database_url, data_dir=proxy.settings.data_dir, policies=("agent",),
         base_model=wide_tiny_model, config=TrainConfig(lora_r=8, lora_alpha=16, dtype="float32"),
     )  # fmt: skip
 

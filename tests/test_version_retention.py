@@ -160,8 +160,9 @@ def test_the_worker_prunes_after_each_step_and_stores_no_files_when_told(tmp_pat
 
     states = {row.version: row.state for row in asyncio.run(fetch(url, select(A)))}
     assert states == {1: "pruned", 2: "pruned", 3: "retired", 4: "published"}
-    assert sorted(p.name for p in settings.adapters_dir.iterdir()) == ["3", "4"]
-    assert not (settings.adapters_dir / "3" / OPTIMIZER).exists() and (settings.adapters_dir / "4" / OPTIMIZER).exists()
+    adapters = settings.adapters_of("agent")
+    assert sorted(p.name for p in adapters.iterdir()) == ["3", "4"]
+    assert not (adapters / "3" / OPTIMIZER).exists() and (adapters / "4" / OPTIMIZER).exists()
     assert asyncio.run(fetch(url, select(F.c.pk))) == []  # adapters went by path: no blobs in the store
 
 

@@ -11,11 +11,13 @@ logprob_chunk_tokens:
                                               activations + one log-prob chunk
     vLLM, per GPU      (2 P + slots + KV(32768 tokens)) / TP  +  2 GiB runtime
                        slots: --max-loras x 2 bytes x --max-lora-rank x (in + out) of every linear layer
+                       (--max-loras: every policy's --keep-versions summed, plus one)
     vLLM asleep        1.7 GiB per GPU        what level 1 keeps: CUDA context, graphs, NCCL buffers
     margin, per GPU    max(2 GiB, 5% of the GPU)                           never planned for either side
     host RAM           2 P pinned (vLLM's level-1 backup of its weights, while it sleeps)
                        + 2 P per trainer process (the base is read on the host before it moves to the GPU,
                        at start and at each rebuild of the learner: after a rollback or a failed publish)
+                       + slots (vLLM's host copies of the adapters it holds, --max-cpu-loras = --max-loras)
 
 Sharded over N trainer processes (FSDP, ``--trainer-shard``), each holds (2 P + 16 L) / N, and a step
 adds what FSDP gathers whole: the root (embeddings and lm_head: 2 V h, twice if untied), which stays
@@ -134,19 +136,24 @@ class VllmLora:
     """vLLM's LoRA limits, which every adapter the trainer writes must fit.
 
     ``max_rank`` (``--max-lora-rank``): the smallest rank vLLM accepts at or above the trainer's
-    (a larger adapter fails to load). ``max_loras`` (``--max-loras``): every version kept loaded
-    (``--keep-versions``) plus the one being loaded before the oldest is unloaded.
+    (a larger adapter fails to load). ``max_loras`` (``--max-loras``): every version kept loaded, of every
+    policy (each one's ``--keep-versions``, summed), plus the one being loaded before the oldest is unloaded;
+    more when asked (policies to be added at run time, a canary's version). vLLM keeps as many in host RAM
+    (``--max-cpu-loras`` defaults to it); a policy beyond them still serves, its adapter moved in on use.
     """
 
     max_rank: int = 16
     max_loras: int = 4
 
     @classmethod
-    def for_training(cls, lora_r: int, keep_versions: int) -> VllmLora:
+    def for_training(cls, lora_r: int, keep_versions: int, *, max_loras: int | None = None) -> VllmLora:
+        """``keep_versions``: the versions kept loaded over every policy served (the policies' windows summed)."""
         fitting = [rank for rank in VLLM_LORA_RANKS if rank >= lora_r]
         if not fitting:
             raise PlanError(f"LoRA rank {lora_r}: vLLM serves adapters up to rank {VLLM_LORA_RANKS[-1]}")
-        return cls(max_rank=fitting[0], max_loras=keep_versions + 1)
+        if max_loras is not None and max_loras < 1:
+            raise PlanError(f"--max-loras {max_loras}: at least 1")
+        return cls(max_rank=fitting[0], max_loras=max_loras or keep_versions + 1)
 
 
 @dataclass(frozen=True)
@@ -176,6 +183,7 @@ class Memory:
     peft_inputs: int = 0  # of ``activations``: peft's fp32 copies of the LoRA layers' inputs
     host_vllm_backup: int = 0  # pinned host RAM vLLM's level-1 sleep copies its weights into (all its GPUs)
     host_trainer_load: int = 0  # host RAM the trainer's processes read the base into, together, at a (re)build
+    host_vllm_loras: int = 0  # vLLM's host copies of the adapters it holds (--max-cpu-loras: --max-loras of them)
 
     @property
     def trainer_resident(self) -> int:
@@ -189,8 +197,9 @@ class Memory:
         return -(-(self.vllm_weights + self.kv_min) // tp) + VLLM_RUNTIME
 
     def host_peak(self, shared: bool) -> int:
-        """Host RAM at its peak: the trainer rebuilding its learner while vLLM sleeps (shared), or just the former."""
-        return self.host_trainer_load + (self.host_vllm_backup if shared else 0)
+        """Host RAM at its peak: the trainer rebuilding its learner while vLLM sleeps (shared), or just the former,
+        beside vLLM's host copies of its adapters."""
+        return self.host_trainer_load + self.host_vllm_loras + (self.host_vllm_backup if shared else 0)
 
 
 def estimate_memory(
@@ -224,6 +233,7 @@ def estimate_memory(
         peft_inputs=peft if trainer else 0,
         host_vllm_backup=model.weight_bytes,
         host_trainer_load=model.weight_bytes * scale * t.procs if trainer else 0,
+        host_vllm_loras=slots,
     )
 
 

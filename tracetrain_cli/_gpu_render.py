@@ -51,8 +51,8 @@ def render_plan(plan: GpuPlan | CpuPlan) -> str:
                   if plan.shared else "")  # fmt: skip
         known = f" of {gib(plan.host_ram)} GiB" if plan.host_ram is not None else ""
         lines.append(
-            f"  host RAM {backup}the trainer reading the base {gib(m.host_trainer_load)} GiB at a (re)build = "
-            f"{gib(m.host_peak(plan.shared))} GiB at its peak{known}"
+            f"  host RAM {backup}the trainer reading the base {gib(m.host_trainer_load)} GiB at a (re)build + vLLM's "
+            f"adapters {gib(m.host_vllm_loras)} GiB = {gib(m.host_peak(plan.shared))} GiB at its peak{known}"
         )
     lines.append(
         f"  model    {model.params / 1e9:.2f}B parameters ({model.source}), {model.layers} layers, hidden "
@@ -80,6 +80,8 @@ def _render_cpu(plan: CpuPlan) -> str:
         text = f"the trainer on {plan.trainer_threads} of the {plan.cores} cores; vLLM is --upstream"
     else:
         return "plan: nothing but the proxy runs here (--upstream, --no-train)"
+    if plan.vllm:
+        text += f"; --max-loras {plan.vllm_lora.max_loras} of rank {plan.vllm_lora.max_rank}"
     if plan.shared:
         text += "; --share-gpu: vLLM pauses around each step (sleeping is a no-op on a CPU)"
     if plan.trainer_shard:

@@ -20,10 +20,15 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 def setting_default(field: str) -> str:
-    """" (default X)" for a flag's help, from the proxy's settings."""
+    """ " (default X)" for a flag's help, from the proxy's settings."""
+    return f" (default {setting_default_value(field)})"
+
+
+def setting_default_value(field: str) -> Any:
+    """A field's default in the proxy's settings."""
     from proxy import Settings
 
-    return f" (default {Settings.model_fields[field].default})"
+    return Settings.model_fields[field].default
 
 
 def missing_modules(modules: Sequence[str]) -> list[str]:

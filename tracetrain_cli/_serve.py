@@ -116,7 +116,7 @@ def trainer_argv(
     return [
         sys.executable, "-m", "trainer",  # the store's URL goes in its environment (_trainer_env): argv shows in ps
         "--data-dir", str(settings.data_dir.resolve()),
-        "--policy", settings.policy,
+        # No --policy: it trains every policy the store serves, those added at run time too.
         "--base-model", str(model_dir.resolve()),
         "--device", device,
         *(["--procs", str(procs)] if procs > 1 else []),
@@ -198,9 +198,10 @@ async def serve(plan: ServePlan) -> None:
 
 def _log_ready(settings: Settings) -> None:
     """Where agents, reward services and the operator go now (``tracetrain demo`` waits for the first line)."""
+    models = " or ".join(repr(name) for name in settings.policies)
     log.info(
-        "ready: agents use OPENAI_BASE_URL=http://%s:%d/v1 and model %r; rewards go to POST /v1/rewards",
-        settings.host, settings.port, settings.policy,
+        "ready: agents use OPENAI_BASE_URL=http://%s:%d/v1 and model %s; rewards go to POST /v1/rewards",
+        settings.host, settings.port, models,
     )  # fmt: skip
     token_file = settings.data_dir / "admin-token"
     from_file = (

@@ -43,7 +43,9 @@ def settings_from(args: argparse.Namespace) -> Any:
         "port": args.port,
         "data_dir": args.data_dir,
         "database_url": args.database_url,
-        "policy": args.policy,
+        "policies": tuple(args.policy) if args.policy else None,
+        "policy_configs": _policy_configs(args.policy_config) or None,
+        "policy_keys": tuple(args.policy_key) or None,
         "group_size": args.group_size,
         "min_group_size": args.min_group_size,
         "api_keys": args.api_keys,
@@ -83,6 +85,33 @@ def settings_from(args: argparse.Namespace) -> Any:
         raise SystemExit("tracetrain serve: invalid settings\n" + "\n".join(lines)) from None
 
 
+def _policy_configs(given: list[str]) -> dict[str, Any]:
+    """``--policy-config NAME=FILE``s read (SystemExit with what is wrong)."""
+    from proxy import PolicyOverrides
+
+    configs: dict[str, Any] = {}
+    for item in given:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"tracetrain serve: --policy-config {item!r}: give NAME=FILE (the policy, '=', a .toml or "
+                             ".json file)")  # fmt: skip
+        if name in configs:
+            raise SystemExit(f"tracetrain serve: --policy-config names {name} twice")
+        try:
+            configs[name] = PolicyOverrides.from_file(Path(path))
+        except ValueError as exc:
+            raise SystemExit(f"tracetrain serve: --policy-config {name}: {exc}") from None
+    return configs
+
+
+def kept_loaded(settings: Any) -> int:
+    """The adapter versions vLLM keeps loaded over every policy named: each one's --keep-versions, summed."""
+    return sum(
+        (o.keep_versions if (o := settings.policy_configs.get(name)) and o.keep_versions else settings.keep_versions)
+        for name in settings.policies
+    )
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import uvloop
 
@@ -99,7 +128,7 @@ def run_serve(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     if args.plan_only:  # before anything is checked, written or started: a GPU box may not have vLLM yet
         model_dir = _model_dir(args, settings.data_dir)
-        print(render_plan(device_plan(args, pick_device(args.device), model_dir, settings.keep_versions)))
+        print(render_plan(device_plan(args, pick_device(args.device), model_dir, kept_loaded(settings))))
         return 0
     if settings.admin_token is None:
         settings = settings.model_copy(update={"admin_token": _admin_token(settings.data_dir)})
@@ -108,7 +137,7 @@ def run_serve(args: argparse.Namespace) -> int:
     device = pick_device(args.device)
     _refuse_missing_extras(args, device)
     model_dir = _model_dir(args, settings.data_dir)
-    devices = device_plan(args, device, model_dir, settings.keep_versions)
+    devices = device_plan(args, device, model_dir, kept_loaded(settings))
     print(render_plan(devices), flush=True)
     # The plan shares one GPU (or --share-gpu / TRACETRAIN_SHARE_GPU asks): vLLM sleeps around each step.
     settings = settings.model_copy(update={"share_gpu": devices.shared or settings.share_gpu})
@@ -229,7 +258,10 @@ def _with_adapter_resolver(settings: Any, launch: Any) -> tuple[Any, Any]:
         launch,
         adapters_url=f"http://{url_host(settings.host)}:{settings.port}",
         adapters_key=settings.adapter_keys[0].get_secret_value(),
-        adapters_keep=settings.keep_versions,
+        # The largest window of the policies named: each policy's downloads are kept per policy.
+        adapters_keep=max(
+            [settings.keep_versions, *(o.keep_versions for o in settings.policy_configs.values() if o.keep_versions)]
+        ),
     )
     return settings, launch
 

@@ -26,7 +26,8 @@ DevicePlan = GpuPlan | CpuPlan
 # vLLM flags the plan decides: passing them through --vllm-arg would bypass its checks.
 _PLANNED_VLLM_FLAGS = ("--gpu-memory-utilization", "--tensor-parallel-size", "-tp", "--data-parallel-size", "-dp",
                        "--max-lora-rank", "--max-loras")  # fmt: skip
-_DERIVED_FROM = {"--max-lora-rank": "--trainer-arg=--lora-r", "--max-loras": "--keep-versions (max-loras = it + 1)"}
+_DERIVED_FROM = {"--max-lora-rank": "--trainer-arg=--lora-r",
+                 "--max-loras": "serve's own --max-loras, or --keep-versions (every policy's summed, + 1)"}  # fmt: skip
 
 
 def add_device_flags(p: argparse.ArgumentParser) -> None:
@@ -102,7 +103,10 @@ def overrides_from(args: argparse.Namespace) -> Overrides:
 
 
 def device_plan(args: argparse.Namespace, device: str, model_dir: Path | None, keep_versions: int = 3) -> DevicePlan:
-    """The plan for serve's flags on ``device``; SystemExit with what to change when it cannot work."""
+    """The plan for serve's flags on ``device``; SystemExit with what to change when it cannot work.
+
+    ``keep_versions``: the adapter versions kept loaded over every policy served (each one's window, summed).
+    """
     try:
         return _plan(args, device, model_dir, keep_versions)
     except PlanError as exc:
@@ -121,8 +125,9 @@ def _plan(args: argparse.Namespace, device: str, model_dir: Path | None, keep_ve
             f"--vllm-arg={planned[0]}: serve plans this one; {instead}, so that the plan checks it against the "
             "trainer's memory and adapters"
         )
-    # Every adapter the trainer writes must load into vLLM: its rank, and the versions kept loaded.
-    vllm_lora = VllmLora.for_training(trainer_needs(args.trainer_arg).lora_r, keep_versions)
+    # Every adapter the trainer writes must load into vLLM: its rank, and the versions kept loaded (every policy's).
+    vllm_lora = VllmLora.for_training(trainer_needs(args.trainer_arg).lora_r, keep_versions,
+                                      max_loras=getattr(args, "max_loras", None))  # fmt: skip
     if device == "cpu" or model_dir is None:
         if dataclasses.replace(overrides, share=None, trainer_shard=None) != Overrides():
             raise PlanError(

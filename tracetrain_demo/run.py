@@ -17,6 +17,11 @@
    version, print the per-step table, how busy each side was, and write the plot
    (reward-curve.png) and the numbers (results.json) to DATA_DIR/demo. Each held-out success is also
    posted to the server (``POST /admin/evaluations``): with ``--log-to`` the trainer logs it into its run.
+
+``--task city,lookup`` runs both tasks at once as two policies (``city`` and ``lookup``) on the one
+``tracetrain serve``: an agent and a reward service each, trained on their own groups by the one
+trainer, served by the one vLLM; each policy gets its own table, plot and numbers
+(``reward-curve-POLICY.png``, ``results-POLICY.json``). One task's lane: ``tracetrain_demo._lane``.
 """
 
 from __future__ import annotations
@@ -37,8 +42,9 @@ from typing import Any
 import httpx
 from tqdm import tqdm  # type: ignore[import-untyped]  # no stubs in the train extra
 
-from tracetrain_demo.report import HEADER, HeldOut, Report, Step, busy_cpu_seconds, row, summary
-from tracetrain_demo.tasks import TASKS, Scored, sampler_dtype
+from tracetrain_demo._lane import Evaluation, Lane, env_for
+from tracetrain_demo.report import HEADER, busy_cpu_seconds, row, summary
+from tracetrain_demo.tasks import TASKS, sampler_dtype
 from tracetrain_proc import ChildProcess
 
 _SERVE_READY = "ready: agents use OPENAI_BASE_URL"
@@ -56,21 +62,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         url = args.url or _start_serve(args, data_dir, run_dir, children)
         args.admin_token = _admin_token(run_dir)
-        rewards_port = _free_port()
-        _start(children, ChildProcess("reward service", [sys.executable, "-m", "tracetrain_demo.reward_service",
-               "--proxy", url, "--port", str(rewards_port), "--task", args.task], _env(url),
-               run_dir / "logs" / "rewards.log"))  # fmt: skip
-        report = Report()
+        lanes = []
+        for task in args.tasks:
+            policy = "agent" if len(args.tasks) == 1 else task
+            port = _free_port()
+            _start(children, ChildProcess(f"reward service ({task})", [sys.executable, "-m",
+                   "tracetrain_demo.reward_service", "--proxy", url, "--port", str(port), "--task", task], env_for(url),
+                   run_dir / "logs" / f"rewards-{policy}.log"))  # fmt: skip
+            lanes.append(Lane(task, policy, url, run_dir, port))
         if args.eval_attempts:
-            _say("measuring held-out success of agent@0 (the base model) while the first round samples")
-        _train(url, run_dir, rewards_port, args, report, children)
-        version = _active_version(url, args.admin_token)
-        if args.eval_attempts:
-            _say(f"measuring held-out success of agent@{version} ...")
-            report.held_out.append(_Evaluation(url, run_dir, version, args.eval_attempts, args, children).result())
-            _post_evaluation(url, args.admin_token, report.held_out[-1])
-        report.seconds = time.monotonic() - started
-        summary(report, run_dir)
+            _say("measuring held-out success of the base model while the first round samples")
+        _train(url, lanes, args, children)
+        for lane in lanes:
+            version = _active_version(url, args.admin_token, lane.policy)
+            if args.eval_attempts:
+                _say(f"measuring held-out success of {lane.policy}@{version} ...")
+                lane.report.held_out.append(Evaluation(lane, version, args.eval_attempts, args, children).result())
+                _post_evaluations(url, args.admin_token, lane)
+        for lane in lanes:
+            lane.report.seconds = time.monotonic() - started
+            summary(lane.report, run_dir, suffix="" if len(lanes) == 1 else f"-{lane.policy}")
     except KeyboardInterrupt:
         _say("interrupted")
         return 130
@@ -113,10 +124,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--task",
-        choices=sorted(TASKS),
         default="city",
-        help="city (default): one call, name the "
-        "destination as JSON; lookup: look the hotel up with a function tool, then answer (2+ calls)",
+        metavar="TASK[,TASK]",
+        help="city (default): one call, name the destination as JSON; lookup: look the hotel up with a function "
+        "tool, then answer (2+ calls); city,lookup: both at once, as two policies named after them (an agent each, "
+        "one vLLM and one trainer for both; --steps and --questions are per policy)",
     )
     p.add_argument("--temperature", type=float, default=0.7, help="the agent's sampling temperature (default 0.7)")
     p.add_argument("--learning-rate", type=float, default=3e-4, help="the LoRA's AdamW learning rate (default 3e-4)")
@@ -126,7 +138,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         default="auto",
         help="vLLM's dtype (serve --sampler-dtype). auto (default): bfloat16 for the city task on a CPU with bf16 "
         "units (avx512_bf16, amx_bf16: about twice the steps; the trainer stays in float32 and its loss corrects for "
-        "the gap), else the trainer's, float32",
+        "the gap), else the trainer's, float32 (with several tasks: bfloat16 only if every one gains by it)",
     )
     p.add_argument(
         "--log-to",
@@ -140,7 +152,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="the trainer's correction for a sampler/learner gap (default: the task's; city: auto, tis where the "
         "dtypes differ; lookup: tis, as its first call is constrained)",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.tasks = [task.strip() for task in args.task.split(",") if task.strip()]
+    unknown = [task for task in args.tasks if task not in TASKS]
+    if not args.tasks or unknown or len(set(args.tasks)) != len(args.tasks):
+        p.error(f"--task {args.task}: name each of {', '.join(sorted(TASKS))} at most once, comma-separated")
+    return args
 
 
 def _start_serve(args: argparse.Namespace, data_dir: Path, run_dir: Path, children: list[ChildProcess]) -> str:
@@ -152,17 +169,24 @@ def _start_serve(args: argparse.Namespace, data_dir: Path, run_dir: Path, childr
         elif path.exists():
             path.unlink()
     run_dir.mkdir(parents=True, exist_ok=True)
-    sampler = sampler_dtype(TASKS[args.task], args.sampler_dtype)
+    tasks = [TASKS[task] for task in args.tasks]
+    choices = {sampler_dtype(task, args.sampler_dtype) for task in tasks}
+    sampler = choices.pop() if len(choices) == 1 else None  # tasks that disagree: the trainer's, float32
     if args.sampler_dtype == "auto" and sampler:
         _say(f"vLLM samples in {sampler}: this CPU has bf16 units (--sampler-dtype float32 for the trainer's dtype)")
+    # One trainer for every policy: the strictest task's correction (lookup's tis) serves them all.
+    chosen = [task.sampler_correction for task in tasks if task.sampler_correction != "auto"]
+    correction = args.sampler_correction or (chosen[0] if chosen else "auto")
     config = run_dir / "train-config.json"
     config.write_text(json.dumps({**_TRAIN_CONFIG, "learning_rate": args.learning_rate,
-                                  "sampler_correction": args.sampler_correction
-                                  or TASKS[args.task].sampler_correction}))  # fmt: skip
+                                  "sampler_correction": correction}))  # fmt: skip
+    policies = ["agent"] if len(tasks) == 1 else [task.name for task in tasks]
     command = [
         sys.executable, "-m", "tracetrain_cli", "serve", "--model", str(model_dir), "--data-dir", str(run_dir),
         "--port", str(args.port), "--group-size", str(args.attempts), "--min-group-size", str(args.attempts),
-        "--batch-groups", str(args.questions), f"--trainer-arg=--config={config}", *TASKS[args.task].serve_args,
+        "--batch-groups", str(args.questions), f"--trainer-arg=--config={config}",
+        *(arg for policy in policies for arg in ("--policy", policy)),
+        *dict.fromkeys(arg for task in tasks for arg in task.serve_args),
         *([f"--sampler-dtype={sampler}"] if sampler else []), *([f"--log-to={args.log_to}"] if args.log_to else []),
     ]  # fmt: skip
     serve = ChildProcess("tracetrain serve", command, dict(os.environ), run_dir / "logs" / "serve.log")
@@ -212,140 +236,53 @@ def _pull_model(data_dir: Path) -> Path:
     return Path(done.stdout.strip().splitlines()[-1])
 
 
-class _Evaluation:
-    """The agent on every held-out request, served by one version, in its own process.
+def _train(url: str, lanes: list[Lane], args: argparse.Namespace, children: list[ChildProcess]) -> None:
+    """Run each policy's agent round after round while the steps train, and show each step as it lands.
 
-    It runs beside training (vLLM batches its calls with the training round's), so measuring
-    costs little wall time; only the last one waits for training to end.
-    """
-
-    def __init__(self, url: str, run_dir: Path, version: int, attempts: int, args: argparse.Namespace,
-                 children: list[ChildProcess]) -> None:  # fmt: skip
-        self.version, self.started = version, time.time()
-        model = f"agent@{version}"
-        tag = f"eval-agent-v{version}"
-        command = [sys.executable, "-m", "tracetrain_demo.agent", "--task", args.task, "--split", "held-out",
-                   "--model", model,
-                   "--attempts", str(attempts), "--temperature", str(args.temperature), "--tag", tag]  # fmt: skip
-        self._agent = ChildProcess("held-out agent", command, _env(url), run_dir / "logs" / f"{tag}.jsonl")
-        self._children, self._task = children, args.task
-        _start(children, self._agent)
-
-    @property
-    def done(self) -> bool:
-        return self._agent.returncode is not None
-
-    def result(self) -> HeldOut:
-        """Wait for it; its success rate over every held-out attempt."""
-        if self._agent.wait() != 0:
-            raise SystemExit(f"tracetrain demo: the held-out evaluation of agent@{self.version} failed:\n"
-                             f"{self._agent.log_tail()}")  # fmt: skip
-        self._children.remove(self._agent)
-        wins = [_score(self._task, e).success for e in _episodes(self._agent.log_path)]
-        return HeldOut(self.version, sum(wins) / max(1, len(wins)), len(wins), self.started, time.time())
-
-
-def _train(url: str, run_dir: Path, rewards_port: int, args: argparse.Namespace, report: Report,
-           children: list[ChildProcess]) -> None:  # fmt: skip
-    """Run the agent round after round while the steps train, and show each step as it lands.
-
-    A new round starts when the last one ended and at most one training job is pending:
-    on two cores vLLM samples the next round while the trainer trains on the last one,
-    and the agent never runs ahead of training into stale, wasted samples. The base
-    model's held-out evaluation runs beside the first round, and every --eval-every
-    minutes the newest version's beside the rounds of the moment.
+    On two cores vLLM samples the next round while the trainer trains on the last one (a lane starts a
+    round when at most one job of its policy is pending). The base model's held-out evaluation of each
+    task runs beside the first round, and every --eval-every minutes the newest version's beside the
+    rounds of the moment.
     """
     began, cpu_before = time.time(), busy_cpu_seconds()
     deadline = time.monotonic() + args.minutes * 60
-    log = run_dir / "logs" / "agent-train.jsonl"
-    evaluations = [_Evaluation(url, run_dir, 0, args.eval_attempts, args, children)] if args.eval_attempts else []
-    next_eval = time.monotonic() + args.eval_every * 60
-    agent: ChildProcess | None = None
-    round_started = 0.0
-    seen: set[int] = set()
-    last = time.monotonic()
-    with tqdm(total=args.steps, desc="training steps", unit="step") as bar:
-        bar.write(HEADER)
-        while len(report.steps) < args.steps and time.monotonic() < deadline:
-            jobs = _jobs(url, args.admin_token)
-            if agent is not None and agent.returncode is not None:
-                if agent.returncode != 0:
-                    raise SystemExit(f"tracetrain demo: the agent failed:\n{agent.log_tail()}")
-                children.remove(agent)
-                report.rounds.append((round_started, time.time()))
-                agent = None
-            if agent is None and sum(job["state"] in ("queued", "running") for job in jobs) <= 1:
-                command = _round_command(args, len(report.rounds) + 1, rewards_port)
-                agent, round_started = ChildProcess("agent", command, _env(url), log), time.time()
-                _start(children, agent)
-            for job in reversed(jobs):
-                if job["state"] != "succeeded" or job["id"] in seen or job["version"] is None:
+    several = len(lanes) > 1
+    for lane in lanes:
+        lane.next_eval = time.monotonic() + args.eval_every * 60
+        if args.eval_attempts:
+            lane.evaluations.append(Evaluation(lane, 0, args.eval_attempts, args, children))
+    with tqdm(total=args.steps * len(lanes), desc="training steps", unit="step") as bar:
+        bar.write(("policy  " if several else "") + HEADER)
+        while any(len(lane.report.steps) < args.steps for lane in lanes) and time.monotonic() < deadline:
+            every_job = _jobs(url, args.admin_token)
+            for lane in lanes:
+                if len(lane.report.steps) >= args.steps:
+                    lane.stop_rounds(children)  # done: the other policies get the machine
                     continue
-                seen.add(job["id"])
-                report.training.append((job["started_at"], job["finished_at"]))
-                metrics, now = job["metrics"], time.monotonic()
-                step = Step.of(job["version"], metrics, now - last)
-                last = now
-                report.steps.append(step)
-                bar.update(1)
-                bar.set_postfix(reward=f"{step.reward_mean:.2f}")
-                bar.write(row(step))
-            for evaluation in [e for e in evaluations if e.done]:
-                evaluations.remove(evaluation)
-                report.held_out.append(held := evaluation.result())
-                _post_evaluation(url, args.admin_token, held)
-                report.sampling.append((held.started, held.finished))
-                bar.write(f"held-out success of agent@{held.version}: {held.success:.0%} ({held.attempts} attempts)")
-            periodic = args.eval_every > 0 and args.eval_attempts > 0
-            if periodic and time.monotonic() >= next_eval and report.steps and not evaluations:
-                next_eval = time.monotonic() + args.eval_every * 60
-                # The version serving now, not the newest trained: that one may not be published yet, or at all
-                # (the regression guard may have rolled it back).
-                evaluations.append(_Evaluation(url, run_dir, _active_version(url, args.admin_token),
-                                               args.eval_attempts, args, children))  # fmt: skip
+                jobs = lane.jobs(every_job)
+                lane.next_round(args, jobs, children)
+                for step in lane.new_steps(jobs):
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{step.reward_mean:.2f}")
+                    bar.write((f"{lane.policy:<7} " if several else "") + row(step))
+                finished = lane.finished_evaluations()
+                _post_evaluations(url, args.admin_token, lane)
+                for held in finished:
+                    bar.write(f"held-out success of {lane.policy}@{held.version}: {held.success:.0%} "
+                              f"({held.attempts} attempts)")  # fmt: skip
+                periodic = args.eval_every > 0 and args.eval_attempts > 0
+                if periodic and time.monotonic() >= lane.next_eval and lane.report.steps and not lane.evaluations:
+                    lane.next_eval = time.monotonic() + args.eval_every * 60
+                    # The version serving now, not the newest trained: that one may not be published yet, or at all
+                    # (the regression guard may have rolled it back).
+                    version = _active_version(url, args.admin_token, lane.policy)
+                    lane.evaluations.append(Evaluation(lane, version, args.eval_attempts, args, children))
             time.sleep(1.0)
-    if agent is not None:
-        agent.stop()
-        children.remove(agent)
-        report.rounds.append((round_started, time.time()))
-    for evaluation in evaluations:  # the base model's, if training ended first
-        report.held_out.append(held := evaluation.result())
-        _post_evaluation(url, args.admin_token, held)
-        report.sampling.append((held.started, held.finished))
-    _close(report, began, cpu_before, args.task, log)
-
-
-def _round_command(args: argparse.Namespace, number: int, rewards_port: int) -> list[str]:
-    """The agent's command line for training round ``number`` (its seed and its tag)."""
-    return [sys.executable, "-m", "tracetrain_demo.agent", "--task", args.task, "--split", "train", "--rounds", "1",
-            "--seed", str(number), "--questions", str(args.questions), "--attempts", str(args.attempts),
-            "--temperature", str(args.temperature), "--tag", f"round{number}",
-            "--done-url", f"http://127.0.0.1:{rewards_port}/finished"]  # fmt: skip
-
-
-def _close(report: Report, began: float, cpu_before: float, task: str, log: Path) -> None:
-    """What the training window measured: when each side was busy, the machine's load, each version's success."""
-    report.sampling.extend(report.rounds)
-    report.training_window = (began, time.time())
-    report.machine_busy_cores = (busy_cpu_seconds() - cpu_before) / max(time.time() - began, 1e-9)
-    report.served_success = _training_success(task, log)
-    for step in report.steps:
-        step.success = report.served_success.get(step.version)
-
-
-def _training_success(task: str, log: Path) -> dict[int, float]:
-    """Success of the training attempts, by the version that served their final reply."""
-    wins: dict[int, list[bool]] = {}
-    for episode in _episodes(log):
-        version = int(str(episode["served_by"]).rpartition("@")[2] or 0)
-        wins.setdefault(version, []).append(_score(task, episode).success)
-    # A version that served only the stragglers of a round says nothing.
-    return {v: sum(w) / len(w) for v, w in wins.items() if len(w) >= 16}
-
-
-def _episodes(log: Path) -> list[dict[str, Any]]:
-    """The attempts an agent printed (one JSON object per line; its log also has a header line)."""
-    return [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    busy_cores = (busy_cpu_seconds() - cpu_before) / max(time.time() - began, 1e-9)
+    for lane in lanes:
+        lane.stop(children)
+        _post_evaluations(url, args.admin_token, lane)
+        lane.close(began, busy_cores)
 
 
 def _admin_get(url: str, path: str, token: str, **params: Any) -> dict[str, Any]:
@@ -354,38 +291,30 @@ def _admin_get(url: str, path: str, token: str, **params: Any) -> dict[str, Any]
     return dict(response.json())
 
 
-def _post_evaluation(url: str, token: str, held: HeldOut) -> None:
-    """Tell the server (and through it, the trainer's run loggers) a version's held-out success."""
-    body = {"version": held.version, "scores": {"held_out_success": held.success}, "samples": held.attempts}
-    try:
-        response = httpx.post(f"{url}/admin/evaluations", json=body, headers={"Authorization": f"Bearer {token}"},
-                              timeout=30)  # fmt: skip
-        response.raise_for_status()
-    except httpx.HTTPError as exc:  # a serve too old to take evaluations: the demo's own report has them
-        _say(f"could not post the held-out evaluation of agent@{held.version}: {exc}")
+def _post_evaluations(url: str, token: str, lane: Lane) -> None:
+    """Tell the server (and through it, the trainer's run loggers) each held-out success not told yet."""
+    for held in lane.report.held_out[lane.posted :]:
+        body = {"version": held.version, "scores": {"held_out_success": held.success}, "samples": held.attempts}
+        try:
+            response = httpx.post(f"{url}/admin/evaluations", params={"policy": lane.policy}, json=body,
+                                  headers={"Authorization": f"Bearer {token}"}, timeout=30)  # fmt: skip
+            response.raise_for_status()
+        except httpx.HTTPError as exc:  # the demo's own report has them anyway
+            _say(f"could not post the held-out evaluation of {lane.policy}@{held.version}: {exc}")
+    lane.posted = len(lane.report.held_out)
 
 
 def _jobs(url: str, token: str) -> list[dict[str, Any]]:
     return list(_admin_get(url, "/admin/jobs", token, limit=200)["data"])
 
 
-def _active_version(url: str, token: str) -> int:
-    return int(_admin_get(url, "/admin/adapters", token)["active_version"])
-
-
-def _score(task: str, episode: dict[str, Any]) -> Scored:
-    return TASKS[task].score_episode(episode)
+def _active_version(url: str, token: str, policy: str) -> int:
+    return int(_admin_get(url, "/admin/adapters", token, policy=policy)["active_version"])
 
 
 def _start(children: list[ChildProcess], child: ChildProcess) -> None:
     child.start()
     children.append(child)
-
-
-def _env(url: str) -> dict[str, str]:
-    # The agent is configured the way any OpenAI app is: through the environment.
-    env = {k: v for k, v in os.environ.items() if k != "TRACETRAIN_ADMIN_TOKEN"}
-    return {**env, "OPENAI_BASE_URL": f"{url}/v1", "OPENAI_API_KEY": os.environ.get("OPENAI_API_KEY", "demo")}
 
 
 def _free_port() -> int:

@@ -1,7 +1,8 @@
 """``python -m trainer``: the trainer worker (``tracetrain serve`` starts it as a child process).
 
-It claims queued training jobs of one policy from the store, trains a GRPO step on the
-LoRA and records the adapter; the proxy publishes it. Run it beside the proxy, or on a
+It claims queued training jobs of every policy the store serves (or of those given with --policy), the
+policy trained least recently first, trains a GRPO step on the policy's LoRA and records the adapter;
+the proxy publishes it. Run it beside the proxy, or on a
 GPU machine of its own against the same Postgres database.
 
 ``--procs N`` trains on N processes: the command runs itself again under torchrun
@@ -31,7 +32,7 @@ from trainer import _distributed
 from trainer._attention import ATTN_CHOICES
 from trainer._config import TrainConfig
 from trainer._distributed import Ranks
-from trainer._run_log import MissingExtra, RunLog, default_run_name, parse_log_to
+from trainer._run_log import MissingExtra, RunLog, RunLogs, check_installed, default_run_name, parse_log_to
 from trainer._worker import COLLECTIVE_TIMEOUT_S, Worker, WorkerSettings, follow
 
 
@@ -62,7 +63,14 @@ def _add_job_flags(p: argparse.ArgumentParser) -> None:
         "its password). One of the two is needed",
     )
     p.add_argument("--data-dir", type=Path, required=True, help="adapters go to DATA_DIR/adapters/POLICY/N/")
-    p.add_argument("--policy", default="agent", type=_policy_name, help="the policy whose jobs to run (default agent)")
+    p.add_argument(
+        "--policy",
+        action="append",
+        default=[],
+        metavar="NAME",
+        type=_policy_name,
+        help="a policy whose jobs to run; repeatable (default: every policy the store serves, added ones too)",
+    )
     p.add_argument("--base-model", type=Path, required=True, help="the HF model directory vLLM serves")
     p.add_argument("--init-adapter", type=Path, help="a LoRA directory to start from (e.g. an SFT warm start)")
 
@@ -215,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:
             raise SystemExit(f"python -m trainer: {exc}") from None
     settings = WorkerSettings(
-        database_url=args.database_url, data_dir=args.data_dir, policy=args.policy, base_model=args.base_model,
+        database_url=args.database_url, data_dir=args.data_dir, policies=tuple(args.policy), base_model=args.base_model,
         config=config, init_adapter=args.init_adapter, device=device, share_gpu=args.share_gpu,
         shard=args.shard, attn_implementation=args.attn_implementation, collective_timeout_s=args.collective_timeout,
         keep_versions=args.keep_versions, adapter_files=args.adapter_files,
@@ -243,22 +251,32 @@ def _policy_name(text: str) -> str:
     return text
 
 
-def _run_log(args: argparse.Namespace, settings: WorkerSettings) -> RunLog | None:
-    """The run's loggers (``--log-to``), started with the run's configuration; None without the flag."""
+def _run_log(args: argparse.Namespace, settings: WorkerSettings) -> RunLogs | None:
+    """The runs' loggers (``--log-to``), one run per policy trained, each started with the run's configuration;
+    None without the flag. The first policy's run starts before the model loads (``Worker.prepare``), so a
+    backend that cannot start a run stops the trainer with what to check before any step."""
     if not args.log_to:
         return None
-    config = {"policy": settings.policy, "base_model": str(settings.base_model), "device": settings.device,
-              "procs": args.procs, "shard": settings.shard, "train": settings.config.to_dict()}  # fmt: skip
     try:
-        return RunLog.open(args.log_to, args.log_dir or settings.data_dir / "runs",
-                           args.run_name or default_run_name(settings.policy), config)  # fmt: skip
+        check_installed(args.log_to)
     except MissingExtra as exc:
         raise SystemExit(f"python -m trainer: {exc}") from None
-    except Exception as exc:  # a backend that cannot start a run: W&B without a key, MLflow's server down
-        raise SystemExit(
-            f"python -m trainer: --log-to could not start the run: {type(exc).__name__}: {exc} "
-            "(W&B: set WANDB_API_KEY, or WANDB_MODE=offline; MLflow: check MLFLOW_TRACKING_URI)"
-        ) from exc
+    several = len(settings.policies) != 1
+
+    def open_run(policy: str) -> RunLog:
+        config = {"policy": policy, "base_model": str(settings.base_model), "device": settings.device,
+                  "procs": args.procs, "shard": settings.shard, "train": settings.config.to_dict()}  # fmt: skip
+        name = f"{args.run_name}-{policy}" if args.run_name and several else args.run_name
+        try:
+            return RunLog.open(args.log_to, args.log_dir or settings.data_dir / "runs",
+                               name or default_run_name(policy), config)  # fmt: skip
+        except Exception as exc:  # a backend that cannot start a run: W&B without a key, MLflow's server down
+            raise SystemExit(
+                f"python -m trainer: --log-to could not start the run: {type(exc).__name__}: {exc} "
+                "(W&B: set WANDB_API_KEY, or WANDB_MODE=offline; MLflow: check MLFLOW_TRACKING_URI)"
+            ) from exc
+
+    return RunLogs(open_run)
 
 
 def _at_least_one(text: str) -> int:
@@ -268,7 +286,7 @@ def _at_least_one(text: str) -> int:
     return value
 
 
-def _lead(settings: WorkerSettings, group: Ranks | None, *, once: bool, run_log: RunLog | None = None) -> None:
+def _lead(settings: WorkerSettings, group: Ranks | None, *, once: bool, run_log: RunLogs | None = None) -> None:
     async def run() -> None:
         worker = await Worker.open(settings, group, run_log)
         try:

@@ -68,13 +68,15 @@ class Ranks:
 # What rank 0 says to the others. Each is one broadcast_object_list.
 @dataclass(frozen=True, slots=True)
 class Load:
-    version: int  # load the learner at this adapter version, then join the barrier
+    policy: str
+    version: int  # load the learner at this adapter version of the policy, then join the barrier
 
 
 @dataclass(frozen=True, slots=True)
 class Step:
-    version: int  # the adapter version to train on
-    holds: int  # the version label of the weights every rank holds now (they are rank 0's)
+    policy: str
+    version: int  # the adapter version of the policy to train on
+    holds: tuple[str, int]  # the (policy, version) label of the weights every rank holds now (they are rank 0's)
     items: tuple[TrainItem, ...]
 
 

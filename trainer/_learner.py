@@ -42,7 +42,7 @@ from trainer._attention import choose_attention
 from trainer._config import TrainConfig
 from trainer._distributed import all_or_none, max_over_ranks, rank_and_world, sum_over_ranks, sum_totals
 from trainer._logprobs import PackedRow, pack_row
-from trainer._lora import load_lora_model, precision
+from trainer._lora import load_lora_model, load_lora_weights, precision
 from trainer._losses import logprob_mismatch, policy_loss
 from trainer._prefix_tree import pack_tree
 from trainer._samples import Sample, pack
@@ -126,6 +126,28 @@ class Learner:
             adapter, self.optimizer, self._param_names, cfg, place
         )
         self._gathered: tuple[dict[str, Tensor], dict[str, Any]] | None = None  # sharded: the adapter, on rank 0
+        # A fresh LoRA's weights, kept (on the CPU) to switch back to a policy that has no adapter yet.
+        self._fresh = None if adapter is not None else [p.detach().to("cpu", copy=True) for p in self._params]
+
+    def switch(self, adapter: Path | None) -> bool:
+        """Hold ``adapter``'s LoRA and AdamW state instead (None: a fresh LoRA), keeping the base in memory: how
+        one trainer moves between policies. False, and nothing changed, when it cannot be done in place (a
+        sharded learner, another LoRA shape, a fresh LoRA that this learner never held): build a new learner."""
+        if self.sharded:
+            return False
+        if adapter is None:
+            if self._fresh is None:
+                return False
+            with torch.no_grad():
+                for param, fresh in zip(self._params, self._fresh, strict=True):
+                    param.copy_(fresh)
+        elif not load_lora_weights(self.model, adapter):
+            return False
+        self.optimizer = torch.optim.AdamW(self._params, lr=self.cfg.learning_rate, weight_decay=self.cfg.weight_decay)
+        self.restored_optimizer = adapter is not None and load_optimizer_state(
+            adapter, self.optimizer, self._param_names, self.cfg
+        )
+        return True
 
     def step(self, batch: Sequence[TrainItem]) -> StepResult:
         """One optimizer step over the whole batch; samples without sampled tokens are skipped.

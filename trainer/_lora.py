@@ -9,12 +9,15 @@ directory, and peft's deprecation warning kept quiet. Models whose logits are no
 from __future__ import annotations
 
 import contextlib
+import json
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from peft.utils import load_peft_weights, set_peft_model_state_dict
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from trainer._config import TrainConfig, TrainDType
@@ -66,6 +69,26 @@ def lora_config(model: PreTrainedModel, cfg: TrainConfig) -> LoraConfig:
         target_modules=targets,
         task_type="CAUSAL_LM",
     )
+
+
+def load_lora_weights(model: PeftModel, adapter: Path) -> bool:
+    """Put ``adapter``'s LoRA weights into ``model``'s in place (another policy's adapter of the same shape: the
+    trainer's switch between policies, without loading the base again). False, and nothing changed, when the
+    adapter has another rank, alpha or set of target modules than the model's LoRA."""
+    theirs = json.loads((adapter / "adapter_config.json").read_text())
+    mine = model.peft_config[model.active_adapter]
+    assert isinstance(mine, LoraConfig)
+    same = (theirs.get("r") == mine.r and theirs.get("lora_alpha") == mine.lora_alpha
+            and set(theirs.get("target_modules") or ()) == set(mine.target_modules or ()))  # fmt: skip
+    if not same:
+        return False
+    weights = load_peft_weights(str(adapter), device="cpu")
+    loaded: Any = set_peft_model_state_dict(model, weights, adapter_name=model.active_adapter)
+    missing = [key for key in loaded.missing_keys if "lora_" in key]
+    if missing or loaded.unexpected_keys:
+        raise ValueError(f"{adapter} does not fit the model's LoRA ({len(missing)} weights missing, "
+                         f"{len(loaded.unexpected_keys)} unexpected)")  # fmt: skip
+    return True
 
 
 @contextlib.contextmanager

@@ -38,7 +38,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -126,6 +126,30 @@ class RunLog:
                 if now - self._warned_at.get(backend, -_WARN_EVERY_S) >= _WARN_EVERY_S:
                     self._warned_at[backend] = now
                     log.exception("logging to %s failed; training goes on", backend)
+
+
+class RunLogs:
+    """One run per policy the worker trains (``{policy}-{time}``, or ``--run-name`` with the policy appended when
+    several are trained), each opened at the policy's first step or evaluation by ``open_run(policy)``."""
+
+    def __init__(self, open_run: Callable[[str], RunLog]) -> None:
+        self._open_run = open_run
+        self._runs: dict[str, RunLog] = {}
+
+    @property
+    def policies(self) -> list[str]:
+        return list(self._runs)
+
+    def of(self, policy: str) -> RunLog:
+        """``policy``'s run, started now if it is not yet (blocks: call from a thread)."""
+        if policy not in self._runs:
+            self._runs[policy] = self._open_run(policy)
+        return self._runs[policy]
+
+    def close(self) -> None:
+        for run in self._runs.values():
+            run.close()
+        self._runs.clear()
 
 
 def _is_number(value: object) -> bool:

@@ -3,6 +3,12 @@
     store (queued job) --claim--> load its groups' trajectories --> build samples and advantages
         --> Learner.step --> <data>/adapters/<policy>/<N>/ --> adapters row (state "trained") and its files
 
+One worker trains every policy served (or those it is given), one step at a time: it claims the
+queued job of the policy trained least recently (``store.Jobs.claim_next``), so a policy with ready
+groups waits at most one step of each other policy, however many jobs a busy one queued. The base
+model stays loaded; moving to another policy puts that policy's LoRA and AdamW state in place of the
+last one's (``Learner.switch``), or builds the learner again when that cannot be done in place.
+
 The proxy publishes what the worker records (``proxy.training._publisher``). The worker
 trains on top of the version the policy serves: after a rollback or a failed publish it
 reloads that version's adapter first. It never talks to vLLM or the proxy; the store is
@@ -49,7 +55,7 @@ from trainer._handover import Grant, gpu_handed_over, stop_when_revoked
 from trainer._learner import Learner
 from trainer._memory import release_learner_memory, release_step_memory
 from trainer._retention import retain
-from trainer._run_log import RunLog
+from trainer._run_log import RunLogs
 from trainer._sampling import SamplingDefaults
 from trainer._step import TrainItem
 from trainer._tokenizer import model_decode
@@ -69,7 +75,7 @@ COLLECTIVE_TIMEOUT_S = 600.0
 class WorkerSettings:
     database_url: str
     data_dir: Path
-    policy: str
+    policies: tuple[str, ...]  # the policies whose jobs to run; empty: every policy served
     base_model: Path  # the HF model directory vLLM serves as the base
     config: TrainConfig
     init_adapter: Path | None = None  # a LoRA to start from (an SFT warm start) instead of a fresh one
@@ -80,30 +86,31 @@ class WorkerSettings:
     shard: bool = False  # under torchrun: the base and the LoRA split over the ranks (FSDP2), not replicated
     attn_implementation: str = "auto"  # trainer._attention.choose_attention's choice, or a name that forces one
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S  # under torchrun: the process group's timeout
-    keep_versions: int = 3  # retention: the newest versions that keep their files (trainer._retention)
+    # retention: the newest versions that keep their files (trainer._retention), unless the policy says another
+    keep_versions: int = 3
     adapter_files: bool = True  # record each adapter's files in the store (a vLLM that cannot see this disk)
 
-    @property
-    def adapters_dir(self) -> Path:
-        return self.data_dir / "adapters" / self.policy
+    def adapters_of(self, policy: str) -> Path:
+        """``DATA_DIR/adapters/POLICY``: where the policy's step directories go."""
+        return self.data_dir / "adapters" / policy
 
 
 class Worker:
     """The worker of one process, or rank 0 of several (``group``): the only one that talks to the store."""
 
     def __init__(
-        self, settings: WorkerSettings, store: Store, group: Ranks | None = None, run_log: RunLog | None = None
+        self, settings: WorkerSettings, store: Store, group: Ranks | None = None, run_log: RunLogs | None = None
     ) -> None:
         self.settings = settings
         self._store = store
         self._group = group
         self._name = f"{socket.gethostname()}:{os.getpid()}"
         self._held = HeldLearner(settings)
-        self._run_log = run_log  # --log-to: steps and evaluations written to TensorBoard, W&B, MLflow
-        self._evaluations_seen = 0  # the last evaluation id logged
+        self._run_log = run_log  # --log-to: each policy's steps and evaluations in TensorBoard, W&B, MLflow
+        self._evaluations_seen: dict[str, int] = {}  # policy -> the last evaluation id logged
 
     @classmethod
-    async def open(cls, settings: WorkerSettings, group: Ranks | None = None, run_log: RunLog | None = None) -> Worker:
+    async def open(cls, settings: WorkerSettings, group: Ranks | None = None, run_log: RunLogs | None = None) -> Worker:
         return cls(settings, await Store.open(settings.database_url, capture=False), group, run_log)
 
     async def prepare(self) -> None:
@@ -113,17 +120,28 @@ class Worker:
         ``tracetrain serve`` say the trainer is ready when it is (it waits for ``READY_LINE``).
         """
         await self._requeue_orphans()
-        version = await self._version_to_train_on()
-        self._tell(Load(version))
-        await asyncio.to_thread(self._held.at, version)
+        policy = await self._first_policy()
+        if self._run_log is not None:  # its run starts now: a backend that cannot start one stops the trainer here
+            await asyncio.to_thread(self._run_log.of, policy)
+        version = await self._version_to_train_on(policy)
+        self._tell(Load(policy, version))
+        await asyncio.to_thread(self._held.at, policy, version)
         if self._group is not None:
             await asyncio.to_thread(_distributed.barrier)  # every rank has loaded the model
-        log.info("%s: policy %s, base model %s, device %s", READY_LINE, self.settings.policy,
-                 self.settings.base_model, self.settings.device)  # fmt: skip
+        which = ", ".join(self.settings.policies) if self.settings.policies else "every policy served"
+        log.info("%s: policies %s, base model %s, device %s", READY_LINE, which, self.settings.base_model,
+                 self.settings.device)  # fmt: skip
+
+    async def _first_policy(self) -> str:
+        """The policy to load first: the first given, else the first served (its first step is then no slower)."""
+        if self.settings.policies:
+            return self.settings.policies[0]
+        served = await self._store.policies.serving()
+        return str(served[0]["name"]) if served else "agent"
 
     async def _requeue_orphans(self) -> None:
         host = socket.gethostname()
-        for job in await self._store.jobs.running(self.settings.policy):
+        for job in await self._store.jobs.running():
             worker_host, _, pid = str(job["worker"]).rpartition(":")
             dead = worker_host == host and pid.isdigit() and not _alive(int(pid))
             if dead and await self._store.jobs.release(job["id"], job["worker"]):
@@ -157,14 +175,19 @@ class Worker:
             done += 1
 
     async def claim(self) -> dict[str, Any] | None:
-        """Take the oldest queued job of the policy under a lease; None when there is none (or one runs).
+        """Take a queued job under a lease, of the policy trained least recently; None when there is none (or
+        every policy with one has a job running).
 
         The claim gives the job the version its step records (``job["version"]``): past every adapter
         of the store, and past every step directory on this disk (a store reset leaves them there).
         """
-        on_disk = [int(p.name) for p in self.settings.adapters_dir.glob("*") if p.name.isdigit()]
-        return await self._store.jobs.claim(self.settings.policy, self._name, self.settings.lease_s,
-                                            first_version=max(on_disk, default=0) + 1)  # fmt: skip
+        firsts = {}
+        for root in (self.settings.data_dir / "adapters").glob("*"):
+            steps = [int(p.name) for p in root.glob("*") if p.name.isascii() and p.name.isdigit()]
+            firsts[root.name] = max(steps, default=0) + 1
+        return await self._store.jobs.claim_next(self._name, self.settings.lease_s,
+                                                 policies=self.settings.policies or None,
+                                                 first_versions=firsts)  # fmt: skip
 
     async def run_job(self, job: dict[str, Any]) -> None:
         renewing = asyncio.create_task(self._renew_lease(job["id"]), name=f"lease-{job['id']}")
@@ -190,20 +213,31 @@ class Worker:
         if not finished:
             log.warning("job %s: its lease ran out and another worker took it; this result is dropped", job["id"])
         elif ok and version is not None and self._run_log is not None:
-            await asyncio.to_thread(self._run_log.step, version, metrics)
+            await asyncio.to_thread(self._log_step, str(job["policy"]), version, metrics)
+
+    def _log_step(self, policy: str, version: int, metrics: dict[str, Any]) -> None:
+        assert self._run_log is not None
+        self._run_log.of(policy).step(version, metrics)
+
+    def _log_evaluation(self, policy: str, row: dict[str, Any]) -> None:
+        assert self._run_log is not None
+        self._run_log.of(policy).evaluation(row["version"], row["name"], row["value"], row["samples"])
 
     async def log_evaluations(self) -> None:
-        """Log the evaluations posted since the last look (``--log-to``); a failure waits for the next look."""
-        if self._run_log is None:
+        """Log the evaluations posted since the last look (``--log-to``), each into its policy's run; a failure
+        waits for the next look."""
+        run_log = self._run_log
+        if run_log is None:
             return
         try:
-            rows = await self._store.evaluations.since(self.settings.policy, self._evaluations_seen)
+            policies = list(self.settings.policies) or [p["name"] for p in await self._store.policies.all()]
+            for policy in policies:
+                rows = await self._store.evaluations.since(policy, self._evaluations_seen.get(policy, 0))
+                for row in rows:
+                    await asyncio.to_thread(self._log_evaluation, policy, row)
+                    self._evaluations_seen[policy] = int(row["id"])
         except Exception:
-            log.exception("reading the posted evaluations failed; trying again at the next look")
-            return
-        for row in rows:
-            await asyncio.to_thread(self._run_log.evaluation, row["version"], row["name"], row["value"], row["samples"])
-            self._evaluations_seen = int(row["id"])
+            log.exception("logging the posted evaluations failed; trying again at the next look")
 
     async def _renew_lease(self, job_id: int) -> None:
         """Keep the claim alive while the step runs (in a thread, so this loop stays free)."""
@@ -218,8 +252,9 @@ class Worker:
 
     async def _train(self, job: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
         began = time.monotonic()
-        holds = self._held.version
-        base = await self._version_to_train_on()
+        policy = str(job["policy"])
+        holds = self._held.holds
+        base = await self._version_to_train_on(policy)
         stored = await self._store.jobs.rewarded_trajectories(job["group_ids"])
         config = self.settings.config
         defaults = SamplingDefaults.of_model(self.settings.base_model, temperature=config.default_temperature)
@@ -235,34 +270,34 @@ class Worker:
             for sample, advantage in zip(batch.samples, batch.advantages, strict=True)
         ]
         async with self._gpu(job["id"]) as grant:  # one GPU shared with vLLM: held from here to the record
-            self._tell(Step(base, holds, tuple(items)))
+            self._tell(Step(policy, base, holds, tuple(items)))
             # Loaded after the word: a sharded learner's set-up is collective, so every rank builds it together.
-            learner = await asyncio.to_thread(self._held.at, base)
+            learner = await asyncio.to_thread(self._held.at, policy, base)
             with stop_when_revoked(learner, grant):
                 result = await asyncio.to_thread(learner.step, items)
-            self._held.version = -1  # the weights moved: no version until they are saved as one
+            self._held.holds = (policy, -1)  # the weights moved: no version until they are saved as one
             version = int(job["version"])  # decided by the claim: no other worker records it
             metrics = {**batch.metrics, **result.to_dict(), "version": version, "trained_from": base,
                        **await self._times(stored, began)}  # fmt: skip
             # A lost claim's job is another worker's now, with this version: never write over its directory.
             if not await self._store.jobs.renew(job["id"], self._name, self.settings.lease_s, progress=0.8):
                 return self._dropped(job, version, metrics)
-            out_dir = self.settings.adapters_dir / str(version)
+            out_dir = self.settings.adapters_of(policy) / str(version)
             await asyncio.to_thread(learner.save, out_dir, metrics)
-            self._held.version = version
+            self._held.holds = (policy, version)
             # The files go with the record: a vLLM that cannot see this disk fetches them through the proxy.
             try:
                 files = await asyncio.to_thread(files_for_store, out_dir) if self.settings.adapter_files else []
-                recorded = await self._store.adapters.record(self.settings.policy, version, str(out_dir.resolve()),
-                                                             job["id"], metrics, files, owner=self._name)  # fmt: skip
+                recorded = await self._store.adapters.record(policy, version, str(out_dir.resolve()), job["id"],
+                                                             metrics, files, owner=self._name)  # fmt: skip
             except Exception:  # a version not on record is no version: nothing half-done stays (a full disk)
                 await asyncio.to_thread(shutil.rmtree, out_dir, True)
                 raise
             if not recorded:  # the claim was lost: the directory is the new claimant's to write
                 return self._dropped(job, version, metrics)
-        await self._retain()
-        log.info("job %s: trained %s@%d (loss %.4f, reward mean %.3f, %.1f s)", job["id"], self.settings.policy,
-                 version, result.loss, batch.metrics["reward_mean"], result.seconds)  # fmt: skip
+        await self._retain(policy)
+        log.info("job %s: trained %s@%d (loss %.4f, reward mean %.3f, %.1f s)", job["id"], policy, version,
+                 result.loss, batch.metrics["reward_mean"], result.seconds)  # fmt: skip
         return metrics, version
 
     async def _times(self, stored: list[Any], began: float) -> dict[str, float]:
@@ -273,15 +308,18 @@ class Worker:
 
     def _dropped(self, job: dict[str, Any], version: int, metrics: dict[str, Any]) -> tuple[dict[str, Any], None]:
         log.warning("job %s: the claim was lost before %s@%d was recorded; the step is dropped", job["id"],
-                    self.settings.policy, version)  # fmt: skip
+                    job["policy"], version)  # fmt: skip
         return {**metrics, "dropped": "the claim was lost"}, None
 
-    async def _retain(self) -> None:
-        """Retention after a version is recorded; its failure is logged, never the step's."""
+    async def _retain(self, policy: str) -> None:
+        """Retention after a version is recorded (the policy's own ``keep_versions`` when it has one); its failure
+        is logged, never the step's."""
         try:
-            await retain(self._store, self.settings.policy, self.settings.adapters_dir, self.settings.keep_versions)
+            row = await self._store.policies.get(policy)
+            keep = int((row or {}).get("config", {}).get("keep_versions") or self.settings.keep_versions)
+            await retain(self._store, policy, self.settings.adapters_of(policy), keep)
         except Exception:
-            log.exception("retention of %s's versions failed; the next step tries again", self.settings.policy)
+            log.exception("retention of %s's versions failed; the next step tries again", policy)
 
     def _tell(self, word: Word) -> None:
         if self._group is not None:
@@ -296,37 +334,45 @@ class Worker:
         return gpu_handed_over(self._store, job_id, self._name, keepalive=keepalive,
                                keepalive_s=self.settings.collective_timeout_s / 4)  # fmt: skip
 
-    async def _version_to_train_on(self) -> int:
-        return await self._store.adapters.version_to_train_on(self.settings.policy)
+    async def _version_to_train_on(self, policy: str) -> int:
+        return await self._store.adapters.version_to_train_on(policy)
 
 
 class HeldLearner:
-    """The learner a process holds, and the adapter version its weights are."""
+    """The learner a process holds, and the (policy, adapter version) its weights are."""
 
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
         self.learner: Learner | None = None
-        self.version = -1
+        self.holds: tuple[str, int] = ("", -1)
+        self.switches = 0  # moves to another policy's LoRA in place, the base kept (Learner.switch)
+        self.builds = 0  # learners built (the base loaded)
 
-    def at(self, version: int) -> Learner:
-        """The learner holding ``version``'s weights (built or reloaded when it holds another).
+    def at(self, policy: str, version: int) -> Learner:
+        """The learner holding ``policy@version``'s weights: the one held when it holds them, else that one with
+        the adapter switched in place (the base kept), else a new one.
 
-        The learner it held is freed before the new one is built: two at once would double the
+        The learner it held is freed before a new one is built: two at once would double the
         trainer's resident memory (inside a hand-over, after a rollback or a failed publish),
         which the GPU plan does not leave room for.
         """
-        if self.learner is not None and self.version == version:
+        if self.learner is not None and self.holds == (policy, version):
             return self.learner
         settings = self.settings
-        adapter = settings.adapters_dir / str(version) if version > 0 else settings.init_adapter
+        adapter = settings.adapters_of(policy) / str(version) if version > 0 else settings.init_adapter
         if adapter is not None and not adapter.is_dir():
             raise FileNotFoundError(f"the adapter to train from is missing: {adapter}")
+        if self.learner is not None and self.learner.switch(adapter):
+            self.holds = (policy, version)
+            self.switches += 1
+            return self.learner
         if self.learner is not None:
-            self.learner, self.version = None, -1
+            self.learner, self.holds = None, ("", -1)
             release_learner_memory()
         self.learner = Learner(settings.base_model, settings.config, adapter=adapter, device=settings.device,
                                attn_implementation=settings.attn_implementation, shard=settings.shard)  # fmt: skip
-        self.version = version
+        self.holds = (policy, version)
+        self.builds += 1
         return self.learner
 
 
@@ -345,12 +391,12 @@ def follow(settings: WorkerSettings) -> None:
         if isinstance(word, Stop):
             return
         if isinstance(word, Load):
-            held.at(word.version)
+            held.at(word.policy, word.version)
             _distributed.barrier()
         elif isinstance(word, Step):
-            held.version = word.holds
+            held.holds = word.holds
             try:
-                held.at(word.version).step(word.items)
+                held.at(word.policy, word.version).step(word.items)
             except (ValueError, StepFailed) as exc:
                 log.debug("the step failed on every rank: %s", exc)
                 release_step_memory(exc)

@@ -21,7 +21,7 @@ from proxy.gateway.upstream import Router, Server
 from proxy.judge import JudgeService
 from proxy.observability import Metrics
 from proxy.observability._disk import DiskWatch
-from proxy.training import HandoverCoordinator, JobScheduler
+from proxy.training import HandoverCoordinator, JobScheduler, Publisher
 from proxy.training._guard import resume_training as resume
 from store import (
     ADAPTER_FIELDS,
@@ -51,6 +51,8 @@ class Sources(Protocol):
     @property
     def scheduler(self) -> JobScheduler: ...
     @property
+    def publisher(self) -> Publisher: ...
+    @property
     def judging(self) -> JudgeService: ...
     @property
     def metrics(self) -> Metrics: ...
@@ -62,40 +64,54 @@ class Sources(Protocol):
     def disk(self) -> DiskWatch | None: ...
 
 
-async def overview(services: Sources) -> dict[str, Any]:
-    """Traffic, data, training and serving at a glance."""
+async def overview(services: Sources, policy: str | None = None) -> dict[str, Any]:
+    """Traffic, data, training and serving at a glance: of every policy, or of ``policy`` alone."""
     store = services.store
     traffic = await store.reads.traffic()
-    jobs = await store.jobs.counts()
-    last_step = await store.jobs.last(JobState.SUCCEEDED)
-    running = await store.jobs.last(JobState.RUNNING)
+    jobs = await store.jobs.counts(policy)
+    last_step = await store.jobs.last(JobState.SUCCEEDED, policy)
+    running = await store.jobs.last(JobState.RUNNING, policy)
     total, rewarded = traffic["trajectories"], traffic["rewarded"]
+    policies = [p for p in await store.policies.all() if policy is None or p["name"] == policy]
+    summaries = [await _policy_summary(services, p) for p in policies]
     return {
         "object": "overview",
+        "policy": policy,
         "requests_per_minute": {
             "last_minute": traffic["calls_last_minute"],
             "last_5_minutes": round(traffic["calls_last_5_minutes"] / 5, 1),
         },
         "trajectories": {"total": total, "rewarded": rewarded, "open": total - rewarded},
-        "groups_ready": len(await services.scheduler.ready_groups()),
-        "policies": [
-            {
-                "policy": p["name"],
-                "base_model": p["base_model"],
-                "active_version": p["active_version"],
-                "updated_at": p["updated_at"],
-            }
-            for p in await store.policies.all()
-        ],
-        "loaded_versions": sorted(services.registry.loaded_versions),
+        "groups_ready": sum(p["groups_ready"] for p in summaries),
+        "policies": summaries,
+        "loaded_versions": sorted({f"{p['policy']}@{v}" for p in summaries for v in p["loaded_versions"]}),
         "jobs": {state.value: jobs.get(state.value, 0) for state in JobState},
         "last_step": _job(last_step) if last_step else None,
         "running_job": _job(running) if running else None,
         "gpu_handover": await _gpu_handover(services),
         "upstreams": await _upstreams(services),
-        "training": await training_state(services),
-        "groups_unrewarded": await store.reward_timeouts.unrewarded(services.settings.policy),
+        "paused": [p["training"] for p in summaries if p["training"]["paused"]],
+        # The one policy in view (named, or the only one there is): its training state; None with several.
+        "training": summaries[0]["training"] if len(summaries) == 1 else None,
+        "groups_unrewarded": sum(p["groups_unrewarded"] for p in summaries),
         "disk": _disk(services),
+    }
+
+
+async def _policy_summary(services: Sources, row: dict[str, Any]) -> dict[str, Any]:
+    """One policy on the overview: its alias, the versions loaded here, ready groups, training state."""
+    name = str(row["name"])
+    served = services.registry.get(name) if name in services.registry else None
+    return {
+        "policy": name,
+        "state": row["state"],
+        "base_model": row["base_model"],
+        "active_version": int(row["active_version"]),
+        "loaded_versions": sorted(served.loaded_versions) if served is not None else [],
+        "updated_at": row["updated_at"],
+        "groups_ready": len(await services.scheduler.ready_groups(name)),
+        "groups_unrewarded": await services.store.reward_timeouts.unrewarded(name),
+        "training": await training_state(services, name),
     }
 
 
@@ -105,31 +121,33 @@ def _disk(services: Sources) -> dict[str, Any] | None:
     return None if usage is None else {**usage.view(), "capture_failures": dict(services.metrics.failed_captures)}
 
 
-async def training_state(services: Sources) -> dict[str, Any]:
-    """Whether the policy trains; when the regression guard paused it, why, and the version it rolled back."""
-    policy = services.settings.policy
+async def training_state(services: Sources, policy: str) -> dict[str, Any]:
+    """Whether ``policy`` trains; when the regression guard paused it, why, and the version it rolled back."""
     state = await services.store.guards.training(policy)
+    settings = services.registry.get(policy).settings if policy in services.registry else None
     return {
         "object": "training",
         "policy": policy,
         **state,
         "paused": state["training"] == TrainingState.PAUSED,
-        "regression_guard": services.settings.regression_guard,
-        "reward_timeout_s": services.settings.reward_timeout_s,
+        "served": settings is not None,
+        "regression_guard": settings.regression_guard if settings else services.settings.regression_guard,
+        "reward_timeout_s": settings.reward_timeout_s if settings else services.settings.reward_timeout_s,
     }
 
 
-async def resume_training(services: Sources) -> dict[str, Any]:
-    """Resume the policy's training after the regression guard paused it (a no-op when it was not paused)."""
-    await resume(services.store, services.settings.policy)
-    return await training_state(services)
+async def resume_training(services: Sources, policy: str) -> dict[str, Any]:
+    """Resume ``policy``'s training after the regression guard paused it (a no-op when it was not paused)."""
+    await resume(services.store, policy)
+    return await training_state(services, policy)
 
 
-async def refuse_while_paused(services: Sources) -> None:
+async def refuse_while_paused(services: Sources, policy: str) -> None:
     """'Train now' while the guard paused training is a 409 that says why and how to resume."""
-    if reason := await services.scheduler.paused():
-        raise Conflict(f"Training is paused: {reason}. Resume it first (POST /admin/training/resume, or the "
-                       "dashboard's Resume training button).", code="training_paused")  # fmt: skip
+    if reason := await services.scheduler.paused(policy):
+        raise Conflict(f"Training of {policy} is paused: {reason}. Resume it first (POST /admin/training/resume"
+                       f"?policy={policy}, or the dashboard's Resume training button).",
+                       code="training_paused")  # fmt: skip
 
 
 async def _gpu_handover(services: Sources) -> dict[str, Any] | None:
@@ -137,12 +155,13 @@ async def _gpu_handover(services: Sources) -> dict[str, Any] | None:
     if not services.settings.share_gpu:
         return None
     not_awake = services.handover.not_awake if services.handover is not None else None
-    pending = await services.store.jobs.pending_gpu_requests(services.settings.policy)
+    pending = await services.store.jobs.pending_gpu_requests()
     if not pending and not_awake is None:
         return None
     job = pending[0] if pending else None
     return {
         "job_id": job["id"] if job else None,
+        "policy": job["policy"] if job else None,
         "gpu_state": job["gpu_state"] if job else None,  # requested: vLLM is being paused; granted: it sleeps
         "since": (job["gpu_granted_at"] or job["gpu_requested_at"]) if job else None,
         "vllm_not_awake": not_awake,
@@ -191,7 +210,13 @@ async def trajectory_detail(services: Sources, trajectory_id: str) -> dict[str, 
 
 
 async def list_groups(services: Sources, **filters: Any) -> dict[str, Any]:
-    return await _data.list_groups(services.store, min_group_size=services.settings.min_group_size, **filters)
+    return await _data.list_groups(services.store, min_group_size=services.settings.min_group_size,
+                                   min_group_sizes=min_group_sizes(services.registry), **filters)  # fmt: skip
+
+
+def min_group_sizes(registry: PolicyRegistry) -> dict[str, int]:
+    """Each served policy's least size of a group that trains (its own, or the server's)."""
+    return {served.name: served.settings.min_group_size for served in registry}
 
 
 async def group_detail(services: Sources, group_id: str) -> dict[str, Any]:
@@ -243,9 +268,9 @@ def group_advantages(rewards: list[float | None]) -> tuple[list[float | None], l
     return centered, scaled
 
 
-async def list_jobs(services: Sources, limit: int) -> dict[str, Any]:
-    """Training jobs, newest first, with their metrics and progress."""
-    return {"object": "list", "data": [_job(r) for r in await services.store.jobs.newest(limit)]}
+async def list_jobs(services: Sources, limit: int, policy: str | None = None) -> dict[str, Any]:
+    """Training jobs (of every policy, or of ``policy``), newest first, with their metrics and progress."""
+    return {"object": "list", "data": [_job(r) for r in await services.store.jobs.newest(limit, policy)]}
 
 
 def curves(jobs: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
@@ -262,15 +287,17 @@ def curves(jobs: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
-async def list_adapters(services: Sources) -> dict[str, Any]:
-    """Adapter versions on disk, which are loaded, and which one serves the policy."""
-    registry = services.registry
-    rows = await services.store.adapters.of_policy(registry.policy)
+async def list_adapters(services: Sources, policy: str) -> dict[str, Any]:
+    """``policy``'s adapter versions on disk, which are loaded, and which one serves it."""
+    rows = await services.store.adapters.of_policy(policy)
+    served = services.registry.get(policy) if policy in services.registry else None
+    active = served.active_version if served else await services.store.policies.active_version(policy)
     return {
         "object": "list",
-        "policy": registry.policy,
-        "active_version": registry.active_version,
-        "loaded_versions": sorted(registry.loaded_versions),
+        "policy": policy,
+        "served": served is not None,
+        "active_version": active or 0,
+        "loaded_versions": sorted(served.loaded_versions) if served else [],
         "data": [{"object": "adapter", **{f: r[f] for f in ADAPTER_FIELDS}} for r in rows],
     }
 

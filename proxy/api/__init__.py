@@ -9,7 +9,17 @@ foreign hosts, body size), mounts ``ROUTERS`` and hands the plain generation pat
 
 from fastapi import APIRouter
 
-from proxy.api import _adapters, _admin, _dashboard, _data, _health, _judge, _openai
+from proxy.api import (
+    _adapters,
+    _admin,
+    _admin_policies,
+    _dashboard,
+    _dashboard_actions,  # noqa: F401 (its routes join _dashboard.forms as it is imported)
+    _data,
+    _health,
+    _judge,
+    _openai,
+)
 from proxy.api._door import Door
 from proxy.api._handlers import add_error_handlers
 from proxy.api._openai import GENERATION_PATHS, serve_generation
@@ -18,8 +28,10 @@ ROUTERS: tuple[APIRouter, ...] = (
     _openai.router,
     _data.router,
     _admin.router,
+    _admin_policies.router,
     _judge.router,
     _dashboard.router,
+    _dashboard.forms,  # its routes are _dashboard_actions'
     _adapters.router,
     _health.router,
 )

@@ -1,10 +1,11 @@
-"""The admin JSON API: everything the dashboard shows, and its two actions.
+"""The admin JSON API: everything the dashboard shows, and its actions.
 
 Reads: overview, trajectories, groups, training jobs, adapters, training state. Actions:
-train now, activate a version (rollback/forward), resume training after the regression
-guard paused it, end every dashboard session, and record a version's evaluation (for the trainer's run
-loggers). The admin token (``Authorization: Bearer``) or a dashboard session with its CSRF token admits a
-request (``proxy._credentials``).
+train now, activate a version (rollback/forward), resume training after the regression guard paused
+it, end every dashboard session, and record a version's evaluation (for the trainer's run loggers).
+Each is about one policy: ``?policy=NAME`` (optional while one policy is served); the policies
+themselves are ``proxy.api._admin_policies``. The admin token (``Authorization: Bearer``) or a
+dashboard session with its CSRF token admits a request (``proxy._credentials``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
 
-from proxy._params import Cursor, GroupViewState, Id, Limit, UnixTime, Version
+from proxy._params import Cursor, GroupViewState, Id, Limit, PolicyName, UnixTime, Version
+from proxy.admin import _policies
 from proxy.admin import _service as _admin
 from proxy.admin._evaluations import EvaluationPost, record_evaluation
 from proxy.api._deps import ServicesDep, require_admin
@@ -21,12 +23,20 @@ from proxy.errors import InvalidRequest
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], tags=["admin"])
 
+# The policy a per-policy read or an action is about; optional while the proxy serves one policy.
+PolicyParam = Annotated[
+    PolicyName | None, Query(description="The policy (optional while one is served; see GET /admin/policies).")
+]
+
 
 @router.get("/overview")
-async def overview(services: ServicesDep) -> dict[str, Any]:
-    """Requests per minute, trajectories (open, rewarded), ready groups, the version each policy serves,
-    training jobs by state, the last step, the running job and vLLM's health."""
-    return await _admin.overview(services)
+async def overview(services: ServicesDep, policy: PolicyParam = None) -> dict[str, Any]:
+    """Requests per minute, trajectories (open, rewarded), each policy (the version it serves, ready groups,
+    training state), training jobs by state, the last step, the running job and vLLM's health; of `policy`
+    alone when named."""
+    if policy is not None:
+        policy = await _policies.chosen(services, policy)
+    return await _admin.overview(services, policy)
 
 
 @router.get("/trajectories")
@@ -75,47 +85,54 @@ async def get_group(group_id: Id, services: ServicesDep) -> dict[str, Any]:
 
 
 @router.get("/jobs")
-async def list_jobs(services: ServicesDep, limit: Limit = 50) -> dict[str, Any]:
-    """Training jobs (steps), newest first, with their metrics and progress."""
-    return await _admin.list_jobs(services, limit)
+async def list_jobs(services: ServicesDep, limit: Limit = 50, policy: PolicyParam = None) -> dict[str, Any]:
+    """Training jobs (steps) of every policy, or of `policy`, newest first, with their metrics and progress."""
+    if policy is not None:
+        policy = await _policies.chosen(services, policy)
+    return await _admin.list_jobs(services, limit, policy)
 
 
 @router.get("/adapters")
-async def list_adapters(services: ServicesDep) -> dict[str, Any]:
-    """Adapter versions on disk, which are loaded, and which one serves the policy."""
-    return await _admin.list_adapters(services)
+async def list_adapters(services: ServicesDep, policy: PolicyParam = None) -> dict[str, Any]:
+    """The policy's adapter versions on disk, which are loaded, and which one serves it."""
+    return await _admin.list_adapters(services, await _policies.chosen(services, policy))
 
 
 @router.get("/training")
-async def training(services: ServicesDep) -> dict[str, Any]:
+async def training(services: ServicesDep, policy: PolicyParam = None) -> dict[str, Any]:
     """Whether the policy trains, or why the regression guard paused it."""
-    return await _admin.training_state(services)
+    return await _admin.training_state(services, await _policies.chosen(services, policy))
 
 
 @router.post("/training/resume")
-async def resume_training(services: ServicesDep) -> dict[str, Any]:
-    """Resume training after the regression guard paused it (it rolled a worse version back)."""
-    return await _admin.resume_training(services)
+async def resume_training(services: ServicesDep, policy: PolicyParam = None) -> dict[str, Any]:
+    """Resume the policy's training after the regression guard paused it (it rolled a worse version back)."""
+    return await _admin.resume_training(services, await _policies.chosen(services, policy))
 
 
 @router.post("/train")
-async def train_now(services: ServicesDep) -> dict[str, Any]:
-    """Create a training job from every ready group now, without waiting for a full batch (409 while paused)."""
-    await _admin.refuse_while_paused(services)
-    job = await services.scheduler.maybe_create_job(force=True)
+async def train_now(services: ServicesDep, policy: PolicyParam = None) -> dict[str, Any]:
+    """Create a training job from every ready group of the policy now, without waiting for a full batch (409
+    while its training is paused)."""
+    name = await _policies.chosen(services, policy)
+    await _admin.refuse_while_paused(services, name)
+    job = await services.scheduler.maybe_create_job(name, force=True)
     if job is None:
+        size = services.registry.get(name).settings.min_group_size if name in services.registry else None
         raise InvalidRequest(
-            "No group is ready: a group is ready when all its trajectories are rewarded and it has at least "
-            f"{services.settings.min_group_size} of them (see GET /admin/groups?state=ready)."
+            f"No group is ready to train {name} on: a group is ready when all its trajectories are rewarded and it "
+            f"has at least {size or services.settings.min_group_size} of them (see GET /admin/groups?state=ready"
+            f"&policy={name}); a retired policy trains nothing."
         )
     return {"object": "training_job", **job}
 
 
 @router.post("/adapters/{version}/activate")
-async def activate(version: Version, services: ServicesDep) -> dict[str, Any]:
+async def activate(version: Version, services: ServicesDep, policy: PolicyParam = None) -> dict[str, Any]:
     """Serve `version` as the policy (0 is the base model): a rollback or a roll forward."""
-    active = await services.publisher.activate(version)
-    return {"object": "policy", "policy": services.registry.policy, "active_version": active}
+    name = await _policies.chosen(services, policy)
+    active = await services.publisher.activate(name, version)
+    return {"object": "policy", "policy": name, "active_version": active}
 
 
 @router.post("/sessions/revoke")
@@ -127,8 +144,8 @@ async def revoke_sessions(services: ServicesDep) -> dict[str, str]:
 
 
 @router.post("/evaluations")
-async def post_evaluation(post: EvaluationPost, services: ServicesDep) -> dict[str, Any]:
+async def post_evaluation(post: EvaluationPost, services: ServicesDep, policy: PolicyParam = None) -> dict[str, Any]:
     """Record a version's scores on what it was not trained on (held-out success, a benchmark), e.g.
     `{"version": 3, "scores": {"held_out_success": 0.62}, "samples": 200}`. The trainer logs them to its run
     (`--log-to`) at that version's step."""
-    return await record_evaluation(services.store, services.registry.policy, post)
+    return await record_evaluation(services.store, await _policies.chosen(services, policy), post)

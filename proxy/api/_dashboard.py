@@ -4,7 +4,11 @@ Each page renders one result of ``proxy.admin`` (the admin JSON API, ``proxy.api
 Jinja2 escapes everything it prints: captured content is attacker-controlled. The
 pages run no JavaScript, and their Content-Security-Policy allows none, nor any style
 but the page's own stylesheet (by hash), so a payload that got past escaping would
-still not run. Actions are POSTed forms carrying the session's CSRF token.
+still not run. Actions are POSTed forms carrying the session's CSRF token (``proxy.api._dashboard_actions``).
+
+Every page takes ``?policy=NAME``: the picker in the header sets it and every link keeps it. Overview,
+trajectories and groups show every policy unless one is picked; training and adapters are one policy's
+(the one picked, else the first served).
 """
 
 from __future__ import annotations
@@ -15,25 +19,27 @@ import math
 import time
 from collections.abc import Awaitable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import quote, urlencode
 
-from fastapi import APIRouter, Form, Request
+from fastapi import APIRouter, Request
 from fastapi.routing import APIRoute
 from fastapi.templating import Jinja2Templates
 from pydantic import TypeAdapter, ValidationError
-from starlette.responses import RedirectResponse, Response
+from starlette.responses import Response
 
-from proxy._credentials import COOKIE, SESSION_S, Admin, AdminAuth, cookie_is_secure
-from proxy._params import Cursor, Id, Version
+from proxy._credentials import Admin, AdminAuth
+from proxy._params import Cursor, Id, PolicyName, Version
 from proxy._services import Services
+from proxy.admin import _policies
 from proxy.admin import _service as _admin
 from proxy.admin._svg import line_chart
 from proxy.api._deps import ServicesDep
-from proxy.errors import AuthenticationFailed, InvalidRequest, ProxyError, TooManyRequests
+from proxy.errors import AuthenticationFailed, InvalidRequest, ProxyError
 from tracetrain_core import call_reply
 
 router = APIRouter(prefix="/admin", include_in_schema=False)
+forms = APIRouter(prefix="/admin", include_in_schema=False)  # the forms' actions: proxy.api._dashboard_actions
 _T = TypeVar("_T")
 
 _HERE = Path(__file__).parent / "templates"
@@ -53,10 +59,12 @@ _SINCE = {"15m": 900, "1h": 3600, "24h": 86400, "7d": 7 * 86400, "": None}
 _SINCE_CHOICES = [("", "any time"), ("15m", "15 min"), ("1h", "1 hour"), ("24h", "24 hours"), ("7d", "7 days")]
 _NOTICES = {
     "activated": "Now serving {policy}@{version}.",
-    "queued": "Training job {job} queued.",
+    "queued": "Training job {job} of {policy} queued.",
     "judged": "The judge scored this group.",
     "judge_failed": "The judge could not score this group; its reason is in the judgements below.",
-    "resumed": "Training resumed: the regression guard watches the next version it publishes.",
+    "resumed": "Training of {policy} resumed: the regression guard watches the next version it publishes.",
+    "added": "Serving {name}: its first calls are served by the base model ({name}@0) until it trains.",
+    "retired": "{name} is retired: no longer served or trained; its data stays readable here.",
 }
 
 
@@ -121,7 +129,7 @@ def _error_page(request: Request, exc: ProxyError, title: str) -> Response:
 def bad_page_request(request: Request, exc: ProxyError) -> Response | None:
     """The error page for a page or form action whose URL or form failed validation; None for any other route."""
     route = request.scope.get("route")
-    pages = [page.endpoint for page in router.routes if isinstance(page, APIRoute)]
+    pages = [page.endpoint for routes in (router.routes, forms.routes) for page in routes if isinstance(page, APIRoute)]
     if not isinstance(route, APIRoute) or route.endpoint not in pages:
         return None
     return _error_page(request, exc, "Bad request")
@@ -148,6 +156,7 @@ def _filter(request: Request, name: str, adapter: TypeAdapter[_T]) -> _T | None:
 
 
 _ID: TypeAdapter[str] = TypeAdapter(Id)
+_POLICY: TypeAdapter[str] = TypeAdapter(PolicyName)
 _VERSION: TypeAdapter[int] = TypeAdapter(Version)
 _CURSOR: TypeAdapter[str | None] = TypeAdapter(Cursor)
 
@@ -157,63 +166,67 @@ def _safe_next(path: str) -> str:
     return path if path.startswith("/admin") and not path.startswith("//") else "/admin"
 
 
-def _notice(request: Request, services: Services) -> str | None:
+def _notice(request: Request, policy: str | None) -> str | None:
     template = _NOTICES.get(request.query_params.get("notice", ""))
     if template is None:
         return None
-    values = {"policy": services.registry.policy, "version": "", "job": ""}
+    values = {"policy": policy or "?", "version": "", "job": "", "name": ""}
     for key in ("version", "job"):
         raw = request.query_params.get(key, "")
         values[key] = raw if raw.isdigit() else "?"
+    name = request.query_params.get("name", "")
+    values["name"] = name if _is_policy_name(name) else "?"
     return template.format(**values)
 
 
-def _page(request: Request, services: Services, admin: Admin, name: str, section: str, **context: Any) -> Response:
-    return _render(
-        request, name, admin=admin, section=section, title=section, notice=_notice(request, services), **context
-    )
-
-
-# -- log in and out ------------------------------------------------------------------------
-
-
-@router.get("/ui/login")
-async def login_form(request: Request, next: str = "/admin") -> Response:
-    if _auth(request).open:
-        return RedirectResponse("/admin", status_code=303)
-    return _login_page(request, 200, next_url=_safe_next(next))
-
-
-@router.post("/ui/login")
-async def login(
-    request: Request, token: Annotated[str, Form()] = "", next: Annotated[str, Form()] = "/admin"
-) -> Response:
-    auth = _auth(request)
-    if auth.open:
-        return RedirectResponse("/admin", status_code=303)
+def _is_policy_name(name: str) -> bool:
     try:
-        right = auth.log_in(request, token)
-    except TooManyRequests as exc:
-        page = _login_page(request, 429, error=exc.message, next_url=_safe_next(next))
-        page.headers["Retry-After"] = str(exc.retry_after_s)
-        return page
-    if not right:
-        return _login_page(request, 401, error="That is not the admin token.", next_url=_safe_next(next))
-    response = RedirectResponse(_safe_next(next), status_code=303)
-    response.set_cookie(
-        COOKIE, auth.new_session(), max_age=SESSION_S, path="/admin", httponly=True, samesite="strict",
-        secure=cookie_is_secure(request),
+        _POLICY.validate_python(name)
+    except ValidationError:
+        return False
+    return True
+
+
+async def _page(
+    request: Request, services: Services, admin: Admin, name: str, section: str, policy: str | None = None,
+    **context: Any,
+) -> Response:  # fmt: skip
+    """A page, with the policy picker: every policy (retired ones muted), the one picked (None: all)."""
+    policies = [{"name": p["name"], "state": p["state"]} for p in await services.store.policies.all()]
+    context.setdefault("picker_path", request.url.path)  # a page of one item picks on its list instead
+    # Links keep the policy picked; with one policy there is nothing to pick.
+    keep = policy is not None and len(policies) > 1
+    return _render(
+        request, name, admin=admin, section=section, title=section, notice=_notice(request, policy), policy=policy,
+        policies=policies, policy_q=f"?policy={quote(policy, safe='')}" if keep and policy else "", **context,
     )  # fmt: skip
-    return response
 
 
-@router.post("/ui/logout")
-async def logout(request: Request, csrf_token: Annotated[str, Form()] = "") -> Response:
-    admin = await _admit(request, csrf_token)
-    await _auth(request).revoke(admin)  # ended on the server too: a copy of the cookie is refused from now on
-    response = RedirectResponse("/admin/ui/login", status_code=303)
-    response.delete_cookie(COOKIE, path="/admin", httponly=True, samesite="strict")
-    return response
+async def picked(request: Request, services: Services) -> str | None:
+    """The policy the picker chose (``?policy=``), None for every one; an unknown name is a 404 page."""
+    name = _filter(request, "policy", _POLICY)
+    if name is None:
+        return None
+    return await _or_error_page(request, _policies.chosen(services, name), "Not found")
+
+
+async def one_policy(request: Request, services: Services) -> str:
+    """The policy a per-policy page shows: the one picked, else the first served (a 400 page when none is)."""
+    name = await picked(request, services)
+    if name is not None:
+        return name
+    served = services.registry.names()
+    if not served:
+        raise PageResponse(
+            _error_page(
+                request,
+                InvalidRequest(
+                    "No policy is served: pick a retired one to read its data, or add one on the Policies page."
+                ),
+                "No policy",
+            )
+        )
+    return served[0]
 
 
 # -- pages -----------------------------------------------------------------------------------
@@ -222,26 +235,39 @@ async def logout(request: Request, csrf_token: Annotated[str, Form()] = "") -> R
 @router.get("")
 async def overview(request: Request, services: ServicesDep) -> Response:
     admin = await _admit(request)
-    jobs = (await _admin.list_jobs(services, 500))["data"]
+    policy = await picked(request, services)
     latest = await _admin.list_trajectories(
-        services, policy=None, group_id=None, rewarded=None, limit=8, after=None
+        services, policy=policy, group_id=None, rewarded=None, limit=8, after=None
     )  # fmt: skip
-    return _page(
-        request, services, admin, "overview.html", "Overview", o=await _admin.overview(services), refresh=15,
-        reward_chart=line_chart(_admin.curves(jobs)["reward_mean"], title="Reward mean", x_label="version"),
-        latest=latest["data"],
+    charts = []
+    for name in [policy] if policy else services.registry.names():
+        jobs = (await _admin.list_jobs(services, 500, name))["data"]
+        charts.append((name, line_chart(_admin.curves(jobs)["reward_mean"], title=f"Reward mean of {name}",
+                                        x_label="version")))  # fmt: skip
+    return await _page(
+        request, services, admin, "overview.html", "Overview", policy, o=await _admin.overview(services, policy),
+        refresh=15, reward_charts=charts, latest=latest["data"],
     )  # fmt: skip
+
+
+@router.get("/ui/policies")
+async def policies(request: Request, services: ServicesDep) -> Response:
+    admin = await _admit(request)
+    listing = await _policies.list_policies(services)
+    return await _page(request, services, admin, "policies.html", "Policies", await picked(request, services),
+                       rows=listing["data"])  # fmt: skip
 
 
 @router.get("/ui/trajectories")
 async def trajectories(request: Request, services: ServicesDep) -> Response:
     q = request.query_params
     admin = await _admit(request)
+    policy = await picked(request, services)
     rewarded = {"true": True, "false": False}.get(q.get("rewarded", ""))
     since = q.get("since", "") if q.get("since", "") in _SINCE else ""
     seconds = _SINCE[since]
     filters: dict[str, Any] = {
-        "policy": _filter(request, "policy", _ID),
+        "policy": policy,
         "group_id": _filter(request, "group_id", _ID),
         "rewarded": rewarded,
         "version": _filter(request, "version", _VERSION),
@@ -251,8 +277,8 @@ async def trajectories(request: Request, services: ServicesDep) -> Response:
     listing = _admin.list_trajectories(services, **filters, limit=50, after=_filter(request, "after", _CURSOR))
     page = await _or_error_page(request, listing, "Bad filter")
     shown = {k: v for k, v in {**q, "after": page["next_cursor"]}.items() if v}
-    return _page(
-        request, services, admin, "trajectories.html", "Trajectories", page=page,
+    return await _page(
+        request, services, admin, "trajectories.html", "Trajectories", policy, page=page,
         f={**filters, "since": since, "rewarded_raw": q.get("rewarded", "")}, since_choices=_SINCE_CHOICES,
         next_url="/admin/ui/trajectories?" + urlencode(shown),
     )  # fmt: skip
@@ -265,7 +291,8 @@ async def trajectory(trajectory_id: Id, request: Request, services: ServicesDep)
     for call in detail["calls"]:
         call["tokens"] = _token_rows(call)
         call["reply"] = call_reply(call["endpoint"], call.get("response"))
-    return _page(request, services, admin, "trajectory.html", "Trajectories", t=detail)
+    return await _page(request, services, admin, "trajectory.html", "Trajectories", detail["policy"], t=detail,
+                       picker_path="/admin/ui/trajectories")  # fmt: skip
 
 
 def _token_rows(call: dict[str, Any]) -> list[dict[str, Any]]:
@@ -289,12 +316,13 @@ def _token_rows(call: dict[str, Any]) -> list[dict[str, Any]]:
 async def groups(request: Request, services: ServicesDep) -> Response:
     state = request.query_params.get("state") or None
     admin = await _admit(request)
+    policy = await picked(request, services)
     after = _filter(request, "after", _CURSOR)
-    listing = _admin.list_groups(services, policy=None, state=state, limit=50, after=after)
+    listing = _admin.list_groups(services, policy=policy, state=state, limit=50, after=after)
     page = await _or_error_page(request, listing, "Bad filter")
-    shown = {k: v for k, v in {"state": state, "after": page["next_cursor"]}.items() if v}
-    return _page(
-        request, services, admin, "groups.html", "Groups", page=page, state=state or "",
+    shown = {k: v for k, v in {"policy": policy, "state": state, "after": page["next_cursor"]}.items() if v}
+    return await _page(
+        request, services, admin, "groups.html", "Groups", policy, page=page, state=state or "",
         next_url="/admin/ui/groups?" + urlencode(shown),
     )  # fmt: skip
 
@@ -303,28 +331,20 @@ async def groups(request: Request, services: ServicesDep) -> Response:
 async def group(group_id: Id, request: Request, services: ServicesDep) -> Response:
     admin = await _admit(request)
     detail = await _or_error_page(request, _admin.group_detail(services, group_id), "Not found")
-    return _page(request, services, admin, "group.html", "Groups", g=detail)
-
-
-@router.post("/ui/groups/{group_id}/judge")
-async def judge_group(
-    group_id: Id, request: Request, services: ServicesDep, csrf_token: Annotated[str, Form()] = ""
-) -> Response:
-    await _admit(request, csrf_token)
-    judgement = await _or_error_page(request, services.judging.judge_group(group_id), "Not judged")
-    notice = "judged" if judgement["state"] == "ok" else "judge_failed"
-    return RedirectResponse(f"/admin/ui/groups/{quote(group_id, safe='')}?notice={notice}", status_code=303)
+    return await _page(request, services, admin, "group.html", "Groups", detail["policy"], g=detail,
+                       picker_path="/admin/ui/groups")  # fmt: skip
 
 
 @router.get("/ui/training")
 async def training(request: Request, services: ServicesDep) -> Response:
     admin = await _admit(request)
-    jobs = (await _admin.list_jobs(services, 500))["data"]
+    policy = await one_policy(request, services)
+    jobs = (await _admin.list_jobs(services, 500, policy))["data"]
     curves = _admin.curves(jobs)
     running = next((j for j in jobs if j["state"] == "running"), None)
-    return _page(
-        request, services, admin, "training.html", "Training", jobs=jobs, running=running,
-        training=await _admin.training_state(services),
+    return await _page(
+        request, services, admin, "training.html", "Training", policy, jobs=jobs, running=running,
+        training=await _admin.training_state(services, policy),
         refresh=10 if running else None,
         reward_chart=line_chart(curves["reward_mean"], title="Reward mean", x_label="version"),
         loss_chart=line_chart(curves["loss"], title="Loss", x_label="version"),
@@ -335,60 +355,17 @@ async def training(request: Request, services: ServicesDep) -> Response:
 @router.get("/ui/adapters")
 async def adapters(request: Request, services: ServicesDep) -> Response:
     admin = await _admit(request)
-    return await _adapters_page(request, services, admin)
+    return await adapters_page(request, services, admin, await one_policy(request, services))
 
 
-async def _adapters_page(
-    request: Request, services: Services, admin: Admin, error: str | None = None, status: int = 200
+async def adapters_page(
+    request: Request, services: Services, admin: Admin, policy: str, error: str | None = None, status: int = 200
 ) -> Response:
-    listing = await _admin.list_adapters(services)
+    """``policy``'s versions (the action forms' error page too, with ``error``)."""
+    listing = await _admin.list_adapters(services, policy)
     base = {"version": 0, "state": "base model", "path": services.registry.base_model or "", "job_id": None,
             "error": None, "metrics": {}, "created_at": None}  # fmt: skip
-    response = _page(
-        request, services, admin, "adapters.html", "Adapters", a=listing, versions=[base, *listing["data"]], error=error
-    )
+    response = await _page(request, services, admin, "adapters.html", "Adapters", policy, a=listing,
+                           versions=[base, *listing["data"]], error=error)  # fmt: skip
     response.status_code = status
     return response
-
-
-# -- actions ---------------------------------------------------------------------------------
-
-
-@router.post("/ui/adapters/{version}/activate")
-async def activate(
-    version: Version, request: Request, services: ServicesDep, csrf_token: Annotated[str, Form()] = ""
-) -> Response:
-    admin = await _admit(request, csrf_token)
-    try:
-        active = await services.publisher.activate(version)
-    except ProxyError as exc:
-        return await _adapters_page(request, services, admin, error=exc.message, status=exc.status_code)
-    return RedirectResponse(f"/admin/ui/adapters?notice=activated&version={active}", status_code=303)
-
-
-@router.post("/ui/training/resume")
-async def resume_training(request: Request, services: ServicesDep, csrf_token: Annotated[str, Form()] = "") -> Response:
-    await _admit(request, csrf_token)
-    await _admin.resume_training(services)
-    return RedirectResponse("/admin/ui/training?notice=resumed", status_code=303)
-
-
-@router.post("/ui/train")
-async def train_now(request: Request, services: ServicesDep, csrf_token: Annotated[str, Form()] = "") -> Response:
-    admin = await _admit(request, csrf_token)
-    if reason := await services.scheduler.paused():
-        return await _adapters_page(
-            request,
-            services,
-            admin,
-            status=409,
-            error=f"Training is paused: {reason}. Resume it on the Training page first.",
-        )
-    job = await services.scheduler.maybe_create_job(force=True)
-    if job is None:
-        return await _adapters_page(
-            request, services, admin, status=400,
-            error="No group is ready to train on: a group is ready when all its trajectories are rewarded and it "
-            f"has at least {services.settings.min_group_size} of them.",
-        )  # fmt: skip
-    return RedirectResponse(f"/admin/ui/training?notice=queued&job={job['id']}", status_code=303)

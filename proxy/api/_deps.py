@@ -10,6 +10,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from proxy._credentials import Admin
+from proxy._policy_keys import Scope
 from proxy._services import Services
 
 
@@ -21,13 +22,28 @@ async def get_services(request: Request) -> Services:
 ServicesDep = Annotated[Services, Depends(get_services)]
 
 
+async def inference_scope(request: Request, services: ServicesDep) -> Scope:
+    """An inference key (every policy) or a policy key (its policies); see ``proxy._policy_keys``."""
+    return services.policy_keys.inference(request, services.credentials)
+
+
+async def reward_scope(request: Request, services: ServicesDep) -> Scope:
+    """A reward key (or, without them, the inference rule: a loopback default just works), or a policy key."""
+    return services.policy_keys.reward(request, services.credentials)
+
+
+# What a route's key may reach: FastAPI solves each once per request, however many times it is named.
+InferenceScope = Annotated[Scope, Depends(inference_scope)]
+RewardScope = Annotated[Scope, Depends(reward_scope)]
+
+
 async def require_inference_key(request: Request, services: ServicesDep) -> None:
-    services.credentials.inference(request)
+    await inference_scope(request, services)
 
 
 async def require_reward_key(request: Request, services: ServicesDep) -> None:
     """Reward keys when configured; otherwise the inference rule (so a loopback default just works)."""
-    services.credentials.reward(request)
+    await reward_scope(request, services)
 
 
 async def require_adapter_reader(request: Request, services: ServicesDep) -> None:

@@ -27,9 +27,8 @@ async def healthz() -> dict[str, str]:
 async def metrics(services: ServicesDep) -> Response:
     """Prometheus exposition: requests, latency, tokens, captures, rewards, training steps, versions."""
     exported = services.exporters.stats() if services.exporters is not None else None
-    body = await services.metrics.render(
-        services.store, len(services.registry.loaded_versions), exported, services.router.views(), UPSTREAM_STATES
-    )
+    loaded = {served.name: len(served.loaded_versions) for served in services.registry}
+    body = await services.metrics.render(services.store, loaded, exported, services.router.views(), UPSTREAM_STATES)
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 

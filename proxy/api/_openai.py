@@ -2,8 +2,9 @@
 
 Each endpoint is one row of ``ENDPOINTS``: its path, the function that serves it, and what FastAPI
 documents of it (OpenAPI, the body examples). A call in one of the proxy's dialects is served by
-``_forwarding(name)``: the inference key checked (``require_inference_key``), the raw body and the key
-hints handed to ``Forwarder.handle``, the one call path of every API; every error it raises is
+``_forwarding(name)``: the inference key checked (``inference_scope``: a policy key confines the call to its
+policies), the raw body, the key hints and that scope handed to ``Forwarder.handle``, the one call path of
+every API; every error it raises is
 answered in its dialect's shape (OpenAI's; Anthropic's on ``/v1/messages``). A new endpoint is a row
 here (and, for a new API, a dialect in ``proxy.gateway.dialects``).
 
@@ -31,7 +32,7 @@ from starlette.types import Receive, Scope, Send
 
 from proxy._params import ID_PATTERN, json_body
 from proxy._services import Services
-from proxy.api._deps import ServicesDep, require_inference_key
+from proxy.api._deps import InferenceScope, ServicesDep, inference_scope
 from proxy.errors import InvalidRequest, ProxyError, UpstreamError, response_for
 from proxy.gateway import KeyHints
 from proxy.gateway.dialects import (
@@ -45,7 +46,7 @@ from proxy.gateway.dialects import (
     ResponsesRequest,
 )
 
-router = APIRouter(dependencies=[Depends(require_inference_key)], tags=["openai"])
+router = APIRouter(dependencies=[Depends(inference_scope)], tags=["openai"])
 
 PREFIXES = ("", "/t/{trajectory_id}", "/g/{group_id}/t/{trajectory_id}")
 _ID = re.compile(ID_PATTERN)
@@ -78,8 +79,8 @@ def _forwarding(name: DialectName) -> Serve:
 
     async def forward(request: Request, services: Services) -> Response:
         try:
-            await require_inference_key(request, services)
-            return await services.forwarder.handle(name, await request.body(), key_hints(request))
+            scope = await inference_scope(request, services)
+            return await services.forwarder.handle(name, await request.body(), key_hints(request), scope)
         except ProxyError as exc:
             return dialect.error(exc)
 
@@ -88,8 +89,8 @@ def _forwarding(name: DialectName) -> Serve:
 
 async def _count_tokens(request: Request, services: Services) -> Response:
     try:
-        await require_inference_key(request, services)
-        count = await services.forwarder.count_tokens(await request.body())
+        scope = await inference_scope(request, services)
+        count = await services.forwarder.count_tokens(await request.body(), scope)
     except ProxyError as exc:
         return MESSAGES.error(exc)
     return Response(orjson.dumps({"input_tokens": count}), media_type="application/json")
@@ -171,13 +172,13 @@ async def serve_generation(serving: Serve, scope: Scope, receive: Receive, send:
     await response(scope, receive, send)
 
 
-async def list_models(services: ServicesDep) -> dict[str, object]:
-    """The policy alias and its loaded versions."""
+async def list_models(services: ServicesDep, scope: InferenceScope) -> dict[str, object]:
+    """Each policy the key may use: its alias and its loaded versions."""
     if services.registry.base_model is None:
         # Still listable while vLLM starts; generation calls answer 502/503 until it is up.
         with contextlib.suppress(UpstreamError):
             services.registry.base_model = await services.router.base_model()
-    return services.registry.model_list()
+    return services.registry.model_list(scope)
 
 
 for _prefix in PREFIXES:

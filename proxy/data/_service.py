@@ -1,4 +1,8 @@
-"""The data API's service: rewards in; trajectories and groups out, read from the store."""
+"""The data API's service: rewards in; trajectories and groups out, read from the store.
+
+Each function takes the ``Scope`` of the request's key (``proxy._policy_keys``): a trajectory or group of a
+policy outside it is not found, exactly as an unknown one, and lists hold only the scope's policies.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import orjson
 from pydantic import ValidationError
 
 from proxy._params import MAX_INT
+from proxy._policy_keys import EVERY, Scope
 from proxy.data._wire import RewardBatch, RewardPost, call_view, group_view, reward_view, trajectory_view
 from proxy.errors import Conflict, InvalidRequest, TrajectoryNotFound, store_errors
 from store import GROUP_VIEW_STATES, RewardIn, RewardRecord, Store, TrajectoryFilter
@@ -20,23 +25,28 @@ _PK_CURSOR = re.compile(r"[0-9]{1,10}")
 
 # Told of every reward written (``proxy.training.JobScheduler.rewards_written``: metrics, Langfuse, a job when due).
 RewardsWritten = Callable[[Sequence[RewardRecord]], Awaitable[None]]
+# policy -> its reward source ("external", "judge" or "both"), for the policies served.
+RewardSources = Callable[[str], str | None]
 
 
-def refuse_external_rewards(reward_source: str) -> None:
-    """With ``--reward-source judge`` the judge alone rewards: a posted reward is a 409."""
-    if reward_source == "judge":
+def refuse_external_rewards(policies: set[str], reward_source: RewardSources) -> None:
+    """A policy whose rewards come from the judge alone (``--reward-source judge``) takes no posted reward: a 409."""
+    judged = sorted(p for p in policies if reward_source(p) == "judge")
+    if judged:
         raise Conflict(
-            "This proxy runs with --reward-source judge: rewards come from the LLM judge, and one group must not mix "
-            "sources. Restart it with --reward-source both to post rewards and record the judge's scores beside "
-            "them, or with external to post rewards only. Nothing was recorded.",
+            f"The rewards of {', '.join(judged)} come from the LLM judge (reward source judge), and one group must "
+            "not mix sources. Give the policy the reward source both to post rewards and record the judge's scores "
+            "beside them, or external to post rewards only. Nothing was recorded.",
             code="rewards_come_from_the_judge",
         )
 
 
-async def post_rewards(store: Store, raw: bytes, *, reward_source: str, written: RewardsWritten) -> dict[str, Any]:
-    """``POST /v1/rewards``: refused with ``--reward-source judge``; else validated completely (one reward or a
-    batch), recorded atomically, and told to ``written``."""
-    refuse_external_rewards(reward_source)
+async def post_rewards(
+    store: Store, raw: bytes, *, reward_source: RewardSources, written: RewardsWritten, scope: Scope = EVERY
+) -> dict[str, Any]:
+    """``POST /v1/rewards``: validated completely (one reward or a batch), recorded atomically (a trajectory
+    outside ``scope`` is unknown, a policy rewarded by the judge alone refuses it: nothing is written), and told
+    to ``written``."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -50,7 +60,10 @@ async def post_rewards(store: Store, raw: bytes, *, reward_source: str, written:
         hint = "A reward is a finite JSON number; metrics map names to finite numbers. Nothing was recorded."
         raise InvalidRequest.from_validation(exc.errors(), hint) from exc
     with store_errors():
-        rewards = await store.add_rewards(RewardIn(r.trajectory_id, r.reward, dict(r.metrics)) for r in items)
+        rewards = await store.add_rewards(
+            (RewardIn(r.trajectory_id, r.reward, dict(r.metrics)) for r in items), scope.policies,
+            lambda policies: refuse_external_rewards(policies, reward_source),
+        )  # fmt: skip
     await written(rewards)
     return {"object": "list", "data": [reward_view(reward) for reward in rewards]}
 
@@ -72,13 +85,14 @@ async def list_trajectories(
     version: int | None = None,
     created_after: float | None = None,
     created_before: float | None = None,
+    scope: Scope = EVERY,
 ) -> dict[str, Any]:
     cursor = None
     if after is not None:
         if not _PK_CURSOR.fullmatch(after) or int(after) > MAX_INT:
             raise InvalidRequest("'after' must be a cursor returned as next_cursor.", param="after")
         cursor = int(after)
-    where = TrajectoryFilter(group_id, policy, rewarded, version, created_after, created_before)
+    where = TrajectoryFilter(group_id, policy, rewarded, version, created_after, created_before, scope.policies)
     rows = await store.reads.trajectories(where, limit=limit, after=cursor)
     rows, has_more, next_cursor = _page(rows, limit, lambda row: str(row["pk"]))
     return {
@@ -89,9 +103,9 @@ async def list_trajectories(
     }
 
 
-async def get_trajectory(store: Store, trajectory_id: str) -> dict[str, Any]:
+async def get_trajectory(store: Store, trajectory_id: str, scope: Scope = EVERY) -> dict[str, Any]:
     record = await store.reads.trajectory(trajectory_id)
-    if record is None:
+    if record is None or not scope.allows(str(record.trajectory["policy"])):
         raise TrajectoryNotFound(f"No trajectory with id '{trajectory_id}'.", param="trajectory_id")
     return {
         **trajectory_view(record.trajectory),
@@ -102,8 +116,17 @@ async def get_trajectory(store: Store, trajectory_id: str) -> dict[str, Any]:
 
 
 async def list_groups(
-    store: Store, *, min_group_size: int, policy: str | None, state: str | None, limit: int, after: str | None
+    store: Store,
+    *,
+    min_group_size: int,
+    policy: str | None,
+    state: str | None,
+    limit: int,
+    after: str | None,
+    min_group_sizes: dict[str, int] | None = None,
+    scope: Scope = EVERY,
 ) -> dict[str, Any]:
+    """Groups, newest first; ``min_group_sizes``: the served policies' own least sizes (what "ready" means)."""
     if state is not None and state not in GROUP_VIEW_STATES:
         raise InvalidRequest(f"'state' must be one of {', '.join(GROUP_VIEW_STATES)}.", param="state")
     cursor = None
@@ -114,7 +137,7 @@ async def list_groups(
         except ValueError as exc:
             raise InvalidRequest("'after' must be a cursor returned as next_cursor.", param="after") from exc
     rows = await store.reads.groups(min_group_size=min_group_size, policy=policy, state=state, limit=limit,
-                                    after=cursor)  # fmt: skip
+                                    after=cursor, policies=scope.policies, min_group_sizes=min_group_sizes)  # fmt: skip
     rows, has_more, next_cursor = _page(rows, limit, lambda row: f"{row['created_at']!r}|{row['id']}")
     return {
         "object": "list",

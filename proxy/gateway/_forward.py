@@ -25,6 +25,8 @@ from typing import Any
 import orjson
 from starlette.responses import Response
 
+from proxy._policy_config import SamplingDefaults
+from proxy._policy_keys import EVERY, Scope
 from proxy.errors import ProxyError, store_errors, upstream_http_error
 from proxy.gateway._call import Call, call_write
 from proxy.gateway._capture import Endpoint, capture_response, prepare_upstream_body
@@ -41,6 +43,22 @@ from store import CallWrite, RecordRefused, Store, StoreError, StoreFull
 
 _PATHS: dict[Endpoint, str] = {"chat.completions": "/chat/completions", "completions": "/completions"}
 _COUNTING = "tracetrain-count-tokens"  # the router's key for token counts: any server tokenizes alike
+# Where each API asks for its longest answer, the name a policy's default goes under first (Messages requires one).
+_MAX_TOKENS: dict[DialectName, tuple[str, ...]] = {
+    "chat.completions": ("max_tokens", "max_completion_tokens"), "completions": ("max_tokens",),
+    "responses": ("max_output_tokens",), "messages": (),
+}  # fmt: skip
+
+
+def with_sampling_defaults(dialect: DialectName, body: dict[str, Any], defaults: SamplingDefaults) -> None:
+    """The policy's sampling defaults, in ``body`` where the client did not say: in the API's own names, so the
+    record shows what sampled the call (the trainer reads its temperature there)."""
+    for name, value in (("temperature", defaults.temperature), ("top_p", defaults.top_p)):
+        if value is not None and body.get(name) is None:
+            body[name] = value
+    fields = _MAX_TOKENS[dialect]
+    if defaults.max_tokens is not None and fields and all(body.get(name) is None for name in fields):
+        body[fields[0]] = defaults.max_tokens
 
 
 class Forwarder:
@@ -114,17 +132,20 @@ class Forwarder:
     def stream_broken(self, call: Call, reason: str) -> None:
         self._metrics.stream_broken(call.api or call.endpoint, reason)
 
-    async def handle(self, dialect: DialectName, raw: bytes, hints: KeyHints) -> Response:
+    async def handle(self, dialect: DialectName, raw: bytes, hints: KeyHints, scope: Scope = EVERY) -> Response:
         """One call in ``dialect``'s API, answered in that API's shape once it is recorded (see the module's
-        docstring). A ``ProxyError`` raised before the call goes to vLLM (bad input, an unknown model, a
-        store that cannot key it) propagates, unrecorded: its caller answers it (``Dialect.error``)."""
+        docstring). A ``ProxyError`` raised before the call goes to vLLM (bad input, an unknown model or one
+        outside the key's ``scope``, a store that cannot key it) propagates, unrecorded: its caller answers it
+        (``Dialect.error``)."""
         started_at, t0 = time.time(), time.perf_counter()
         api = DIALECTS[dialect]
         body = json_object(raw)
+        if isinstance(model := body.get("model"), str):  # else the dialect's check below says what is wrong
+            with_sampling_defaults(dialect, body, self._registry.policy(model, scope).settings.sampling)
         sent = api.request(body, self._served)
         await self._admit()
         try:
-            route = await self._route(str(sent["model"]))
+            route = await self._route(str(sent["model"]), scope)
             messages = sent.get("messages") if api.upstream == "chat.completions" else None
             conversation = Conversation(route.policy, messages, sent.get("prompt"))
             key = await self._key(route.policy, hints, conversation)
@@ -150,25 +171,27 @@ class Forwarder:
         self._in_flight -= 1
         self._gate.leave()
 
-    async def _route(self, model: str) -> Route:
-        """The policy version that serves ``model``."""
+    async def _route(self, model: str, scope: Scope) -> Route:
+        """The policy version that serves ``model`` (a 404 outside ``scope``)."""
         if self._registry.base_model is None:
             self._registry.base_model = await self._router.base_model()
-        return self._registry.resolve(model)
+        return self._registry.resolve(model, scope)
 
-    async def count_tokens(self, raw: bytes) -> int:
+    async def count_tokens(self, raw: bytes, scope: Scope = EVERY) -> int:
         """How many tokens vLLM renders a ``/v1/messages/count_tokens`` body into (its messages and tools, as a
-        call would send them), under the model it names."""
+        call would send them), under the model it names (a 404 outside ``scope``)."""
         chat = count_tokens_chat(json_object(raw), self._served)
-        route = await self._route(str(chat["model"]))
+        route = await self._route(str(chat["model"]), scope)
         server = self._router.pick(_COUNTING)
         return await server.upstream.count_prompt_tokens({**chat, "model": route.served_model})
 
     async def _key(self, policy: str, hints: KeyHints, conversation: Conversation) -> Key:
         """The call's key; a lone call's new trajectory is seated later (``Keyer.resolve``'s ``defer_seat``)."""
+        size = self._registry.get(policy).settings.group_size if policy in self._registry else None
         with store_errors():  # the call cannot be keyed, so it is not answered: a 503 in OpenAI's shape
             try:
-                return await self._keyer.resolve(policy, hints, conversation, alone=self._alone, defer_seat=True)
+                return await self._keyer.resolve(policy, hints, conversation, alone=self._alone, defer_seat=True,
+                                                 group_size=size)  # fmt: skip
             except StoreFull:  # no seat can be written: the call is served, unrecorded (``record``)
                 trajectory_id = hints.header_trajectory or hints.path_trajectory or new_trajectory_id()
                 return Key(trajectory_id, hints.header_group or hints.path_group or "", "new", None)
@@ -182,7 +205,7 @@ class Forwarder:
 
     async def _ask(self, call: Call, payload: bytes) -> dict[str, Any]:
         """vLLM's answer to a call that does not stream, parsed; an error status raises (``upstream_http_error``)."""
-        with self._registry.serving(call.route.version):
+        with self._registry.serving(call.route.policy, call.route.version):
             upstream = await self._router.post(call.key.trajectory_id, _PATHS[call.endpoint], payload)
         if upstream.status_code != 200:
             raise upstream_http_error(upstream.status_code, upstream.content)
@@ -203,7 +226,7 @@ class Forwarder:
     async def _record_answer(self, call: Call, write: CallWrite) -> None:
         """Record a non-streamed call; a seat left to its record gives the call its group (``Keyer.resolve``)."""
         if await self.record(write) and call.key.seat_in:
-            call.key = self._keyer.seated(call.key, write.group_id)
+            call.key = self._keyer.seated(call.key, write.group_id, call.route.policy)
 
     async def _stream(self, dialect: Dialect, call: Call, payload: bytes) -> Response:
         """Open vLLM's stream for ``call`` and relay it in ``dialect``'s events."""

@@ -11,6 +11,10 @@ takes at most ``group_size`` trajectories, then the next one opens; a group that
 left the ``open`` state (a training job took it) takes no more. The store hands out
 the seats (``Store.join_task_group``), so replicas sharing it fill the same groups.
 
+A trajectory or a group belongs to one policy: a call that names another policy's trajectory or
+group is refused (404, ``TrajectoryNotFound``/``GroupNotFound``) instead of mixing two agents' data,
+and threading hashes the policy with the messages, so it never joins another policy's trajectory.
+
 Messages are compared in a canonical form (``tracetrain_core.canonical_message``):
 content parts joined, tool-call ids dropped and arguments re-serialized, unknown fields
 ignored, so a framework that re-serializes the conversation still threads.
@@ -28,6 +32,7 @@ from typing import Any
 
 import orjson
 
+from proxy.errors import GroupNotFound, TrajectoryNotFound
 from store import Store
 from tracetrain_core import canonical_message
 
@@ -93,88 +98,116 @@ class Conversation:
 
 
 class Keyer:
-    """Resolves keys from the store; caches only what never changes: the group of a stored trajectory."""
+    """Resolves keys from the store; caches only what never changes: the group and policy of a stored trajectory,
+    the policy of a stored group."""
 
     def __init__(self, store: Store, *, group_size: int, thread_ttl_s: float) -> None:
         self._store = store
-        self._group_size = group_size
+        self._group_size = group_size  # a derived group's size unless the call's policy says another
         self._thread_ttl_s = thread_ttl_s
-        self._groups_of: OrderedDict[str, str] = OrderedDict()  # trajectory id -> group id
+        self._groups_of: OrderedDict[str, tuple[str, str]] = OrderedDict()  # trajectory id -> (group id, policy)
+        self._group_policies: OrderedDict[str, str] = OrderedDict()  # group id -> policy
 
     async def resolve(
-        self, policy: str, hints: KeyHints, conversation: Conversation, *, alone: bool = False, defer_seat: bool = False
-    ) -> Key:
+        self, policy: str, hints: KeyHints, conversation: Conversation, *, alone: bool = False,
+        defer_seat: bool = False, group_size: int | None = None,
+    ) -> Key:  # fmt: skip
         """``alone``: the only call in flight: a seat is written on this thread (``Store.join_task_group``).
 
         ``defer_seat`` (with ``alone``): a new trajectory's seat is left to the caller. A non-streamed
         call's record takes it (one commit instead of two: its group is told to the client only once
         it is recorded; the group is then known, ``seated``); a stream takes it (``seat``) while vLLM
         starts on the call. Another call of the same trajectory keyed meanwhile seats it, and the
-        later seat finds that one.
+        later seat finds that one. ``group_size``: the policy's derived groups' size (default: the keyer's).
+        A trajectory or group of another policy is a 404.
         """
+        size = group_size or self._group_size
         trajectory_id = hints.header_trajectory or hints.path_trajectory
         group_hint = hints.header_group or hints.path_group
         if trajectory_id:
             keyed_by = "header" if hints.header_trajectory else "path"
-            known = await self._known_group(trajectory_id)
+            known = await self._known_group(trajectory_id, policy)
             if known is not None:
                 return Key(trajectory_id, known, keyed_by, None)
-            return await self._new(policy, trajectory_id, keyed_by, group_hint, conversation, alone, defer_seat)
+            return await self._new(policy, trajectory_id, keyed_by, group_hint, conversation, alone, defer_seat, size)
         if group_hint is None:
             found = await self._find_thread(conversation.thread_candidates)
             if found is not None:
                 return Key(found[0], found[1], "thread", None)
-        return await self._new(policy, new_trajectory_id(), "new", group_hint, conversation, alone, defer_seat)
+        return await self._new(policy, new_trajectory_id(), "new", group_hint, conversation, alone, defer_seat, size)
 
     async def _new(
         self, policy: str, trajectory_id: str, keyed_by: str, group_hint: str | None, conversation: Conversation,
-        alone: bool, defer_seat: bool,
+        alone: bool, defer_seat: bool, group_size: int,
     ) -> Key:  # fmt: skip
         """A trajectory the store does not hold yet: in the group it names, or a seat in its task's group."""
         if group_hint is not None:
-            return self._remember(Key(trajectory_id, group_hint, keyed_by, None))
+            await self._check_group(group_hint, policy)
+            return self._remember(Key(trajectory_id, group_hint, keyed_by, None), policy)
         task_key = conversation.task_key
         if alone and defer_seat and self._store.seats_with_records:
-            return Key(trajectory_id, "", keyed_by, task_key, seat_in=self._group_size)
+            return Key(trajectory_id, "", keyed_by, task_key, seat_in=group_size)
         group_id = await self._store.join_task_group(
-            policy, task_key, trajectory_id, keyed_by=keyed_by, group_size=self._group_size, alone=alone
+            policy, task_key, trajectory_id, keyed_by=keyed_by, group_size=group_size, alone=alone
         )
-        return self._remember(Key(trajectory_id, group_id, keyed_by, task_key))
+        return self._remember(Key(trajectory_id, group_id, keyed_by, task_key), policy)
 
     async def seat(self, policy: str, key: Key, *, alone: bool) -> Key:
         """Seat now a trajectory whose seat ``resolve`` deferred."""
         group_id = await self._store.join_task_group(
             policy, str(key.task_key), key.trajectory_id, keyed_by=key.keyed_by, group_size=key.seat_in, alone=alone
         )
-        return self.seated(key, group_id)
+        return self.seated(key, group_id, policy)
 
-    def seated(self, key: Key, group_id: str) -> Key:
+    def seated(self, key: Key, group_id: str, policy: str) -> Key:
         """``key`` once its record seated it (``resolve``'s ``defer_seat``) in ``group_id``."""
-        return self._remember(Key(key.trajectory_id, group_id, key.keyed_by, key.task_key))
+        return self._remember(Key(key.trajectory_id, group_id, key.keyed_by, key.task_key), policy)
 
     def forget(self, trajectory_id: str) -> None:
         """A call of ``trajectory_id`` was not recorded and its seat given back: ask the store next time."""
         self._groups_of.pop(trajectory_id, None)
 
-    def _remember(self, key: Key) -> Key:
-        self._groups_of.setdefault(key.trajectory_id, key.group_id)
+    def _remember(self, key: Key, policy: str) -> Key:
+        self._groups_of.setdefault(key.trajectory_id, (key.group_id, policy))
         if len(self._groups_of) > _CACHE_SIZE:
             self._groups_of.popitem(last=False)
-        return Key(key.trajectory_id, self._groups_of[key.trajectory_id], key.keyed_by, key.task_key)
+        return Key(key.trajectory_id, self._groups_of[key.trajectory_id][0], key.keyed_by, key.task_key)
 
-    async def _known_group(self, trajectory_id: str) -> str | None:
-        group = self._groups_of.get(trajectory_id)
-        if group is not None:
-            return group
-        stored = await self._store.trajectory_group(trajectory_id)
-        # Another call of the same new trajectory may have been keyed while we waited.
-        group = self._groups_of.get(trajectory_id)
-        if group is not None:
-            return group
-        if stored is not None:
-            self._groups_of[trajectory_id] = stored[0]
-            return stored[0]
-        return None
+    async def _known_group(self, trajectory_id: str, policy: str) -> str | None:
+        """The group of a trajectory already keyed, or None; a 404 when it is another policy's."""
+        known = self._groups_of.get(trajectory_id)
+        if known is None:
+            stored = await self._store.trajectory_group(trajectory_id)
+            # Another call of the same new trajectory may have been keyed while we waited.
+            known = self._groups_of.get(trajectory_id)
+            if known is None and stored is not None:
+                known = self._groups_of[trajectory_id] = (stored[0], stored[1])
+        if known is None:
+            return None
+        if known[1] != policy:
+            raise TrajectoryNotFound(
+                f"The trajectory id '{trajectory_id}' is taken by another policy's trajectory: a trajectory takes "
+                f"calls of one policy. Start a new trajectory (another id) for '{policy}'.",
+                param="trajectory_id",
+            )
+        return known[0]
+
+    async def _check_group(self, group_id: str, policy: str) -> None:
+        """A named group takes trajectories of one policy: a 404 when ``group_id`` is another policy's."""
+        owner = self._group_policies.get(group_id)
+        if owner is None:
+            owner = await self._store.group_policy(group_id)
+            if owner is None:
+                return  # a new group: the call's policy's
+            self._group_policies[group_id] = owner
+            if len(self._group_policies) > _CACHE_SIZE:
+                self._group_policies.popitem(last=False)
+        if owner != policy:
+            raise GroupNotFound(
+                f"The group id '{group_id}' is taken by another policy's group: a group holds trajectories of one "
+                f"policy. Name another group for '{policy}'.",
+                param="group_id",
+            )
 
     async def _find_thread(self, candidates: Sequence[str]) -> tuple[str, str] | None:
         # Asked of the store every time: a call's record (and its tail) commits before its

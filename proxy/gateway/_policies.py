@@ -1,8 +1,15 @@
-"""Which upstream model a request's ``model`` names.
+"""Which upstream model a request's ``model`` names, among the policies this proxy serves.
 
-``policy`` routes to the newest published version, ``policy@N`` pins one, and
-``policy@0`` is the base model. Versions are immutable names in vLLM (``policy@7``):
-a live name is never reloaded, so the prefix cache never serves an old policy.
+Each policy is one agent's LoRA line on the base model. ``NAME`` routes to the policy's newest
+published version, ``NAME@N`` pins one, and ``NAME@0`` is the base model. Versions are immutable
+names in vLLM (``NAME@7``): a live name is never reloaded, so the prefix cache never serves an old
+policy. One vLLM serves every policy's versions side by side.
+
+``PolicyRegistry`` holds a ``ServedPolicy`` per policy served (its settings, the version its name
+routes to, the versions loaded); the publisher adds, updates and removes them as the store says
+(``proxy.training._publisher``), so a policy added or retired on one replica is served or not on
+every replica. ``resolve(model, scope)`` answers for a request whose key reaches ``scope``'s
+policies: any other name, another policy's included, is a 404 exactly as an unknown one is.
 """
 
 from __future__ import annotations
@@ -15,6 +22,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from proxy._policy_config import PolicySettings, policy_settings
+from proxy._policy_keys import EVERY, Scope
+from proxy._settings import Settings
 from proxy.errors import ModelNotFound, UpstreamNotReady
 
 # ASCII digits, few enough for int(): str.isdigit() also takes "²", and int() refuses 4,300 digits.
@@ -33,52 +43,114 @@ class Route:
         return f"{self.policy}@{self.version}"
 
 
-class PolicyRegistry:
-    """The policy's published versions, and the alias that ``policy`` points at."""
+class ServedPolicy:
+    """One policy as this proxy serves it: its settings, the version ``NAME`` routes to, the versions loaded."""
 
-    def __init__(self, policy: str, base_model: str | None = None) -> None:
-        self.policy = policy
-        self.base_model = base_model
-        self.active_version = 0
+    def __init__(self, settings: PolicySettings, active_version: int = 0) -> None:
+        self.name = settings.name
+        self.settings = settings
+        self.active_version = active_version
         self.loaded_versions: set[int] = {0}
-        self.in_flight: Counter[int] = Counter()  # version -> requests now being served by it
+
+    def adapter(self, version: int) -> str:
+        """The version's name in vLLM: ``NAME@N``."""
+        return f"{self.name}@{version}"
+
+
+class PolicyRegistry:
+    """The policies served, each one's published versions and alias; calls in flight on each version."""
+
+    def __init__(self, base_model: str | None = None, policies: tuple[PolicySettings, ...] = ()) -> None:
+        self.base_model = base_model
+        self._states: dict[str, ServedPolicy] = {}
+        # (policy, version) -> requests now being served by it: a version is not unloaded under them, even after
+        # its policy was retired.
+        self.in_flight: Counter[tuple[str, int]] = Counter()
         self._created = int(time.time())
+        for settings in policies:
+            self.add(ServedPolicy(settings))
+
+    @classmethod
+    def of(cls, *names: str, base_model: str | None = None, settings: Settings | None = None) -> PolicyRegistry:
+        """A registry serving ``names`` with ``settings``' values (the defaults when None), at version 0."""
+        server = settings if settings is not None else Settings()
+        return cls(base_model, tuple(policy_settings(name, server.policy_defaults) for name in names))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._states
+
+    def __iter__(self) -> Iterator[ServedPolicy]:
+        return iter(list(self._states.values()))
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def names(self) -> list[str]:
+        return sorted(self._states)
+
+    def get(self, name: str) -> ServedPolicy:
+        """The served policy ``name`` (``KeyError`` when it is not served)."""
+        return self._states[name]
+
+    def add(self, state: ServedPolicy) -> ServedPolicy:
+        self._states[state.name] = state
+        return state
+
+    def remove(self, name: str) -> ServedPolicy | None:
+        """Stop routing to ``name``; its calls in flight finish on their versions."""
+        return self._states.pop(name, None)
 
     @contextmanager
-    def serving(self, version: int) -> Iterator[None]:
-        """Count a request on ``version`` while it runs, so the version is not unloaded under it."""
-        self.in_flight[version] += 1
+    def serving(self, policy: str, version: int) -> Iterator[None]:
+        """Count a request on ``policy@version`` while it runs, so the version is not unloaded under it."""
+        self.in_flight[(policy, version)] += 1
         try:
             yield
         finally:
-            self.in_flight[version] -= 1
+            self.in_flight[(policy, version)] -= 1
 
-    def resolve(self, model: str) -> Route:
-        name, sep, pinned = model.partition("@")
-        if name != self.policy:
-            raise ModelNotFound(
-                f"The model '{model}' does not exist. This proxy serves the policy '{self.policy}' "
-                f"(its newest version) and pinned versions such as '{self.policy}@0'; see GET /v1/models.",
-                param="model",
-            )
+    def policy(self, model: str, scope: Scope = EVERY) -> ServedPolicy:
+        """The policy ``model`` names (``NAME`` or ``NAME@N``), if served and within ``scope``; else a 404."""
+        name = model.partition("@")[0]
+        state = self._states.get(name)
+        if state is None or not scope.allows(name):
+            raise self._unknown(model, scope)
+        return state
+
+    def resolve(self, model: str, scope: Scope = EVERY) -> Route:
+        """The version ``model`` names; a 404 for a name outside ``scope``, as for one that does not exist."""
+        state = self.policy(model, scope)
+        _, sep, pinned = model.partition("@")
         if not sep:
-            version = self.active_version
-        elif _PINNED.fullmatch(pinned) and int(pinned) in self.loaded_versions:
+            version = state.active_version
+        elif _PINNED.fullmatch(pinned) and int(pinned) in state.loaded_versions:
             version = int(pinned)
         else:
-            loaded = ", ".join(f"{self.policy}@{v}" for v in sorted(self.loaded_versions))
+            loaded = ", ".join(state.adapter(v) for v in sorted(state.loaded_versions))
             raise ModelNotFound(f"The model '{model}' is not loaded; loaded versions: {loaded}.", param="model")
-        return Route(self.policy, version, self.served_name(version))
+        return Route(state.name, version, self.served_name(state.name, version))
 
-    def served_name(self, version: int) -> str:
+    def served_name(self, policy: str, version: int) -> str:
         if version == 0:
             if self.base_model is None:
                 raise UpstreamNotReady("the upstream has not said which model it serves yet; is vLLM up?")
             return self.base_model
-        return f"{self.policy}@{version}"
+        return f"{policy}@{version}"
 
-    def model_list(self) -> dict[str, Any]:
-        """``GET /v1/models``: the policy alias and every loaded version."""
+    def _unknown(self, model: str, scope: Scope) -> ModelNotFound:
+        visible = [name for name in sorted(self._states) if scope.allows(name)]
+        if not visible:
+            return ModelNotFound(f"The model '{model}' does not exist, and no model is served to this key.",
+                                 param="model")  # fmt: skip
+        names = ", ".join(f"'{name}'" for name in visible)
+        return ModelNotFound(
+            f"The model '{model}' does not exist. This proxy serves {names} (each one's newest version) and pinned "
+            f"versions such as '{visible[0]}@0'; see GET /v1/models.",
+            param="model",
+        )
+
+    def model_list(self, scope: Scope = EVERY) -> dict[str, Any]:
+        """``GET /v1/models``: each policy within ``scope``, its alias and every loaded version."""
 
         def entry(model_id: str) -> dict[str, Any]:
             return {
@@ -90,5 +162,9 @@ class PolicyRegistry:
                 "parent": None,
             }
 
-        data = [entry(self.policy)] + [entry(f"{self.policy}@{v}") for v in sorted(self.loaded_versions)]
+        data = []
+        for name in sorted(self._states):
+            if scope.allows(name):
+                state = self._states[name]
+                data += [entry(name)] + [entry(state.adapter(v)) for v in sorted(state.loaded_versions)]
         return {"object": "list", "data": data}

@@ -88,7 +88,7 @@ class Relay:
         self._ttft: float | None = None
         self._recorded = False
         self._done = False  # [DONE] came: the upstream's body ends next
-        registry.in_flight[call.route.version] += 1
+        registry.in_flight[(call.route.policy, call.route.version)] += 1
         forwarder.streaming()
         self._counted = True  # in the forwarder's calls in flight, until its record is written
 
@@ -159,7 +159,7 @@ class Relay:
         if not self._recorded:  # the client went away: keep what was sampled; nobody awaits the commit
             self._recorded = True
             self._forwarder.record_nowait(self._record(499, "the client disconnected mid-stream"))
-        self._registry.in_flight[self._call.route.version] -= 1
+        self._registry.in_flight[(self._call.route.policy, self._call.route.version)] -= 1
         self._uncount()
         self._upstream.close()
         self._on_close()

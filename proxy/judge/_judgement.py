@@ -11,6 +11,9 @@ The cache. A judgement's ``cache_key`` hashes the judge model and the whole prom
 rubric and every message); an ok judgement with the same key is reused without asking
 the model, so re-judging an unchanged group, or a restart, costs nothing.
 
+Each group is judged with its policy's settings (its reward source, judge model and rubric:
+``proxy._policy_config``); the attempts and the time limit are the server's.
+
 The default judge is the base model vLLM serves (``hosted_vllm/<base model>`` at the
 proxy's upstream, no key needed): weak but free. Its requests go to vLLM directly, so
 they are never captured as the policy's trajectories. A stronger judge is one setting
@@ -25,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from proxy._policy_config import PolicySettings, policy_settings
 from proxy._settings import Settings
 from proxy.errors import Conflict, GroupNotFound
 from proxy.gateway import PolicyRegistry
@@ -52,6 +56,7 @@ class _Group:
     id: str
     state: str
     trajectories: list[TrajectoryText]
+    policy: str
 
 
 class GroupJudge:
@@ -73,13 +78,20 @@ class GroupJudge:
         self._scheduler = scheduler
         self._owner = owner
         self._backoff_s = backoff_s
-        self._rubric = settings.judge_rubric or DEFAULT_RUBRIC
+
+    def policy_settings(self, policy: str) -> PolicySettings:
+        """The settings a group of ``policy`` is judged with: the served policy's, else (a retired one's, judged
+        on an admin's demand) the server's."""
+        if policy in self._registry:
+            return self._registry.get(policy).settings
+        return policy_settings(policy, self._settings.policy_defaults)
 
     async def judge(self, group_id: str, trigger: str) -> dict[str, Any]:
         """The judgement of ``group_id`` (state "ok", or "failed" with the reason), written to the store."""
         started = time.time()
         group = await self.load(group_id)
-        source = self._settings.reward_source
+        policy = self.policy_settings(group.policy)
+        source = policy.reward_source
         # --reward-timeout: the scores of a group whose rewards did not come become its rewards.
         as_rewards = source == "judge" or trigger == "timeout"
         if as_rewards and group.state != GroupState.OPEN:
@@ -87,9 +99,9 @@ class GroupJudge:
                 f"Group '{group_id}' is {group.state}: its rewards are fixed once a training job took it.",
                 param="group_id",
             )
-        model, api_base = self._model()
-        prompt = build_prompt(group.trajectories, self._rubric)
-        row = _new_row(self._settings.policy, group, "judge" if as_rewards else source, trigger, model,
+        model, api_base = self._model(policy)
+        prompt = build_prompt(group.trajectories, policy.judge_rubric or DEFAULT_RUBRIC)
+        row = _new_row(group.policy, group, "judge" if as_rewards else source, trigger, model,
                        prompt.cache_key(model) if model else "", started)  # fmt: skip
         if not model:
             reason = "the judge is the base model served upstream, which is not known yet (is vLLM up?)"
@@ -129,19 +141,18 @@ class GroupJudge:
         ]  # fmt: skip
         if not texts:
             raise GroupNotFound(f"Group '{group_id}' has no trajectories.", param="group_id")
-        return _Group(group_id, stored.state, texts)
+        return _Group(group_id, stored.state, texts, stored.policy)
 
-    def _model(self) -> tuple[str, str | None]:
+    def _model(self, policy: PolicySettings) -> tuple[str, str | None]:
         """The litellm model name and its api_base; ("", None) while the default judge is unknown."""
-        settings = self._settings
-        model = settings.judge_model
+        model = policy.judge_model
         if model is None:
             if self._registry.base_model is None:
                 return "", None
             model = f"hosted_vllm/{self._registry.base_model}"
-        api_base = settings.judge_api_base
+        api_base = policy.judge_api_base
         if api_base is None and model.startswith("hosted_vllm/"):
-            api_base = settings.upstream
+            api_base = self._settings.upstream
         return model, api_base
 
     async def _cached(self, key: str) -> list[Score] | None:

@@ -1,6 +1,7 @@
 """Judging groups: which groups the judge scores, when, and how its scores are written.
 
-The proxy's ``--reward-source`` decides what the judge's scores are for:
+Each policy's reward source decides what the judge's scores are for (``--reward-source``, or the
+policy's own: ``proxy._policy_config``):
 
 - ``external`` (the default): rewards are POSTed to ``/v1/rewards``. Nothing is judged
   on its own; ``POST /admin/groups/{id}/judge`` records the judge's scores beside the
@@ -22,7 +23,7 @@ the proxy cannot know that a trajectory ended. A group is judged once it has at 
 ``judge_quiet_s`` must outlast the agent's longest pause between two calls of a
 trajectory, or a trajectory may be judged before it ends.
 
-A background task scans for such groups every few seconds (only groups created in the
+A background task scans each such policy's groups every few seconds (only groups created in the
 last ``_HORIZON_S``: the scan stays cheap, and switching a proxy with a long history to
 ``both`` does not judge all of it) and judges them off the request path,
 ``judge_concurrency`` at a time. With ``judge`` a group is a candidate while some
@@ -87,15 +88,22 @@ class JudgeService:
         self._ended: dict[str, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._scanner: asyncio.Task[None] | None = None
-        self._scan_s = min(max(min(settings.judge_quiet_s, settings.judge_idle_s) / 2, 0.05), 5.0)
+        self._registry = registry
+        # As often as the shortest wait the server's and the named policies' settings ask for (a policy added at
+        # run time with a shorter one is scanned at this pace, every 5 s at most).
+        waits = [settings.judge_quiet_s, settings.judge_idle_s]
+        waits += [w for o in settings.policy_configs.values() for w in (o.judge_quiet_s, o.judge_idle_s) if w]
+        self._scan_s = min(max(min(waits) / 2, 0.05), 5.0)
 
     @property
     def automatic(self) -> bool:
-        return self._settings.reward_source != "external"
+        """Some served policy's groups are judged as they complete (its reward source is ``judge`` or ``both``)."""
+        return any(served.settings.reward_source != "external" for served in self._registry)
 
     def start(self) -> None:
-        """Start the background scan (with ``judge`` or ``both``)."""
-        if self.automatic and self._scanner is None:
+        """Start the background scan: it judges the groups of the policies served now whose rewards come from
+        (or beside) the judge, and reads nothing while there are none."""
+        if self._scanner is None:
             self._scanner = asyncio.create_task(
                 every(self._scan_s, self.scan_once, log, "scanning for groups to judge failed"),
                 name="tracetrain-judge-scan",
@@ -173,10 +181,16 @@ class JudgeService:
                     del self._ended[stale]
 
     async def _due(self, group_id: str | None = None) -> list[tuple[str, str]]:
-        """(group id, trigger) of the groups to judge now (of ``group_id`` alone, if given)."""
-        s = self._settings
-        rule = DueRule(
-            policy=s.policy, scores_are_rewards=s.reward_source == "judge", group_size=s.group_size,
-            min_group_size=s.min_group_size, quiet_s=s.judge_quiet_s, idle_s=s.judge_idle_s, horizon_s=_HORIZON_S,
-        )  # fmt: skip
-        return await self._store.judgements.due(rule, group_id)
+        """(group id, trigger) of the groups to judge now, of every policy judged as its groups complete (of
+        ``group_id`` alone, if given)."""
+        due = []
+        for served in self._registry:
+            s = served.settings
+            if s.reward_source == "external":
+                continue
+            rule = DueRule(
+                policy=s.name, scores_are_rewards=s.reward_source == "judge", group_size=s.group_size,
+                min_group_size=s.min_group_size, quiet_s=s.judge_quiet_s, idle_s=s.judge_idle_s, horizon_s=_HORIZON_S,
+            )  # fmt: skip
+            due += await self._store.judgements.due(rule, group_id)
+        return due

@@ -6,6 +6,9 @@ proxy replica reports its own; Prometheus sums them). Training and serving state
 replica shares: it is read when Prometheus scrapes, so replicas report the same values.
 Use ``max`` or one replica's series for those, not ``sum``.
 
+Series about one policy carry a ``policy`` label (calls, tokens, captures, rewards, jobs, versions);
+serving's own (latency, the upstreams, the GPU hand-over) do not.
+
 Each app has its own registry, so several apps in one process (tests) do not collide.
 """
 
@@ -43,8 +46,8 @@ class Metrics:
     def _calls(self, r: CollectorRegistry) -> None:
         """Generation calls and their capture, counted by this process."""
         self.requests = Counter(
-            "tracetrain_requests", "Generation calls answered, by endpoint and status.", ["endpoint", "status"],
-            registry=r,
+            "tracetrain_requests", "Generation calls answered, by policy, endpoint and status.",
+            ["policy", "endpoint", "status"], registry=r,
         )  # fmt: skip
         self.latency = Histogram(
             "tracetrain_request_latency_seconds", "Time from request to the last byte, by endpoint.", ["endpoint"],
@@ -54,8 +57,10 @@ class Metrics:
             "tracetrain_time_to_first_token_seconds", "Streams: time to the first event.", ["endpoint"],
             buckets=_TTFT_BUCKETS, registry=r,
         )  # fmt: skip
-        self.tokens = Counter("tracetrain_tokens", "Tokens through the proxy.", ["kind"], registry=r)
-        self.captures = Counter("tracetrain_captured_calls", "Calls committed to the store.", registry=r)
+        self.tokens = Counter("tracetrain_tokens", "Tokens through the proxy, by policy.", ["policy", "kind"],
+                              registry=r)  # fmt: skip
+        self.captures = Counter("tracetrain_captured_calls", "Calls committed to the store, by policy.", ["policy"],
+                                registry=r)  # fmt: skip
         self.capture_failures = Counter(
             "tracetrain_capture_failures", "Calls the store could not record, by reason: store_unavailable (answered "
             "503), refused (a record that can never be written, answered 400), disk_full (answered, not recorded: "
@@ -66,7 +71,8 @@ class Metrics:
             "refused": 0,
             "disk_full": 0,
         }  # the counter's values, for the dashboard
-        self.rewards = Counter("tracetrain_rewards", "Rewards recorded, by source.", ["source"], registry=r)
+        self.rewards = Counter("tracetrain_rewards", "Rewards recorded, by policy and source.", ["policy", "source"],
+                               registry=r)  # fmt: skip
         self.refusals = Counter(
             "tracetrain_refused_requests", "Requests refused at the front door (proxy.api._door), by reason: "
             "body_too_large (413), cross_site and foreign_host (403, with no keys configured).", ["reason"], registry=r,
@@ -89,7 +95,8 @@ class Metrics:
 
     def _training(self, r: CollectorRegistry) -> None:
         """Training as the store records it, read at each scrape."""
-        self.jobs = Gauge("tracetrain_training_jobs", "Training jobs in the store, by state.", ["state"], registry=r)
+        self.jobs = Gauge("tracetrain_training_jobs", "Training jobs in the store, by policy and state.",
+                          ["policy", "state"], registry=r)  # fmt: skip
         self.steps = Gauge(
             "tracetrain_training_steps", "Training steps that produced an adapter (store).", ["policy"], registry=r
         )
@@ -106,7 +113,8 @@ class Metrics:
             "trained_token_share, forwarded_tokens (what the step's rows forwarded, each shared prefix once) and "
             "forwarded_per_sampled_token.", ["policy", "metric"], registry=r,
         )  # fmt: skip
-        self.loaded = Gauge("tracetrain_versions_loaded", "Versions this proxy has loaded in vLLM.", registry=r)
+        self.loaded = Gauge("tracetrain_versions_loaded", "Versions this proxy has loaded in vLLM, by policy.",
+                            ["policy"], registry=r)  # fmt: skip
 
     def _handover(self, r: CollectorRegistry) -> None:
         """The GPU hand-over around each training step (--share-gpu; proxy.training._handover)."""
@@ -150,8 +158,8 @@ class Metrics:
             registry=r,
         )  # fmt: skip
         self.upstream_versions = Gauge(
-            "tracetrain_upstream_version_loaded", "1 for each adapter version loaded into the vLLM server.",
-            ["upstream", "version"], registry=r,
+            "tracetrain_upstream_version_loaded", "1 for each adapter version (of each policy) loaded into the vLLM "
+            "server.", ["upstream", "policy", "version"], registry=r,
         )  # fmt: skip
         self.upstream_failovers = Gauge(
             "tracetrain_upstream_failovers", "Calls sent to another server because this one refused the connection.",
@@ -177,8 +185,8 @@ class Metrics:
             "(store).", ["policy"], registry=r,
         )  # fmt: skip
         self.reward_timeouts = Counter(
-            "tracetrain_reward_timeouts", "Groups past --reward-timeout, by outcome: judged (the judge's scores are "
-            "their rewards) or unrewarded (closed, never trained).", ["outcome"], registry=r,
+            "tracetrain_reward_timeouts", "Groups past --reward-timeout, by policy and outcome: judged (the judge's "
+            "scores are their rewards) or unrewarded (closed, never trained).", ["policy", "outcome"], registry=r,
         )  # fmt: skip
 
     def _memory(self, r: CollectorRegistry) -> None:
@@ -196,36 +204,39 @@ class Metrics:
 
     def call_recorded(self, call: dict[str, Any]) -> None:
         self._answered(call)
-        self.captures.inc()
+        self._captures(str(call["policy"])).inc()
 
     def _answered(self, call: dict[str, Any]) -> None:
-        endpoint = str(call["endpoint"])
-        requests, latency, ttft = self._children(endpoint, int(call["status_code"]))
+        policy = str(call["policy"])
+        requests, latency, ttft = self._children(policy, str(call["endpoint"]), int(call["status_code"]))
         requests.inc()
         latency.observe(float(call["latency_ms"]) / 1000)
         if call.get("ttft_ms") is not None:
             ttft.observe(float(call["ttft_ms"]) / 1000)
-        self._prompt_tokens.inc(int(call["prompt_tokens"]))
-        self._completion_tokens.inc(int(call["completion_tokens"]))
+        prompt, completion = self._tokens(policy)
+        prompt.inc(int(call["prompt_tokens"]))
+        completion.inc(int(call["completion_tokens"]))
 
-    @functools.cached_property
-    def _prompt_tokens(self) -> Any:
-        return self.tokens.labels("prompt")
+    # The labelled series of one call, each looked up once: ``labels()`` takes a lock and builds a key each time.
 
-    @functools.cached_property
-    def _completion_tokens(self) -> Any:
-        return self.tokens.labels("completion")
+    @functools.lru_cache(maxsize=256)  # noqa: B019 (one Metrics per app, alive as long as it)
+    def _tokens(self, policy: str) -> tuple[Any, Any]:
+        return self.tokens.labels(policy, "prompt"), self.tokens.labels(policy, "completion")
 
-    @functools.lru_cache(maxsize=64)  # noqa: B019 (one Metrics per app, alive as long as it)
-    def _children(self, endpoint: str, status: int) -> tuple[Any, Any, Any]:
-        """The labelled series of one call, looked up once: ``labels()`` takes a lock and builds a key each time."""
-        return self.requests.labels(endpoint, str(status)), self.latency.labels(endpoint), self.ttft.labels(endpoint)
+    @functools.lru_cache(maxsize=256)  # noqa: B019
+    def _captures(self, policy: str) -> Any:
+        return self.captures.labels(policy)
+
+    @functools.lru_cache(maxsize=256)  # noqa: B019
+    def _children(self, policy: str, endpoint: str, status: int) -> tuple[Any, Any, Any]:
+        requests = self.requests.labels(policy, endpoint, str(status))
+        return requests, self.latency.labels(endpoint), self.ttft.labels(endpoint)
 
     def call_not_recorded(self, call: dict[str, Any], *, refused: bool = False) -> None:
         """A call not answered because its record was not written: the store failed (503), or refused the record
         as it is (400, ``store.RecordRefused``)."""
         reason = "refused" if refused else "store_unavailable"
-        self.requests.labels(str(call["endpoint"]), "400" if refused else "503").inc()
+        self.requests.labels(str(call["policy"]), str(call["endpoint"]), "400" if refused else "503").inc()
         self.capture_failures.labels(reason).inc()
         self.failed_captures[reason] += 1
 
@@ -241,39 +252,45 @@ class Metrics:
     def stream_broken(self, endpoint: str, reason: str) -> None:
         self.broken_streams.labels(endpoint, reason).inc()
 
-    def rewards_recorded(self, sources: list[str]) -> None:
-        for source in sources:
-            self.rewards.labels(source).inc()
+    def rewards_recorded(self, rewards: list[tuple[str, str]]) -> None:
+        """Rewards written, each as (policy, source)."""
+        for policy, source in rewards:
+            self.rewards.labels(policy, source).inc()
 
     async def render(
         self,
         store: Store,
-        loaded_versions: int,
+        loaded_versions: Mapping[str, int],
         exported: Mapping[str, Mapping[str, int]] | None = None,
         upstreams: Sequence[dict[str, Any]] = (),
         upstream_states: Sequence[str] = (),
     ) -> bytes:
         """The exposition text, with the store's figures (and the trace exporters' counters) read now.
 
-        ``upstreams``: each vLLM server as ``Router.views()`` describes it; ``upstream_states``: every
-        state a server can be in (``proxy.gateway.UPSTREAM_STATES``), a series each.
+        ``loaded_versions``: policy -> the versions this proxy has loaded; ``upstreams``: each vLLM server as
+        ``Router.views()`` describes it; ``upstream_states``: every state a server can be in
+        (``proxy.gateway.UPSTREAM_STATES``), a series each.
         """
-        jobs = await store.jobs.counts()
-        for state in JobState:
-            self.jobs.labels(state.value).set(jobs.get(state.value, 0))
-        for policy in await store.policies.all():
-            self.steps.labels(policy["name"]).set(await store.adapters.count(policy["name"]))
-            self.version.labels(policy["name"]).set(int(policy["active_version"]))
-            self.rolled_back.labels(policy["name"]).set(len(await store.guards.rolled_back_versions(policy["name"])))
-            self.unrewarded.labels(policy["name"]).set(await store.reward_timeouts.unrewarded(policy["name"]))
-        if (step := await store.jobs.last(JobState.SUCCEEDED)) is not None:
-            self._set_last_step(step)
+        policies = await store.policies.all()  # retired ones too: their data stays, and so do their series
+        jobs = await store.jobs.counts_by_policy()
+        for name in sorted({str(p["name"]) for p in policies} | {policy for policy, _ in jobs}):
+            for state in JobState:
+                self.jobs.labels(name, state.value).set(jobs.get((name, state.value), 0))
+            if (step := await store.jobs.last(JobState.SUCCEEDED, name)) is not None:
+                self._set_last_step(step)
         self.paused.clear()
-        for policy in await store.policies.all():
+        for policy in policies:
+            name = str(policy["name"])
+            self.steps.labels(name).set(await store.adapters.count(name))
+            self.version.labels(name).set(int(policy["active_version"]))
+            self.rolled_back.labels(name).set(len(await store.guards.rolled_back_versions(name)))
+            self.unrewarded.labels(name).set(await store.reward_timeouts.unrewarded(name))
             paused = policy.get("training") == TrainingState.PAUSED
             reason = str(policy.get("training_reason") or "") if paused else ""
-            self.paused.labels(policy["name"], reason).set(1 if paused else 0)
-        self.loaded.set(loaded_versions)
+            self.paused.labels(name, reason).set(1 if paused else 0)
+        self.loaded.clear()  # a retired policy's versions were unloaded
+        for name, count in loaded_versions.items():
+            self.loaded.labels(name).set(count)
         for what, held in store.compact_memory().items():
             self.compact_held.labels(what).set(held)
         for receiver, counts in (exported or {}).items():
@@ -297,5 +314,6 @@ class Metrics:
                 self.upstream_state.labels(url, state).set(1 if server["state"] == state else 0)
             self.upstream_in_flight.labels(url).set(server["in_flight"])
             self.upstream_failovers.labels(url).set(server["failovers"])
-            for version in server["versions"]:
-                self.upstream_versions.labels(url, str(version)).set(1)
+            for adapter in server["versions"]:
+                policy, _, version = str(adapter).rpartition("@")
+                self.upstream_versions.labels(url, policy, version).set(1)

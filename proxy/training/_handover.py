@@ -22,7 +22,7 @@ runs out, the job is queued again and the hand-over revoked in one transaction,
 ``store._jobs``); the step outlives ``--handover-timeout`` (revoked here); pausing or
 sleeping fails (the request stays pending and is tried again after a back-off, while the
 trainer waits). After ``_MAX_FAILED_TRIES`` failures in a row the coordinator gives up: the
-request is revoked, the policy's training is paused with the reason (the dashboard and the
+request is revoked, every policy's training is paused with the reason (the dashboard and the
 admin API show it, ``/readyz`` names it, the log says it), and vLLM serves on. An admin's
 resume (``POST /admin/training/resume``) lets it try again. A proxy restarted mid-step finds
 the granted hand-over, puts vLLM to sleep again (its predecessor woke it as it stopped) and
@@ -33,6 +33,9 @@ serving honestly: held and new calls get a 503 with Retry-After at once, the err
 logged, ``tracetrain_vllm_not_awake`` is 1, ``/readyz`` fails, and ``on_stuck`` is called
 (``tracetrain serve`` restarts its vLLM child). Waking is tried again every few seconds;
 once it works (a restarted vLLM is awake) the adapters are loaded again and serving resumes.
+
+The steps of every policy take turns on the one GPU: the coordinator serves the oldest open request,
+whichever policy's job made it, one at a time (the trainer runs one step at a time anyway).
 
 One proxy replica per vLLM: shared mode is for one box. Replicas sharing a vLLM would each
 have to hold their calls, and they do not.
@@ -70,7 +73,7 @@ _DEV_MODE_HINT = (
 
 
 class HandoverCoordinator:
-    """Serves the GPU requests of one policy's training jobs; ``run()`` until cancelled."""
+    """Serves the GPU requests of every policy's training jobs; ``run()`` until cancelled."""
 
     def __init__(
         self,
@@ -80,7 +83,6 @@ class HandoverCoordinator:
         gate: Gate,
         metrics: Metrics,
         *,
-        policy: str,
         timeout_s: float,
         poll_s: float = 0.2,
         on_stuck: Callable[[str], None] | None = None,
@@ -90,7 +92,6 @@ class HandoverCoordinator:
         self._replicas = list(replicas)
         self._gate = gate
         self._metrics = metrics
-        self._policy = policy
         self._timeout_s = timeout_s
         self._poll_s = poll_s
         self._on_stuck = on_stuck
@@ -99,6 +100,7 @@ class HandoverCoordinator:
         self._failed_tries = 0
         self.not_awake: str | None = None  # why serving stopped: a vLLM did not wake up
         self.gave_up: str | None = None  # why training stopped: vLLM would not pause or sleep
+        self._paused: list[str] = []  # the policies whose training giving up paused
 
     async def run(self) -> None:
         try:
@@ -108,12 +110,12 @@ class HandoverCoordinator:
         await every(self._poll_s, self.poll_once, log, "serving a GPU request failed; trying again")
 
     async def poll_once(self) -> None:
-        """Serve the oldest open hand-over of the policy, if any (one at a time)."""
+        """Serve the oldest open hand-over of any policy, if any (one at a time)."""
         if time.monotonic() < self._retry_at:
             return
         if self.gave_up is not None and not await self._still_given_up():
             return
-        for job in await self._store.jobs.pending_gpu_requests(self._policy):
+        for job in await self._store.jobs.pending_gpu_requests():
             if job["state"] != JobState.RUNNING or self.gave_up is not None:  # finished, or training stopped
                 await self._store.jobs.revoke_gpu(job["id"])
                 continue
@@ -121,9 +123,10 @@ class HandoverCoordinator:
             return
 
     async def _still_given_up(self) -> bool:
-        """True while training stays paused after giving up; False (and ready to try again) once it is resumed."""
-        training = await self._store.guards.training(self._policy)
-        if training["training"] == TrainingState.PAUSED:
+        """True while training stays paused after giving up; False (and ready to try again) once an admin
+        resumed the training of a policy it paused."""
+        states = [(await self._store.guards.training(policy))["training"] for policy in self._paused]
+        if states and all(state == TrainingState.PAUSED for state in states):
             return True
         log.info("training was resumed: GPU requests are served again")
         self.gave_up, self._failed_tries, self._retry_s = None, 0, _RETRY_MIN_S
@@ -179,7 +182,9 @@ class HandoverCoordinator:
         )
         log.error("job %s: %s", job_id, self.gave_up)
         await self._store.jobs.revoke_gpu(job_id)
-        await self._store.guards.pause(self._policy, self.gave_up)
+        self._paused = [row["name"] for row in await self._store.policies.serving()]
+        for policy in self._paused:
+            await self._store.guards.pause(policy, self.gave_up)
 
     async def _until_released(self, job: dict[str, Any]) -> str:
         """Wait for the worker's release; revoke when it is gone or took too long. Returns the outcome."""
@@ -263,7 +268,7 @@ class HandoverCoordinator:
 
     async def _wake_what_was_left_asleep(self) -> None:
         """At start: a vLLM asleep or paused with no step running was left so by a proxy that stopped."""
-        open_handovers = await self._store.jobs.pending_gpu_requests(self._policy)
+        open_handovers = await self._store.jobs.pending_gpu_requests()
         if any(job["gpu_state"] == GpuHandover.GRANTED for job in open_handovers):
             return  # a step runs on the GPU: vLLM sleeps until its release (poll_once adopts it)
         for upstream in self._replicas:

@@ -1,5 +1,7 @@
 """Adapters into and out of vLLM servers: by path or through vLLM's resolver, all or none.
 
+Every policy's versions go into the same servers, each under its own immutable name (``NAME@N``).
+
 A version is loaded into every server in rotation or into none: a failed load unloads it
 from the servers that took it, so no server serves a version the others lack. A server that
 refuses the connection, or fails the load and then no longer answers ``/health`` (stopped
@@ -57,7 +59,7 @@ class PublishError(ProxyError):
 
 
 class AdapterLoader:
-    """Loads and unloads one policy's versions in the router's servers; the publisher decides which and when."""
+    """Loads and unloads every policy's versions in the router's servers; the publisher decides which and when."""
 
     def __init__(self, store: Store, registry: PolicyRegistry, router: Router, delivery: AdapterDelivery) -> None:
         self._store = store
@@ -66,8 +68,9 @@ class AdapterLoader:
         self._delivery = delivery
         self._last_reload_check = 0.0
 
-    async def load_everywhere(self, version: int, path: str) -> None:
-        name = f"{self._registry.policy}@{version}"
+    async def load_everywhere(self, policy: str, version: int, path: str) -> None:
+        """``policy@version`` into every server in rotation, or into none (``PublishError``)."""
+        name = f"{policy}@{version}"
         loaded: list[Server] = []
         servers = self._router.serving()
         if not servers:
@@ -81,7 +84,7 @@ class AdapterLoader:
             except ProxyError as exc:
                 # A replica that died mid-publish loaded it; names are immutable, so it is this adapter.
                 if already_loaded(exc):
-                    server.versions.add(version)
+                    server.versions.add(name)
                     loaded.append(server)
                     continue
                 if not await _answers(server.upstream):  # it went down mid-load (its shutdown answered 500)
@@ -90,15 +93,14 @@ class AdapterLoader:
                 for done in loaded:  # leave no server serving a version the others lack
                     try:
                         await done.upstream.unload_lora(name)
-                        done.versions.discard(version)
+                        done.versions.discard(name)
                     except ProxyError:
                         log.warning("could not unload %s from %s after a failed publish", name, done.url)
                 raise PublishError(f"loading {name} into {server.url} failed: {exc.message}") from exc
-            server.versions.add(version)
+            server.versions.add(name)
             loaded.append(server)
         if not loaded:
             raise PublishError(f"loading {name} failed: every vLLM server left the rotation meanwhile")
-        self._registry.loaded_versions.add(version)
 
     async def load_into(self, replica: Upstream, name: str, path: str) -> None:
         """Returns once ``replica`` holds ``name``: sent by path, or fetched by its resolver."""
@@ -118,30 +120,33 @@ class AdapterLoader:
             return Path(path).is_dir()
         return self._delivery == "path"
 
-    async def loadable(self, version: int, path: str) -> bool:
-        """Whether ``version`` can still be loaded: its directory, or its files in the store."""
+    async def loadable(self, policy: str, version: int, path: str) -> bool:
+        """Whether ``policy@version`` can still be loaded: its directory, or its files in the store."""
         if self.by_path(path):
             return Path(path).is_dir()
-        return await self._store.adapter_files.has_files(self._registry.policy, version)
+        return await self._store.adapter_files.has_files(policy, version)
 
-    async def unload_everywhere(self, version: int) -> None:
-        """Unload ``policy@version`` from every server that takes adapters; a failure is only logged."""
-        name = f"{self._registry.policy}@{version}"
+    async def unload_everywhere(self, policy: str, version: int) -> None:
+        """Unload ``policy@version`` from every server that takes adapters; a failure is only logged (one that
+        no longer holds it, unloaded by another replica or restarted, is no failure)."""
+        name = f"{policy}@{version}"
         for server in self._router.servers:
             if server.state == "refused":
                 continue
             try:
                 await server.upstream.unload_lora(name)
-                server.versions.discard(version)
             except ProxyError as exc:
-                log.warning("could not unload %s from %s: %s", name, server.url, exc.message)
+                if exc.status_code != 404:
+                    log.warning("could not unload %s from %s: %s", name, server.url, exc.message)
+                    continue
+            server.versions.discard(name)
 
     async def reload_missing(self, *, now: bool = False) -> None:
-        """A restarted vLLM has lost its adapters: load the published ones again."""
+        """A restarted vLLM has lost its adapters: load every policy's published ones again."""
         if not now and time.monotonic() - self._last_reload_check < _RELOAD_CHECK_S:
             return
         self._last_reload_check = time.monotonic()
-        wanted = {v: f"{self._registry.policy}@{v}" for v in self._registry.loaded_versions if v}
+        wanted = {state.adapter(v): (state.name, v) for state in self._registry for v in state.loaded_versions if v}
         if not wanted:
             return
         for server in self._router.serving():
@@ -149,17 +154,14 @@ class AdapterLoader:
                 present = {str(m.get("id")) for m in await server.upstream.models()}
             except ProxyError:
                 continue  # down: the router's health check takes it out; it is restored when back
-            prefix = f"{self._registry.policy}@"
-            server.versions = {
-                int(n[len(prefix) :]) for n in present if n.startswith(prefix) and n[len(prefix) :].isdigit()
-            }
-            for version, name in wanted.items():
-                row = None if name in present else await self._store.adapters.get(self._registry.policy, version)
+            server.versions = {name for name in present if "@" in name}
+            for name, (policy, version) in wanted.items():
+                row = None if name in present else await self._store.adapters.get(policy, version)
                 if row is not None:
                     try:
                         await self.load_into(server.upstream, name, row["path"])
-                        server.versions.add(version)
+                        server.versions.add(name)
                         log.info("reloaded %s into %s", name, server.url)
                     except ProxyError as exc:
-                        server.versions.discard(version)
+                        server.versions.discard(name)
                         log.warning("could not reload %s into %s: %s", name, server.url, exc.message)

@@ -1,9 +1,11 @@
 """Publishing adapters: load into every vLLM, flip the alias, unload what fell out of the window.
 
-The trainer writes an adapter and records it (state ``trained``). The publisher claims
+Every policy the proxy serves is published the same way, side by side in the same vLLM servers;
+which policies those are, the store says (``proxy.training._policy_sync``: added, retired, their
+settings). The trainer writes an adapter and records it (state ``trained``). The publisher claims
 it, loads it as ``policy@N`` into every vLLM server in rotation (``proxy.gateway.upstream._router``),
 and only when all loaded flips the policy's alias to N; a request already running finishes on the
-version it started with. Versions beyond the newest ``keep_versions`` (the active one
+version it started with. Versions beyond the policy's newest ``keep_versions`` (the active one
 always stays) are unloaded once no request of this proxy is running on them and they
 have been out of the window for a grace period. A failed load leaves the old version
 serving and marks the adapter and its job failed, with the reason.
@@ -44,16 +46,18 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from proxy._periodic import every
+from proxy._policy_config import policy_settings
+from proxy._settings import Settings
 from proxy.errors import Conflict, NotFound, ProxyError
-from proxy.gateway import PolicyRegistry
+from proxy.gateway import PolicyRegistry, ServedPolicy
 from proxy.gateway.upstream import Router, Server
 from proxy.training._loading import AdapterDelivery, AdapterLoader, PublishError, already_loaded
+from proxy.training._policy_sync import PolicySync
 from proxy.training._regression import watch_record
 from store import AdapterState, Store, TrainingState
 
 log = logging.getLogger("tracetrain.publisher")
 
-_UNLOAD_GRACE_S = 30.0
 # A publish takes milliseconds to seconds per vLLM; a replica that held a claim this long is gone.
 PUBLISH_LEASE_S = 120.0
 _RECLAIM_CHECK_S = 5.0
@@ -66,30 +70,33 @@ class Publisher:
         store: Store,
         registry: PolicyRegistry,
         router: Router,
+        settings: Settings,
         *,
-        keep_versions: int,
         poll_s: float = 0.1,
-        unload_grace_s: float = _UNLOAD_GRACE_S,
+        unload_grace_s: float | None = None,
         lease_s: float = PUBLISH_LEASE_S,
-        guard: bool = False,
-        delivery: AdapterDelivery = "auto",
+        delivery: AdapterDelivery | None = None,
     ) -> None:
+        """``settings``: the server's (each policy's own are the store's overrides over them); the unload grace
+        and the delivery are ``settings``' unless given."""
         self._store = store
-        self._loader = AdapterLoader(store, registry, router, delivery)
+        self._loader = AdapterLoader(store, registry, router, delivery or settings.adapter_delivery)
+        defaults = settings.policy_defaults
+        self._policies = PolicySync(store, registry, self._loader, lambda name, stored: policy_settings(
+            name, defaults, stored))  # fmt: skip
         self._owner = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
         self._lease_s = lease_s
         self._last_reclaim = 0.0
         self._registry = registry
         self._router = router
-        self._keep = keep_versions
         self._poll_s = poll_s
-        self._grace_s = unload_grace_s
-        self._left_window: dict[int, float] = {}
+        self._grace_s = settings.unload_grace_s if unload_grace_s is None else unload_grace_s
+        self._left_window: dict[tuple[str, int], float] = {}
         self._seen: tuple[Any, ...] | None = None  # the store's publishing state at the last whole sync
         self._synced_at = 0.0
         self._lock = asyncio.Lock()
-        self._guard = guard  # each version published is watched by the regression guard (proxy.training._guard)
-        self._withdrawn: dict[int, float] = {}  # rolled-back versions still loaded -> when they were withdrawn
+        # rolled-back versions still loaded -> when they were withdrawn
+        self._withdrawn: dict[tuple[str, int], float] = {}
 
     async def run(self) -> None:
         """Poll the store until cancelled (an error is logged; the next poll tries again): a brief read
@@ -98,7 +105,7 @@ class Publisher:
         await every(self._poll_s, self._poll, log, "publishing adapters failed; retrying")
 
     async def _poll(self) -> None:
-        state = await self._store.publishing_state(self._registry.policy)
+        state = await self._store.publishing_state()
         if state != self._seen or time.monotonic() - self._synced_at >= _FULL_SYNC_S:
             await self.sync_once()
             self._seen, self._synced_at = state, time.monotonic()
@@ -115,7 +122,7 @@ class Publisher:
         """
         async with self._lock:
             await self._reclaim_expired()
-            await self._adopt_store_state()
+            await self._policies.adopt(load=False)
 
     @asynccontextmanager
     async def held(self) -> AsyncIterator[Callable[[], Awaitable[None]]]:
@@ -128,89 +135,106 @@ class Publisher:
 
     async def _sync(self, *, reload_now: bool = False) -> None:
         await self._reclaim_expired()
-        await self._adopt_store_state()
-        policy = self._registry.policy
+        await self._policies.adopt()
+        for served in self._registry:
+            await self._publish_trained(served)
+        await self._loader.reload_missing(now=reload_now)
+        for served in self._registry:
+            await self._unload_outside_window(served)
+        await self._unload_withdrawn()
+        await self._policies.unload_retired(self._grace_s)
+
+    async def _publish_trained(self, served: ServedPolicy) -> None:
+        """Publish what the trainer recorded for ``served`` (while it trains: a paused policy's are discarded)."""
+        policy = served.name
         for version, why in await self._store.guards.discard_stale(policy):
             log.warning("adapter %s@%d %s", policy, version, why)
         training = (await self._store.guards.training(policy))["training"] == TrainingState.ACTIVE
         if training and self._router.serving():  # with no server in rotation a load could not be checked
             for version, path in await self._store.adapters.claim_trained(policy, self._owner, self._lease_s):
-                await self._publish(version, path)
-        await self._loader.reload_missing(now=reload_now)
-        await self._unload_outside_window()
-        await self._unload_withdrawn()
+                await self._publish(served, version, path)
 
-    async def activate(self, version: int) -> int:
-        """Roll back or forward: serve ``version`` (still on disk) as the policy. Returns it."""
+    async def activate(self, policy: str, version: int) -> int:
+        """Roll back or forward: serve ``version`` (still on disk) as ``policy``. Returns it."""
         async with self._lock:
-            policy = self._registry.policy
-            if version != 0 and version not in self._registry.loaded_versions:
+            served = self._served(policy)
+            if version != 0 and version not in served.loaded_versions:
                 row = await self._store.adapters.get(policy, version)
                 if row is not None and row["state"] == AdapterState.PRUNED:
                     raise Conflict(f"{policy}@{version} was pruned by retention (--keep-versions): its metrics are "
                                    "kept, its files are gone.", param="version")  # fmt: skip
-                if row is None or not await self._loader.loadable(version, row["path"]):
+                if row is None or not await self._loader.loadable(policy, version, row["path"]):
                     raise NotFound(f"No adapter {policy}@{version} on disk or in the store.", param="version")
-                await self._loader.load_everywhere(version, row["path"])
+                await self._loader.load_everywhere(policy, version, row["path"])
+                served.loaded_versions.add(version)
                 await self._store.adapters.published(policy, version)
-            await self._flip(version)
+            await self._flip(served, version)
             return version
 
+    def _served(self, policy: str) -> ServedPolicy:
+        if policy not in self._registry:
+            raise NotFound(f"No policy '{policy}' is served (see GET /admin/policies).", param="policy",
+                           code="policy_not_found")  # fmt: skip
+        return self._registry.get(policy)
+
     async def restore(self, server: Server, *, paths_only: bool = False) -> None:
-        """Load every published version into ``server`` (a vLLM back in service) that it lacks.
+        """Load every published version of every policy into ``server`` (a vLLM back in service) that it lacks.
 
         Runs under the publishing lock: no version is published meanwhile, so when the router
-        admits the server right after, it holds every version the alias may point at.
+        admits the server right after, it holds every version an alias may point at.
         ``paths_only`` (the proxy's start, before it answers): versions that go by name are left
         to vLLM's resolver, which fetches one from a proxy on its first call; asking for them
         now would wait on this very proxy.
         """
         async with self._lock:
-            await self._adopt_store_state()
-            policy = self._registry.policy
+            await self._policies.adopt(load=False)
             present = {m.get("id") for m in await server.upstream.models()}
-            for version in sorted(v for v in self._registry.loaded_versions if v):
-                name = f"{policy}@{version}"
-                if name not in present:
-                    row = await self._store.adapters.get(policy, version)
-                    if row is None or (paths_only and not self._loader.by_path(row["path"])):
-                        continue
-                    try:
-                        await self._loader.load_into(server.upstream, name, row["path"])
-                    except ProxyError as exc:
-                        if not already_loaded(exc):  # else another proxy restored the same server first
-                            raise
-                    log.info("loaded %s into %s before it takes traffic again", name, server.url)
-                server.versions.add(version)
+            for served in self._registry:
+                for version in sorted(v for v in served.loaded_versions if v):
+                    name = served.adapter(version)
+                    if name not in present:
+                        row = await self._store.adapters.get(served.name, version)
+                        if row is None or (paths_only and not self._loader.by_path(row["path"])):
+                            continue
+                        try:
+                            await self._loader.load_into(server.upstream, name, row["path"])
+                        except ProxyError as exc:
+                            if not already_loaded(exc):  # else another proxy restored the same server first
+                                raise
+                        log.info("loaded %s into %s before it takes traffic again", name, server.url)
+                    server.versions.add(name)
 
-    async def roll_back(self, bad: int, to: int, commit: Callable[[], Awaitable[bool]]) -> bool:
-        """Serve ``to`` instead of ``bad``: ``to`` is loaded first if it must be, then ``commit`` records the
-        rollback (it flips the alias in the store; False: another replica did first). ``bad`` is unloaded
-        from vLLM once the requests running on it are done (after the unload grace)."""
+    async def roll_back(self, policy: str, bad: int, to: int, commit: Callable[[], Awaitable[bool]]) -> bool:
+        """Serve ``to`` instead of ``bad`` as ``policy``: ``to`` is loaded first if it must be, then ``commit``
+        records the rollback (it flips the alias in the store; False: another replica did first). ``bad`` is
+        unloaded from vLLM once the requests running on it are done (after the unload grace)."""
         async with self._lock:
-            policy = self._registry.policy
-            if to != 0 and to not in self._registry.loaded_versions:
+            if policy not in self._registry:
+                return False  # retired meanwhile: nothing of it is served
+            served = self._registry.get(policy)
+            if to != 0 and to not in served.loaded_versions:
                 row = await self._store.adapters.get(policy, to)
-                if row is None or not await self._loader.loadable(to, row["path"]):
+                if row is None or not await self._loader.loadable(policy, to, row["path"]):
                     log.error("cannot roll %s@%d back: %s@%d is neither on disk nor in the store", policy, bad, policy,
                               to)  # fmt: skip
                     return False
-                await self._loader.load_everywhere(to, row["path"])
+                await self._loader.load_everywhere(policy, to, row["path"])
+                served.loaded_versions.add(to)
                 await self._store.adapters.published(policy, to)
             if not await commit():
                 return False
-            self._registry.active_version = to
-            self._registry.loaded_versions.discard(bad)
-            self._withdrawn[bad] = time.monotonic()
+            served.active_version = to
+            served.loaded_versions.discard(bad)
+            self._withdrawn[(policy, bad)] = time.monotonic()
             return True
 
     async def _unload_withdrawn(self) -> None:
         now = time.monotonic()
-        for version, since in list(self._withdrawn.items()):
-            if now - since < self._grace_s or self._registry.in_flight[version] > 0:
+        for (policy, version), since in list(self._withdrawn.items()):
+            if now - since < self._grace_s or self._registry.in_flight[(policy, version)] > 0:
                 continue
-            await self._loader.unload_everywhere(version)
-            del self._withdrawn[version]
+            await self._loader.unload_everywhere(policy, version)
+            del self._withdrawn[(policy, version)]
 
     async def _reclaim_expired(self) -> None:
         """Take back the claims of dead processes: adapters left loading, jobs left running."""
@@ -222,54 +246,49 @@ class Publisher:
         for job_id, worker in await self._store.jobs.reclaim_expired():
             log.warning("training job %d: its worker %s stopped renewing its lease; queued again", job_id, worker)
 
-    async def _adopt_store_state(self) -> None:
-        policy = self._registry.policy
-        self._registry.loaded_versions = {0, *await self._store.adapters.published_versions(policy)}
-        active = await self._store.policies.active_version(policy)
-        if active is not None:
-            self._registry.active_version = active
-
-    async def _publish(self, version: int, path: str) -> None:
+    async def _publish(self, served: ServedPolicy, version: int, path: str) -> None:
+        policy = served.name
         started = time.perf_counter()
         try:
-            await self._loader.load_everywhere(version, path)
+            await self._loader.load_everywhere(policy, version, path)
         except PublishError as exc:
-            log.error("adapter %s@%d not published: %s", self._registry.policy, version, exc.message)
-            await self._store.adapters.failed(self._registry.policy, version, exc.message)
+            log.error("adapter %s@%d not published: %s", policy, version, exc.message)
+            await self._store.adapters.failed(policy, version, exc.message)
             return
-        if not await self._store.adapters.published(self._registry.policy, version, self._owner):
+        served.loaded_versions.add(version)
+        if not await self._store.adapters.published(policy, version, self._owner):
             # Our lease ran out mid-load and another replica took the adapter over: it publishes it.
-            log.warning("%s@%d: the claim was taken back while loading; left to its new publisher",
-                        self._registry.policy, version)  # fmt: skip
+            log.warning("%s@%d: the claim was taken back while loading; left to its new publisher", policy, version)
             return
-        replaced = self._registry.active_version
-        await self._flip(version, forward_only=True)
-        if self._guard:
-            await self._store.guards.watch(self._registry.policy, version, watch_record(replaced))
-        log.info("published %s@%d in %.0f ms", self._registry.policy, version, (time.perf_counter() - started) * 1e3)
+        replaced = served.active_version
+        await self._flip(served, version, forward_only=True)
+        if served.settings.regression_guard:
+            await self._store.guards.watch(policy, version, watch_record(replaced))
+        log.info("published %s@%d in %.0f ms", policy, version, (time.perf_counter() - started) * 1e3)
 
-    async def _flip(self, version: int, *, forward_only: bool = False) -> None:
-        if not await self._store.policies.flip(self._registry.policy, version, forward_only=forward_only):
+    async def _flip(self, served: ServedPolicy, version: int, *, forward_only: bool = False) -> None:
+        if not await self._store.policies.flip(served.name, version, forward_only=forward_only):
             # Another replica published a newer version meanwhile: the alias stays on it.
-            log.info("%s@%d published; the alias stays on a newer version", self._registry.policy, version)
+            log.info("%s@%d published; the alias stays on a newer version", served.name, version)
             return
-        self._registry.active_version = version
-        self._left_window.pop(version, None)
+        served.active_version = version
+        self._left_window.pop((served.name, version), None)
 
-    async def _unload_outside_window(self) -> None:
-        loaded = sorted(v for v in self._registry.loaded_versions if v)
-        keep = set(loaded[-self._keep :]) | {self._registry.active_version}
+    async def _unload_outside_window(self, served: ServedPolicy) -> None:
+        loaded = sorted(v for v in served.loaded_versions if v)
+        keep = set(loaded[-served.settings.keep_versions :]) | {served.active_version}
         now = time.monotonic()
         for version in loaded:
+            key = (served.name, version)
             if version in keep:
-                self._left_window.pop(version, None)
+                self._left_window.pop(key, None)
                 continue
-            left = self._left_window.setdefault(version, now)
-            if now - left < self._grace_s or self._registry.in_flight[version] > 0:
+            left = self._left_window.setdefault(key, now)
+            if now - left < self._grace_s or self._registry.in_flight[key] > 0:
                 continue
-            self._registry.loaded_versions.discard(version)
-            self._left_window.pop(version, None)
+            served.loaded_versions.discard(version)
+            self._left_window.pop(key, None)
             # One replica retires a version (a guarded move) and unloads it; the others adopt that.
-            if not await self._store.adapters.retired(self._registry.policy, version):
+            if not await self._store.adapters.retired(served.name, version):
                 continue
-            await self._loader.unload_everywhere(version)
+            await self._loader.unload_everywhere(served.name, version)

@@ -61,7 +61,7 @@ class Server:
     upstream: Upstream
     state: State = "down"
     in_flight: int = 0
-    versions: set[int] = field(default_factory=set)  # adapter versions loaded into it (0, the base, always is)
+    versions: set[str] = field(default_factory=set)  # adapters loaded into it, by name ("NAME@N"; the base always is)
     problem: str | None = "not checked yet"  # why it is out of rotation
     failovers: int = 0  # calls sent elsewhere because it refused their connection
     salt: bytes = field(init=False)  # its scores' salt: the hash of its URL (proxy.gateway.upstream._placement)

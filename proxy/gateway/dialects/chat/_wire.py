@@ -84,4 +84,3 @@ def _prompts(prompt: Any) -> int:
     if not isinstance(prompt, list) or not prompt or isinstance(prompt[0], int):
         return 1
     return len(prompt)
-
