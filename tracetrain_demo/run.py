@@ -33,14 +33,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import httpx
 from tqdm import tqdm  # type: ignore[import-untyped]  # no stubs in the train extra
 
+from tracetrain_demo import serve_api
 from tracetrain_demo.report import HEADER, HeldOut, Report, Step, busy_cpu_seconds, row, summary
-from tracetrain_demo.tasks import TASKS, Scored, sampler_dtype
+from tracetrain_demo.tasks import TASKS, Scored, precision
 from tracetrain_proc import ChildProcess
 
-_SERVE_READY = "ready: agents use OPENAI_BASE_URL"
+# serve's line once the proxy answers (before its trainer has loaded: the first round samples meanwhile).
+_SERVE_READY = "proxy ready: "
+# Held-out attempts in flight while training rounds sample: a few, so that vLLM serves the rounds (and the first
+# step lands) sooner; the evaluation after training takes the agent's default (64) on an idle vLLM.
+_BESIDE_TRAINING = 16
 # TrainConfig's defaults (docs/TRAINING.md says how they were chosen), except: on a CPU, packed rows
 # near the sample length keep attention cheap.
 _TRAIN_CONFIG = {"micro_batch_tokens": 1024}
@@ -54,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     children: list[ChildProcess] = []
     try:
         url = args.url or _start_serve(args, data_dir, run_dir, children)
-        args.admin_token = _admin_token(run_dir)
+        args.admin_token = serve_api.admin_token(run_dir)
         rewards_port = _free_port()
         _start(children, ChildProcess("reward service", [sys.executable, "-m", "tracetrain_demo.reward_service",
                "--proxy", url, "--port", str(rewards_port), "--task", args.task], _env(url),
@@ -63,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.eval_attempts:
             _say("measuring held-out success of agent@0 (the base model) while the first round samples")
         _train(url, run_dir, rewards_port, args, report, children)
-        version = _active_version(url, args.admin_token)
+        version = serve_api.active_version(url, args.admin_token)
         if args.eval_attempts:
             _say(f"measuring held-out success of agent@{version} ...")
             report.held_out.append(_Evaluation(url, run_dir, version, args.eval_attempts, args, children).result())
@@ -92,7 +96,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8100, help="the proxy's port (default 8100; vLLM uses the next one)")
     p.add_argument("--url", help="use a tracetrain serve already running at this root URL instead of starting one")
     p.add_argument("--steps", type=int, default=60, help="stop after this many training steps (default 60)")
-    p.add_argument("--minutes", type=float, default=6.0, help="or after this many minutes of training (default 6)")
+    p.add_argument("--minutes", type=float,
+                   help="or after this many minutes of training (default: the task's, sized so the demo ends within "
+                   "6 minutes for city, 12 for lookup, 15 for agents-sdk on a 2-core CPU with bf16 units)")  # fmt: skip
     p.add_argument("--questions", type=int, default=4, help="requests per round = groups per step (default 4)")
     p.add_argument("--attempts", type=int, default=8, help="attempts per request = group size (default 8)")
     p.add_argument(
@@ -122,9 +128,16 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "--sampler-dtype",
         choices=["auto", "float32", "bfloat16"],
         default="auto",
-        help="vLLM's dtype (serve --sampler-dtype). auto (default): bfloat16 for the city task on a CPU with bf16 "
-        "units (avx512_bf16, amx_bf16: about twice the steps; the trainer stays in float32 and its loss corrects for "
-        "the gap), else the trainer's, float32",
+        help="vLLM's dtype (serve --sampler-dtype). auto (default): bfloat16 on a CPU with bf16 units (avx512_bf16, "
+        "amx_bf16: about twice the tokens per second), else the trainer's",
+    )
+    p.add_argument(
+        "--trainer-dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="the trainer's (TrainConfig.dtype; bfloat16 on a CPU: float32 weights under bf16 autocast). auto "
+        "(default): bfloat16 for the tool tasks on a CPU with bf16 units (their steps train twice as fast), else "
+        "float32",
     )
     p.add_argument(
         "--sampler-correction",
@@ -144,18 +157,20 @@ def _start_serve(args: argparse.Namespace, data_dir: Path, run_dir: Path, childr
         elif path.exists():
             path.unlink()
     run_dir.mkdir(parents=True, exist_ok=True)
-    sampler = sampler_dtype(TASKS[args.task], args.sampler_dtype)
-    if args.sampler_dtype == "auto" and sampler:
-        _say(f"vLLM samples in {sampler}: this CPU has bf16 units (--sampler-dtype float32 for the trainer's dtype)")
+    task = TASKS[args.task]
+    sampler, trainer = precision(task, args.sampler_dtype, args.trainer_dtype)
+    if "bfloat16" in (sampler, trainer) and "auto" in (args.sampler_dtype, args.trainer_dtype):
+        _say(f"this CPU has bf16 units: vLLM samples in {sampler}, the trainer learns in {trainer} "
+             "(--sampler-dtype/--trainer-dtype float32 for float32)")  # fmt: skip
     config = run_dir / "train-config.json"
-    config.write_text(json.dumps({**_TRAIN_CONFIG, "learning_rate": args.learning_rate,
-                                  "sampler_correction": args.sampler_correction
-                                  or TASKS[args.task].sampler_correction}))  # fmt: skip
+    correction = args.sampler_correction or task.sampler_correction
+    config.write_text(json.dumps({**_TRAIN_CONFIG, "learning_rate": args.learning_rate, "dtype": trainer,
+                                  "sampler_correction": correction}))  # fmt: skip
     command = [
         sys.executable, "-m", "tracetrain_cli", "serve", "--model", str(model_dir), "--data-dir", str(run_dir),
         "--port", str(args.port), "--group-size", str(args.attempts), "--min-group-size", str(args.attempts),
-        "--batch-groups", str(args.questions), f"--trainer-arg=--config={config}", *TASKS[args.task].serve_args,
-        *([f"--sampler-dtype={sampler}"] if sampler else []),
+        "--batch-groups", str(args.questions), f"--trainer-arg=--config={config}", *task.serve_args,
+        f"--sampler-dtype={sampler}",
     ]  # fmt: skip
     serve = ChildProcess("tracetrain serve", command, dict(os.environ), run_dir / "logs" / "serve.log")
     _say(f"starting tracetrain serve on port {args.port} (vLLM on the CPU: ~1 min; log: {serve.log_path})")
@@ -175,19 +190,6 @@ def _start_serve(args: argparse.Namespace, data_dir: Path, run_dir: Path, childr
     if "TRACETRAIN_ADMIN_TOKEN" not in os.environ:
         _say(f"watch it at {url}/admin (log in with the admin token in {run_dir / 'admin-token'})")
     return url
-
-
-def _admin_token(run_dir: Path) -> str:
-    """The admin token serve uses: TRACETRAIN_ADMIN_TOKEN, else the one it made in DATA_DIR/demo/admin-token."""
-    if token := os.environ.get("TRACETRAIN_ADMIN_TOKEN"):
-        return token
-    path = run_dir / "admin-token"
-    if not path.is_file():
-        raise SystemExit(
-            f"tracetrain demo: no admin token for the dashboard API: set TRACETRAIN_ADMIN_TOKEN to the one the "
-            f"tracetrain serve at --url uses (or run that serve with --data-dir {run_dir})"
-        )
-    return path.read_text().strip()
 
 
 def _last_status(log: Path) -> str:
@@ -212,13 +214,14 @@ class _Evaluation:
     """
 
     def __init__(self, url: str, run_dir: Path, version: int, attempts: int, args: argparse.Namespace,
-                 children: list[ChildProcess]) -> None:  # fmt: skip
+                 children: list[ChildProcess], *, concurrency: int = 64) -> None:  # fmt: skip
         self.version, self.started = version, time.time()
         model = f"agent@{version}"
         tag = f"eval-agent-v{version}"
         command = [sys.executable, "-m", "tracetrain_demo.agent", "--task", args.task, "--split", "held-out",
                    "--model", model,
-                   "--attempts", str(attempts), "--temperature", str(args.temperature), "--tag", tag]  # fmt: skip
+                   "--attempts", str(attempts), "--temperature", str(args.temperature), "--tag", tag,
+                   "--concurrency", str(concurrency)]  # fmt: skip
         self._agent = ChildProcess("held-out agent", command, _env(url), run_dir / "logs" / f"{tag}.jsonl")
         self._children, self._task = children, args.task
         _start(children, self._agent)
@@ -248,9 +251,10 @@ def _train(url: str, run_dir: Path, rewards_port: int, args: argparse.Namespace,
     minutes the newest version's beside the rounds of the moment.
     """
     began, cpu_before = time.time(), busy_cpu_seconds()
-    deadline = time.monotonic() + args.minutes * 60
+    deadline = time.monotonic() + (args.minutes or TASKS[args.task].minutes) * 60
     log = run_dir / "logs" / "agent-train.jsonl"
-    evaluations = [_Evaluation(url, run_dir, 0, args.eval_attempts, args, children)] if args.eval_attempts else []
+    evaluations = [_Evaluation(url, run_dir, 0, args.eval_attempts, args, children, concurrency=_BESIDE_TRAINING)
+                   for _ in range(1 if args.eval_attempts else 0)]  # fmt: skip
     next_eval = time.monotonic() + args.eval_every * 60
     agent: ChildProcess | None = None
     round_started = 0.0
@@ -259,7 +263,11 @@ def _train(url: str, run_dir: Path, rewards_port: int, args: argparse.Namespace,
     with tqdm(total=args.steps, desc="training steps", unit="step") as bar:
         bar.write(HEADER)
         while len(report.steps) < args.steps and time.monotonic() < deadline:
-            jobs = _jobs(url, args.admin_token)
+            jobs = serve_api.jobs(url, args.admin_token)
+            if (reason := serve_api.resume_if_paused(url, args.admin_token)) is not None:
+                report.rollbacks.append(reason)
+                restored = serve_api.active_version(url, args.admin_token)
+                bar.write(f"{reason}\nthe demo resumes training from agent@{restored}")
             if agent is not None and agent.returncode is not None:
                 if agent.returncode != 0:
                     raise SystemExit(f"tracetrain demo: the agent failed:\n{agent.log_tail()}")
@@ -292,8 +300,9 @@ def _train(url: str, run_dir: Path, rewards_port: int, args: argparse.Namespace,
                 next_eval = time.monotonic() + args.eval_every * 60
                 # The version serving now, not the newest trained: that one may not be published yet, or at all
                 # (the regression guard may have rolled it back).
-                evaluations.append(_Evaluation(url, run_dir, _active_version(url, args.admin_token),
-                                               args.eval_attempts, args, children))  # fmt: skip
+                serving = serve_api.active_version(url, args.admin_token)
+                evaluations.append(_Evaluation(url, run_dir, serving, args.eval_attempts, args, children,
+                                               concurrency=_BESIDE_TRAINING))  # fmt: skip
             time.sleep(1.0)
     if agent is not None:
         agent.stop()
@@ -302,7 +311,7 @@ def _train(url: str, run_dir: Path, rewards_port: int, args: argparse.Namespace,
     for evaluation in evaluations:  # the base model's, if training ended first
         report.held_out.append(held := evaluation.result())
         report.sampling.append((held.started, held.finished))
-    _close(report, began, cpu_before, args.task, log)
+    _close(report, began, cpu_before, url)
 
 
 def _round_command(args: argparse.Namespace, number: int, rewards_port: int) -> list[str]:
@@ -313,43 +322,19 @@ def _round_command(args: argparse.Namespace, number: int, rewards_port: int) -> 
             "--done-url", f"http://127.0.0.1:{rewards_port}/finished"]  # fmt: skip
 
 
-def _close(report: Report, began: float, cpu_before: float, task: str, log: Path) -> None:
+def _close(report: Report, began: float, cpu_before: float, url: str) -> None:
     """What the training window measured: when each side was busy, the machine's load, each version's success."""
     report.sampling.extend(report.rounds)
     report.training_window = (began, time.time())
     report.machine_busy_cores = (busy_cpu_seconds() - cpu_before) / max(time.time() - began, 1e-9)
-    report.served_success = _training_success(task, log)
+    report.served_success = serve_api.training_success(url)
     for step in report.steps:
         step.success = report.served_success.get(step.version)
-
-
-def _training_success(task: str, log: Path) -> dict[int, float]:
-    """Success of the training attempts, by the version that served their final reply."""
-    wins: dict[int, list[bool]] = {}
-    for episode in _episodes(log):
-        version = int(str(episode["served_by"]).rpartition("@")[2] or 0)
-        wins.setdefault(version, []).append(_score(task, episode).success)
-    # A version that served only the stragglers of a round says nothing.
-    return {v: sum(w) / len(w) for v, w in wins.items() if len(w) >= 16}
 
 
 def _episodes(log: Path) -> list[dict[str, Any]]:
     """The attempts an agent printed (one JSON object per line; its log also has a header line)."""
     return [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
-
-
-def _admin_get(url: str, path: str, token: str, **params: Any) -> dict[str, Any]:
-    response = httpx.get(f"{url}{path}", params=params, headers={"Authorization": f"Bearer {token}"}, timeout=30)
-    response.raise_for_status()
-    return dict(response.json())
-
-
-def _jobs(url: str, token: str) -> list[dict[str, Any]]:
-    return list(_admin_get(url, "/admin/jobs", token, limit=200)["data"])
-
-
-def _active_version(url: str, token: str) -> int:
-    return int(_admin_get(url, "/admin/adapters", token)["active_version"])
 
 
 def _score(task: str, episode: dict[str, Any]) -> Scored:
