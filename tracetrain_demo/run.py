@@ -1,27 +1,31 @@
 """``tracetrain demo``: an unmodified agent gets better at its task while it runs.
 
-    tracetrain serve (vLLM + proxy + trainer)  <-- agent (plain OpenAI client, OPENAI_BASE_URL)
+    tracetrain serve (vLLM + proxy + trainer)  <-- agent (an OpenAI client or Agents SDK app, OPENAI_BASE_URL)
           ^  POST /v1/rewards                       | POST /finished
           +---------- reward service <--------------+
 
 1. Pull the default model and start ``tracetrain serve`` on a fresh demo directory
-   (DATA_DIR/demo; the compile cache is kept between runs).
+   (DATA_DIR/demo; the compile cache is kept between runs); go on once its proxy answers
+   (the trainer loads while the first round samples).
 2. Start the reward service; measure held-out success of ``agent@0`` (the base model)
-   beside the first round.
+   beside the first rounds, a few attempts at a time so that the rounds go first.
 3. Run the agent on the training requests, round after round. Each round's groups are
    rewarded, trigger a training step, and the new adapter is hot-swapped in while the
    agent keeps asking ``agent``: later rounds are served by newer versions. vLLM samples
    the next round while the trainer trains the last (a round starts while at most one
-   job is pending). Every --eval-every minutes the newest version is measured too.
-4. After --steps steps or --minutes minutes, measure held-out success on the newest
-   version, print the per-step table, how busy each side was, and write the plot
-   (reward-curve.png) and the numbers (results.json) to DATA_DIR/demo.
+   job is pending). Every --eval-every minutes the version serving is measured too. When
+   the regression guard rolls a version back and pauses training, the demo says why and
+   resumes (the next step trains on the version restored).
+4. After --steps steps or --minutes minutes (the task's default), measure held-out success
+   on the version serving, print the per-step table, how busy each side was, and write the
+   plot (reward-curve.png) and the numbers (results.json) to DATA_DIR/demo.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import shutil
@@ -52,6 +56,9 @@ _TRAIN_CONFIG = {"micro_batch_tokens": 1024}
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
+    if args.task == "agents-sdk" and importlib.util.find_spec("agents") is None:
+        raise SystemExit("tracetrain demo: the agents-sdk task's agent needs the OpenAI Agents SDK: "
+                         "pip install 'tracetrain[demo]' (or 'openai-agents>=0.20,<0.21')")  # fmt: skip
     started = time.monotonic()
     data_dir: Path = args.data_dir
     run_dir = data_dir / "demo"
