@@ -118,7 +118,10 @@ async def _time_cases(calls: int) -> dict[str, float]:
         async def resolve(self, policy: str, hints: Any, conversation: Any, **_: bool) -> Key:
             return Key("traj-bench", "grp-bench", "header", None)
 
-    forwarder = Forwarder(_Upstream(), _Store(), Keyer(), PolicyRegistry("agent", "tiny"), Metrics())  # type: ignore[arg-type]
+    # A registry of the policy "agent" on the base "tiny": PolicyRegistry.of where a tree serves several policies.
+    of = getattr(PolicyRegistry, "of", None)
+    registry = of("agent", base_model="tiny") if of is not None else PolicyRegistry("agent", "tiny")
+    forwarder = Forwarder(_Upstream(), _Store(), Keyer(), registry, Metrics())  # type: ignore[arg-type]
     handle, hints = _call_of(forwarder), KeyHints(header_trajectory="traj-bench")
     out: dict[str, float] = {}
     for name, (dialect, body) in CASES.items():

@@ -226,7 +226,7 @@ def test_the_trainer_arguments_parse_and_name_the_store_and_the_policy(overlay: 
     assert args.database_url == env["TRACETRAIN_DATABASE_URL"]
     proxy_env = resolved_env(objects, container(one(objects, "Deployment", "proxy"), "proxy"))
     assert args.database_url == proxy_env["TRACETRAIN_DATABASE_URL"]
-    assert args.policy == proxy_env["TRACETRAIN_POLICY"]
+    assert args.policy == [proxy_env["TRACETRAIN_POLICY"]]
     assert args.device == device
 
 
