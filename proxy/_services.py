@@ -32,7 +32,7 @@ from proxy.judge import JudgeService
 from proxy.judge._timeout import RewardTimeout
 from proxy.observability import LangfuseExporter, Metrics, start_langfuse
 from proxy.observability._disk import DiskWatch
-from proxy.training import HandoverCoordinator, JobScheduler, Publisher
+from proxy.training import Canary, CanaryConfig, HandoverCoordinator, JobScheduler, Publisher
 from proxy.training._guard import RegressionGuard
 from proxy.training._regression import GuardConfig
 from proxy.training._step_watch import StepWatch
@@ -56,6 +56,7 @@ class Services:
     forwarder: Forwarder
     scheduler: JobScheduler  # also told of every reward written (metrics, Langfuse, a job when due)
     publisher: Publisher
+    canary: Canary  # canary trials of new versions (--canary); also ends a trial left running when it is off
     metrics: Metrics
     token_texts: TokenTexts
     judging: JudgeService
@@ -94,6 +95,7 @@ async def build_services(
                                  min_group_size=settings.min_group_size, metrics=metrics,
                                  langfuse=langfuse)  # fmt: skip
         publisher = await _publishing(settings, store, registry, router, stack)
+        canary = _canary(settings, store, publisher, metrics, stack)
         handover = _training(settings, store, publisher, router, gate, metrics, on_upstream_stuck, stack)
         judging = JudgeService(settings, store, registry, scheduler)
         judging.start()  # scans for complete groups unless rewards are external only
@@ -106,7 +108,7 @@ async def build_services(
         forwarder = Forwarder(router, store, keyer, registry, metrics, langfuse, gate)
         yield Services(
             settings, Credentials(settings), store, router.upstreams[0], router, registry, keyer, forwarder,
-            scheduler, publisher, metrics, TokenTexts(router.upstreams[0]), judging,
+            scheduler, publisher, canary, metrics, TokenTexts(router.upstreams[0]), judging,
             langfuse=langfuse, handover=handover, disk=disk,
         )  # fmt: skip
 
@@ -135,7 +137,7 @@ async def _publishing(
     """The publisher, with what the store says is served adopted, and the servers' health watched."""
     publisher = Publisher(
         store, registry, router, keep_versions=settings.keep_versions, unload_grace_s=settings.unload_grace_s,
-        guard=settings.regression_guard, delivery=settings.adapter_delivery,
+        guard=settings.regression_guard, delivery=settings.adapter_delivery, canary=settings.canary,
     )  # fmt: skip
     # Publishing starts once this proxy serves: a vLLM that fetches an adapter by name
     # (tracetrain_vllm's resolver) may fetch it from this very proxy.
@@ -145,6 +147,18 @@ async def _publishing(
     _start(stack, router.run(publisher.restore), "tracetrain-upstream-health")
     _start(stack, StepWatch(store).run(), "tracetrain-step-watch")
     return publisher
+
+
+def _canary(settings: Settings, store: Store, publisher: Publisher, metrics: Metrics, stack: AsyncExitStack) -> Canary:
+    """The canary's check of the running trial (``--canary``); it runs without one too, to end a trial left over."""
+    cfg = None
+    if settings.canary is not None:
+        cfg = CanaryConfig(fraction=settings.canary, margin=settings.canary_margin, alpha=settings.canary_alpha,
+                           max_groups=settings.canary_groups, max_s=settings.canary_minutes * 60)  # fmt: skip
+    canary = Canary(store, publisher, metrics, cfg, policy=settings.policy, min_group_size=settings.min_group_size,
+                    guard=settings.regression_guard)  # fmt: skip
+    _start(stack, canary.run(), "tracetrain-canary")
+    return canary
 
 
 def _training(

@@ -22,13 +22,23 @@ from store._export import ExportFilter, ExportPage, ExportReads, RewardSummary
 from store._guard import TRAINING_FIELDS, Guards
 from store._jobs import JOB_FIELDS, Jobs, RewardedTrajectory, StoredCall
 from store._judgements import JUDGEMENT_STATES, DueRule, GroupCalls, GroupChanged, Judgements
-from store._lifecycle import MOVES, AdapterState, GpuHandover, GroupState, JobState, TrainingState, allowed
+from store._lifecycle import (
+    MOVES,
+    AdapterState,
+    GpuHandover,
+    GroupState,
+    JobState,
+    TrainingState,
+    TrialState,
+    allowed,
+)
 from store._reads import GROUP_VIEW_STATES, GroupRecord, Reads, TrajectoryFilter, TrajectoryRecord
 from store._retention import PruneReport, PruneRule
-from store._rewards import RewardIn, RewardRecord
+from store._rewards import REWARD_SOURCES, RewardIn, RewardRecord
 from store._store import Store
 from store._tables import Call
 from store._timeouts import RewardTimeouts
+from store._trials import TRIAL_FIELDS, ArmTotals, GroupArms, Trials
 from store._writer import CallWrite
 
 __all__ = [
@@ -39,11 +49,14 @@ __all__ = [
     "JOB_FIELDS",
     "JUDGEMENT_STATES",
     "MOVES",
+    "REWARD_SOURCES",
     "TRAINING_FIELDS",
+    "TRIAL_FIELDS",
     "AdapterFile",
     "AdapterFiles",
     "AdapterState",
     "Adapters",
+    "ArmTotals",
     "Call",
     "CallWrite",
     "DueRule",
@@ -52,6 +65,7 @@ __all__ = [
     "ExportReads",
     "FileEntry",
     "GpuHandover",
+    "GroupArms",
     "GroupCalls",
     "GroupChanged",
     "GroupRecord",
@@ -79,6 +93,8 @@ __all__ = [
     "TrajectoryFilter",
     "TrajectoryRecord",
     "TransitionRefused",
+    "TrialState",
+    "Trials",
     "UnknownTrajectories",
     "allowed",
     "connect",

@@ -33,10 +33,10 @@ def test_the_proxy_subpackages_public_names() -> None:
 
     faces = {
         "proxy.admin": ["Admin", "AdminAuth", "TokenTexts"],
-        "proxy.data": ["RewardBatch", "RewardPost", "get_trajectory", "list_groups", "list_trajectories",
-                       "post_rewards"],
+        "proxy.data": ["FeedbackPost", "RewardBatch", "RewardPost", "get_trajectory", "give_feedback", "list_groups",
+                       "list_trajectories", "parse_feedback", "post_rewards", "review_queue", "validate_feedback"],
         "proxy.gateway": ["Forwarder", "Gate", "Key", "KeyHints", "Keyer", "NOT_AWAKE", "PolicyRegistry",
-                          "RETRY_AFTER_FAILED_S", "Route", "Upstream", "new_trajectory_id"],
+                          "RETRY_AFTER_FAILED_S", "Route", "Split", "Upstream", "new_trajectory_id"],
         "proxy.gateway.dialects": ["CHAT", "COMPLETIONS", "ChatCompletionRequest", "ChatTranslation",
                                    "CompletionRequest", "CountTokensRequest", "DIALECTS", "Dialect", "DialectName",
                                    "MESSAGES", "MessagesRequest", "PASSTHROUGH_EVENTS", "RESPONSES",
@@ -50,7 +50,8 @@ def test_the_proxy_subpackages_public_names() -> None:
         "proxy.judge": ["DEFAULT_RUBRIC", "Judge", "JudgeFailed", "JudgePrompt", "JudgeService", "Score",
                         "build_prompt"],
         "proxy.observability": ["LangfuseExporter", "Metrics", "start_langfuse"],
-        "proxy.training": ["HandoverCoordinator", "JobScheduler", "PublishError", "Publisher"],
+        "proxy.training": ["Canary", "CanaryConfig", "HandoverCoordinator", "JobScheduler", "PublishError",
+                           "Publisher"],
     }  # fmt: skip
     for name, exported in faces.items():
         assert sorted(importlib.import_module(name).__all__) == exported, name
@@ -60,14 +61,16 @@ def test_store_public_names() -> None:
     import store
 
     assert sorted(store.__all__) == [
-        "ADAPTER_FIELDS", "AdapterFile", "AdapterFiles", "AdapterState", "Adapters",
+        "ADAPTER_FIELDS", "AdapterFile", "AdapterFiles", "AdapterState", "Adapters", "ArmTotals",
         "COMPACT_COLUMNS", "Call", "CallWrite", "DueRule", "ExportFilter", "ExportPage", "ExportReads",
         "FILE_NAME_PATTERN", "FileEntry",
-        "GROUP_VIEW_STATES", "GpuHandover", "GroupCalls", "GroupChanged", "GroupRecord",
+        "GROUP_VIEW_STATES", "GpuHandover", "GroupArms", "GroupCalls", "GroupChanged", "GroupRecord",
         "GroupState", "Guards", "JOB_FIELDS", "JUDGEMENT_STATES", "JobState", "Jobs", "Judgements", "MOVES",
-        "Policies", "PruneReport", "PruneRule", "Reads", "RewardIn", "RewardRecord", "RewardSummary", "RewardTimeouts",
+        "Policies", "PruneReport", "PruneRule", "REWARD_SOURCES", "Reads", "RewardIn", "RewardRecord", "RewardSummary",
+        "RewardTimeouts",
         "RewardedTrajectory", "SchemaTooNew", "Store", "StoreError", "StoreFull", "StoreUnavailable", "StoredCall",
-        "TRAINING_FIELDS", "TrainingState", "TrajectoryFilter", "TrajectoryRecord", "TransitionRefused",
+        "TRAINING_FIELDS", "TRIAL_FIELDS", "TrainingState", "TrajectoryFilter", "TrajectoryRecord", "TransitionRefused",
+        "TrialState", "Trials",
         "UnknownTrajectories", "allowed", "connect", "is_disk_full",
     ]  # fmt: skip
 

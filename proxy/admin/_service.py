@@ -21,7 +21,7 @@ from proxy.gateway.upstream import Router, Server
 from proxy.judge import JudgeService
 from proxy.observability import Metrics
 from proxy.observability._disk import DiskWatch
-from proxy.training import HandoverCoordinator, JobScheduler
+from proxy.training import Canary, HandoverCoordinator, JobScheduler
 from proxy.training._guard import resume_training as resume
 from store import (
     ADAPTER_FIELDS,
@@ -50,6 +50,8 @@ class Sources(Protocol):
     def router(self) -> Router: ...
     @property
     def scheduler(self) -> JobScheduler: ...
+    @property
+    def canary(self) -> Canary: ...
     @property
     def judging(self) -> JudgeService: ...
     @property
@@ -94,6 +96,9 @@ async def overview(services: Sources) -> dict[str, Any]:
         "gpu_handover": await _gpu_handover(services),
         "upstreams": await _upstreams(services),
         "training": await training_state(services),
+        "trial": await store.trials.running(services.settings.policy),
+        "awaiting_review": await store.reads.review_count(services.settings.policy),
+        "reward_source": services.settings.reward_source,
         "groups_unrewarded": await store.reward_timeouts.unrewarded(services.settings.policy),
         "disk": _disk(services),
     }

@@ -8,7 +8,7 @@ generation paths (``GENERATION_PATHS``) to ``serve_generation`` before Starlette
 
 from fastapi import APIRouter
 
-from proxy.api import _adapters, _admin, _dashboard, _data, _health, _judge, _openai
+from proxy.api import _adapters, _admin, _dashboard, _dashboard_review, _data, _health, _judge, _openai
 from proxy.api._handlers import add_error_handlers
 from proxy.api._openai import GENERATION_PATHS, serve_generation
 
@@ -18,6 +18,7 @@ ROUTERS: tuple[APIRouter, ...] = (
     _admin.router,
     _judge.router,
     _dashboard.router,
+    _dashboard_review.router,
     _adapters.router,
     _health.router,
 )

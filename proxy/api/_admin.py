@@ -1,20 +1,23 @@
-"""The admin JSON API: everything the dashboard shows, and its two actions.
+"""The admin JSON API: everything the dashboard shows, and its actions.
 
-Reads: overview, trajectories, groups, training jobs, adapters, training state. Actions:
-train now, activate a version (rollback/forward), and resume training after the regression
-guard paused it. The admin token (``Authorization: Bearer``)
-or a dashboard session with its CSRF token admits a request (``proxy._credentials``).
+Reads: overview, trajectories, groups, training jobs, adapters, training state, canary trials,
+the review queue. Actions: train now, activate a version (rollback/forward), resume training after
+the regression guard paused it, end a canary trial (promote or roll back), a person's score of a
+trajectory. The admin token (``Authorization: Bearer``) or a dashboard session with its CSRF token
+admits a request (``proxy._credentials``).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, Query, Request
 
-from proxy._params import Cursor, GroupViewState, Id, Limit, UnixTime, Version
+from proxy._params import Cursor, GroupViewState, Id, Limit, TrialId, UnixTime, Version, json_body
+from proxy.admin import _review, _trials
 from proxy.admin import _service as _admin
 from proxy.api._deps import ServicesDep, require_admin
+from proxy.data import FeedbackPost, parse_feedback
 from proxy.errors import InvalidRequest
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], tags=["admin"])
@@ -114,3 +117,39 @@ async def activate(version: Version, services: ServicesDep) -> dict[str, Any]:
     """Serve `version` as the policy (0 is the base model): a rollback or a roll forward."""
     active = await services.publisher.activate(version)
     return {"object": "policy", "policy": services.registry.policy, "active_version": active}
+
+
+@router.get("/trials")
+async def list_trials(services: ServicesDep, limit: Limit = 50) -> dict[str, Any]:
+    """Canary trials, newest first: each version's share of new trajectories, rewards with 95% intervals, the
+    paired test, the verdict and why (`--canary`)."""
+    return await _trials.list_trials(services, limit)
+
+
+@router.post("/trials/{trial_id}/promote")
+async def promote_trial(trial_id: TrialId, services: ServicesDep) -> dict[str, Any]:
+    """End the running trial: its version serves everything (409 once the trial has ended)."""
+    return await _trials.end_trial(services, trial_id, "promoted")
+
+
+@router.post("/trials/{trial_id}/roll-back")
+async def roll_back_trial(trial_id: TrialId, services: ServicesDep) -> dict[str, Any]:
+    """End the running trial: its version serves nothing, and training goes on from the version it was tried
+    against (409 once the trial has ended)."""
+    return await _trials.end_trial(services, trial_id, "rolled_back")
+
+
+@router.get("/review")
+async def review_queue(services: ServicesDep, limit: Limit = 50, after: Cursor = None) -> dict[str, Any]:
+    """What awaits a person's score, oldest first: trajectories no person scored yet, in a group still open."""
+    return await _review.queue(services, limit=limit, after=after)
+
+
+_FEEDBACK_BODY = json_body(FeedbackPost, {"score": {"score": 0.8, "note": "right answer, too long"}})
+
+
+@router.post("/trajectories/{trajectory_id}/feedback", openapi_extra=_FEEDBACK_BODY)
+async def feedback(trajectory_id: Id, request: Request, services: ServicesDep) -> dict[str, Any]:
+    """A person's score of a trajectory (`{"score": 0 to 1, "note"?}`): its reward, with source `human`, over a
+    service's or the judge's."""
+    return await _review.score(services, trajectory_id, parse_feedback(await request.body()))

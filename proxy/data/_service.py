@@ -23,7 +23,14 @@ RewardsWritten = Callable[[Sequence[RewardRecord]], Awaitable[None]]
 
 
 def refuse_external_rewards(reward_source: str) -> None:
-    """With ``--reward-source judge`` the judge alone rewards: a posted reward is a 409."""
+    """With ``--reward-source judge`` the judge alone rewards, with ``human`` people: a posted reward is a 409."""
+    if reward_source == "human":
+        raise Conflict(
+            "This proxy runs with --reward-source human: rewards are people's scores (the dashboard's review "
+            "queue, or POST /admin/trajectories/{id}/feedback with the admin token). Restart it with --reward-source "
+            "external to post rewards. Nothing was recorded.",
+            code="rewards_come_from_people",
+        )
     if reward_source == "judge":
         raise Conflict(
             "This proxy runs with --reward-source judge: rewards come from the LLM judge, and one group must not mix "
@@ -34,8 +41,8 @@ def refuse_external_rewards(reward_source: str) -> None:
 
 
 async def post_rewards(store: Store, raw: bytes, *, reward_source: str, written: RewardsWritten) -> dict[str, Any]:
-    """``POST /v1/rewards``: refused with ``--reward-source judge``; else validated completely (one reward or a
-    batch), recorded atomically, and told to ``written``."""
+    """``POST /v1/rewards``: refused with ``--reward-source judge`` or ``human``; else validated completely (one
+    reward or a batch), recorded atomically, and told to ``written``."""
     refuse_external_rewards(reward_source)
     try:
         body = orjson.loads(raw)

@@ -4,7 +4,8 @@ Its routes are ``proxy.api._openai``; what they call is here, in three rooms:
 
 - at the top, one call's steps, the same for every API: ``Forwarder.handle`` (``_forward``), a stream's
   relay (``_relay``), the call in flight and its record (``_call``), capture (``_capture``), keying
-  (``_keying``), policy versions (``_policies``), the gate a training step closes (``_gate``);
+  (``_keying``), policy versions (``_policies``) and a canary trial's split of them (``_split``), the gate a
+  training step closes (``_gate``);
 - ``dialects/``: the APIs, each a translator on either side of those steps (chat is the identity);
 - ``upstream/``: reaching vLLM: one server's client, the router over several.
 """
@@ -13,6 +14,7 @@ from proxy.gateway._forward import Forwarder
 from proxy.gateway._gate import NOT_AWAKE, RETRY_AFTER_FAILED_S, Gate
 from proxy.gateway._keying import Key, Keyer, KeyHints, new_trajectory_id
 from proxy.gateway._policies import PolicyRegistry, Route
+from proxy.gateway._split import Split
 from proxy.gateway.upstream import Upstream
 
 __all__ = [
@@ -25,6 +27,7 @@ __all__ = [
     "Keyer",
     "PolicyRegistry",
     "Route",
+    "Split",
     "Upstream",
     "new_trajectory_id",
 ]

@@ -3,6 +3,10 @@
 ``policy`` routes to the newest published version, ``policy@N`` pins one, and
 ``policy@0`` is the base model. Versions are immutable names in vLLM (``policy@7``):
 a live name is never reloaded, so the prefix cache never serves an old policy.
+
+While a canary trial of a new version runs (``--canary``), ``policy`` names one of two versions,
+by trajectory: ``resolve`` gives the version serving everything, and the call path, once it knows
+the call's trajectory, asks ``for_trajectory`` (the trial's split: ``_split``).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.errors import ModelNotFound, UpstreamNotReady
+from proxy.gateway._split import Split
 
 # ASCII digits, few enough for int(): str.isdigit() also takes "²", and int() refuses 4,300 digits.
 _PINNED = re.compile(r"[0-9]{1,10}")
@@ -26,6 +31,7 @@ class Route:
     policy: str
     version: int
     served_model: str  # what vLLM serves: the base model, or "policy@N"
+    pinned: bool = False  # the client named the version (``policy@N``): no canary trial moves it
 
     @property
     def public_name(self) -> str:
@@ -42,6 +48,8 @@ class PolicyRegistry:
         self.active_version = 0
         self.loaded_versions: set[int] = {0}
         self.in_flight: Counter[int] = Counter()  # version -> requests now being served by it
+        # The canary trial running, as the store says (adopted by the publisher); None: ``policy`` is the alias.
+        self.split: Split | None = None
         self._created = int(time.time())
 
     @contextmanager
@@ -62,12 +70,21 @@ class PolicyRegistry:
                 param="model",
             )
         if not sep:
-            version = self.active_version
-        elif _PINNED.fullmatch(pinned) and int(pinned) in self.loaded_versions:
-            version = int(pinned)
-        else:
-            loaded = ", ".join(f"{self.policy}@{v}" for v in sorted(self.loaded_versions))
-            raise ModelNotFound(f"The model '{model}' is not loaded; loaded versions: {loaded}.", param="model")
+            return Route(self.policy, self.active_version, self.served_name(self.active_version))
+        if _PINNED.fullmatch(pinned) and int(pinned) in self.loaded_versions:
+            return Route(self.policy, int(pinned), self.served_name(int(pinned)), pinned=True)
+        loaded = ", ".join(f"{self.policy}@{v}" for v in sorted(self.loaded_versions))
+        raise ModelNotFound(f"The model '{model}' is not loaded; loaded versions: {loaded}.", param="model")
+
+    def for_trajectory(self, route: Route, trajectory_id: str, served_by: int | None) -> Route:
+        """The canary hook: while a trial runs, the version ``route``'s trajectory meets (``Split.version_for``);
+        a pinned route, or no trial, as it is. ``served_by``: the version of the trajectory's recorded calls."""
+        split = self.split
+        if split is None or route.pinned:
+            return route
+        version = split.version_for(trajectory_id, served_by)
+        if version == route.version or version not in self.loaded_versions:
+            return route
         return Route(self.policy, version, self.served_name(version))
 
     def served_name(self, version: int) -> str:

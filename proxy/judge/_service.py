@@ -10,6 +10,10 @@ The proxy's ``--reward-source`` decides what the judge's scores are for:
   ``POST /v1/rewards`` is refused (409): one group must not mix reward sources.
 - ``both``: external rewards train; every group is judged too and the judge's scores are
   recorded beside them (``rewards`` rows with source "judge"), never replacing them.
+- ``human``: people score (the dashboard's review queue); nothing is judged on its own.
+
+A person's score (source "human") is never replaced by the judge's: with ``judge`` the judge's
+score is recorded beside it, and the trajectory keeps the person's.
 
 When a group is complete. An agent whose rewards come from the judge posts nothing, so
 the proxy cannot know that a trajectory ended. A group is judged once it has at least
@@ -91,7 +95,7 @@ class JudgeService:
 
     @property
     def automatic(self) -> bool:
-        return self._settings.reward_source != "external"
+        return self._settings.reward_source in ("judge", "both")
 
     def start(self) -> None:
         """Start the background scan (with ``judge`` or ``both``)."""

@@ -30,6 +30,12 @@ How a version gets into a vLLM server (by path, or by name through its resolver)
 While vLLM sleeps for a training step (``--share-gpu``), the hand-over's coordinator holds
 the publisher (``held()``): nothing is loaded into a sleeping vLLM; once it is awake the
 coordinator publishes what the step recorded before any held call goes on.
+
+With a canary (``canary``: the share of new trajectories a new version serves), a loaded version
+is published on trial instead of becoming the alias (``store.Trials.start``), one trial at a time:
+while one runs nothing is claimed, and then only the newest trained version. The registry's split
+is the store's running trial, adopted with the alias; ``promote`` and ``roll_back`` end a trial
+(``proxy.training._canary``). An admin's ``activate`` waits for the trial's end.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ from typing import Any
 
 from proxy._periodic import every
 from proxy.errors import Conflict, NotFound, ProxyError
-from proxy.gateway import PolicyRegistry
+from proxy.gateway import PolicyRegistry, Split
 from proxy.gateway.upstream import Router, Server
 from proxy.training._loading import AdapterDelivery, AdapterLoader, PublishError, already_loaded
 from proxy.training._regression import watch_record
@@ -73,6 +79,7 @@ class Publisher:
         lease_s: float = PUBLISH_LEASE_S,
         guard: bool = False,
         delivery: AdapterDelivery = "auto",
+        canary: float | None = None,
     ) -> None:
         self._store = store
         self._loader = AdapterLoader(store, registry, router, delivery)
@@ -90,6 +97,7 @@ class Publisher:
         self._lock = asyncio.Lock()
         self._guard = guard  # each version published is watched by the regression guard (proxy.training._guard)
         self._withdrawn: dict[int, float] = {}  # rolled-back versions still loaded -> when they were withdrawn
+        self._canary = canary  # a new version goes on trial for this share of new trajectories (proxy.training._canary)
 
     async def run(self) -> None:
         """Poll the store until cancelled (an error is logged; the next poll tries again): a brief read
@@ -134,16 +142,28 @@ class Publisher:
             log.warning("adapter %s@%d %s", policy, version, why)
         training = (await self._store.guards.training(policy))["training"] == TrainingState.ACTIVE
         if training and self._router.serving():  # with no server in rotation a load could not be checked
-            for version, path in await self._store.adapters.claim_trained(policy, self._owner, self._lease_s):
+            for version, path in await self._claim(policy):
                 await self._publish(version, path)
         await self._loader.reload_missing(now=reload_now)
         await self._unload_outside_window()
         await self._unload_withdrawn()
 
+    async def _claim(self, policy: str) -> list[tuple[int, str]]:
+        """What to publish now: every trained version; with a canary, the newest, and nothing while a trial runs."""
+        if self._canary is None:
+            return await self._store.adapters.claim_trained(policy, self._owner, self._lease_s)
+        if await self._store.trials.running(policy) is not None:
+            return []
+        return await self._store.adapters.claim_trained(policy, self._owner, self._lease_s, newest_only=True)
+
     async def activate(self, version: int) -> int:
         """Roll back or forward: serve ``version`` (still on disk) as the policy. Returns it."""
         async with self._lock:
             policy = self._registry.policy
+            if (trial := await self._store.trials.running(policy)) is not None:
+                raise Conflict(f"{policy}@{trial['candidate']} is on canary trial (trial {trial['id']}): end the "
+                               "trial first, promoting or rolling it back (POST /admin/trials/{id}/promote or "
+                               "/roll-back, or the dashboard's Trials page).", code="trial_running")  # fmt: skip
             if version != 0 and version not in self._registry.loaded_versions:
                 row = await self._store.adapters.get(policy, version)
                 if row is not None and row["state"] == AdapterState.PRUNED:
@@ -202,6 +222,18 @@ class Publisher:
             self._registry.active_version = to
             self._registry.loaded_versions.discard(bad)
             self._withdrawn[bad] = time.monotonic()
+            await self._adopt_trial()
+            return True
+
+    async def promote(self, version: int, commit: Callable[[], Awaitable[bool]]) -> bool:
+        """A version on canary trial serves everything: ``commit`` ends the trial and flips the alias in the
+        store (False: another replica or an admin ended it first)."""
+        async with self._lock:
+            if not await commit():
+                return False
+            self._registry.active_version = version
+            self._left_window.pop(version, None)
+            await self._adopt_trial()
             return True
 
     async def _unload_withdrawn(self) -> None:
@@ -228,6 +260,14 @@ class Publisher:
         active = await self._store.policies.active_version(policy)
         if active is not None:
             self._registry.active_version = active
+        await self._adopt_trial()
+
+    async def _adopt_trial(self) -> None:
+        """The canary trial the store says runs, as the registry splits trajectories (``proxy.gateway.Split``)."""
+        trial = await self._store.trials.running(self._registry.policy)
+        self._registry.split = None if trial is None else Split(
+            int(trial["id"]), int(trial["candidate"]), int(trial["baseline"]), float(trial["fraction"])
+        )  # fmt: skip
 
     async def _publish(self, version: int, path: str) -> None:
         started = time.perf_counter()
@@ -237,16 +277,41 @@ class Publisher:
             log.error("adapter %s@%d not published: %s", self._registry.policy, version, exc.message)
             await self._store.adapters.failed(self._registry.policy, version, exc.message)
             return
+        if self._canary is not None:
+            await self._start_trial(version, started)
+            return
         if not await self._store.adapters.published(self._registry.policy, version, self._owner):
-            # Our lease ran out mid-load and another replica took the adapter over: it publishes it.
-            log.warning("%s@%d: the claim was taken back while loading; left to its new publisher",
-                        self._registry.policy, version)  # fmt: skip
+            self._claim_lost(version)
             return
         replaced = self._registry.active_version
         await self._flip(version, forward_only=True)
         if self._guard:
             await self._store.guards.watch(self._registry.policy, version, watch_record(replaced))
         log.info("published %s@%d in %.0f ms", self._registry.policy, version, (time.perf_counter() - started) * 1e3)
+
+    async def _start_trial(self, version: int, started: float) -> None:
+        """A loaded version goes on canary trial; if another trial began meanwhile, it waits (unloaded first,
+        while this replica still holds its claim: no other replica loads it meanwhile)."""
+        policy = self._registry.policy
+        trial = await self._store.trials.start(policy, version, self._owner, float(self._canary or 0))
+        if trial == "claim lost":
+            self._claim_lost(version)
+            return
+        if isinstance(trial, str):
+            await self._loader.unload_everywhere(version)
+            if await self._store.trials.release(policy, version, self._owner):
+                log.info("%s@%d waits: another version went on trial first", policy, version)
+            return
+        self._registry.loaded_versions.add(version)
+        self._registry.split = Split(int(trial["id"]), version, int(trial["baseline"]), float(trial["fraction"]))
+        log.info("published %s@%d on canary trial in %.0f ms: it serves %.0f%% of new trajectories, @%d the rest",
+                 policy, version, (time.perf_counter() - started) * 1e3, trial["fraction"] * 100,
+                 trial["baseline"])  # fmt: skip
+
+    def _claim_lost(self, version: int) -> None:
+        # Our lease ran out mid-load and another replica took the adapter over: it publishes it.
+        log.warning("%s@%d: the claim was taken back while loading; left to its new publisher",
+                    self._registry.policy, version)  # fmt: skip
 
     async def _flip(self, version: int, *, forward_only: bool = False) -> None:
         if not await self._store.policies.flip(self._registry.policy, version, forward_only=forward_only):
