@@ -45,13 +45,16 @@ _MAX_EVIDENCE_ROWS = 20_000  # (group, version) rows a look reads at most: far b
 
 @dataclass(frozen=True, slots=True)
 class GroupArms:
-    """One complete group of a trial: how many of its trajectories each version served, and their mean reward."""
+    """One complete group of a trial: how many of its trajectories each version served, their mean reward, and
+    the sum of their rewards' squared deviations from that mean (``_ss``: their spread within the group)."""
 
     group_id: str
     candidate_n: int
     candidate_mean: float | None  # None when the candidate served none of it
+    candidate_ss: float
     baseline_n: int
     baseline_mean: float | None
+    baseline_ss: float
     completed_at: float  # when its last reward came
 
 
@@ -162,7 +165,8 @@ class Trials:
         members = select(func.count()).select_from(_T2).where(_T2.c.group_id == T.c.group_id).scalar_subquery()
         closed = select(G.c.id).where(G.c.policy == trial["policy"], G.c.state == GroupState.UNREWARDED.value)
         query = (
-            select(T.c.group_id, T.c.last_version, func.count(), func.avg(T.c.reward), func.max(T.c.rewarded_at))
+            select(T.c.group_id, T.c.last_version, func.count(), func.sum(T.c.reward),
+                   func.sum(T.c.reward * T.c.reward), func.max(T.c.rewarded_at))
             .where(*self._window(trial), T.c.reward.is_not(None), ~served_by_other, ~unrewarded_member,
                    members >= min_group_size, T.c.group_id.not_in(closed))
             .group_by(T.c.group_id, T.c.last_version)
@@ -171,11 +175,14 @@ class Trials:
         async with self._engine.connect() as conn:
             rows = (await conn.execute(query)).all()
         by_group: dict[str, dict[str, Any]] = {}
-        for group_id, version, n, mean, done in rows:
-            arms = by_group.setdefault(group_id, {"candidate_n": 0, "candidate_mean": None, "baseline_n": 0,
-                                                  "baseline_mean": None, "completed_at": 0.0})  # fmt: skip
+        for group_id, version, n, total, squares, done in rows:
+            arms = by_group.setdefault(group_id, {"candidate_n": 0, "candidate_mean": None, "candidate_ss": 0.0,
+                                                  "baseline_n": 0, "baseline_mean": None, "baseline_ss": 0.0,
+                                                  "completed_at": 0.0})  # fmt: skip
             arm = "candidate" if version == trial["candidate"] else "baseline"
-            arms[f"{arm}_n"], arms[f"{arm}_mean"] = int(n), float(mean)
+            mean = float(total) / int(n)
+            arms[f"{arm}_n"], arms[f"{arm}_mean"] = int(n), mean
+            arms[f"{arm}_ss"] = max(0.0, float(squares) - int(n) * mean * mean)
             arms["completed_at"] = max(arms["completed_at"], float(done))
         groups = [GroupArms(group_id, **arms) for group_id, arms in by_group.items()]
         return sorted(groups, key=lambda g: (g.completed_at, g.group_id))
