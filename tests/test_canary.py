@@ -291,3 +291,31 @@ def _record_shared(url: str, path: str) -> None:
 
     sql(url, "INSERT INTO adapters (policy, version, path, state, metrics, created_at) "
              "VALUES ('agent', 1, $1, 'trained', '{}', $2)", path, time.time())  # fmt: skip
+
+
+def test_the_dashboard_shows_each_trial_and_ends_one_with_its_csrf_token(start_proxy, tmp_path: Path) -> None:
+    from test_admin import ADMIN, BEARER, csrf_of, login
+
+    proxy = start_proxy(admin_token=ADMIN, **CANARY)
+    rng = random.Random(9)
+    record_trained_adapter(proxy, 1, tmp_path)
+    get = lambda: httpx.get(f"{proxy.url}/admin/trials", headers=BEARER).json()["running"]  # noqa: E731
+    trial = wait_for(lambda: get())
+    for _ in range(4):
+        play_group(proxy, lambda v: bernoulli(rng, 0.5))
+    wait_for(lambda: ((get() or {}).get("verdict") or {}).get("look", {}).get("n", 0) >= 3)
+    with login(proxy) as client:
+        page = client.get("/admin/ui/trials")
+        assert page.status_code == 200 and 'id="trial-running"' in page.text
+        assert "agent@1 against @0" in page.text and "paired groups" in page.text and "95%" in page.text
+        assert client.get("/admin").text.count('id="trial"') == 1  # the overview names it too
+        forged = client.post(f"/admin/ui/trials/{trial['id']}/roll-back", data={"csrf_token": "0" * 64})
+        assert forged.status_code == 403 and get() is not None
+
+        done = client.post(f"/admin/ui/trials/{trial['id']}/roll-back", data={"csrf_token": csrf_of(page.text)})
+
+        assert done.status_code == 303 and done.headers["location"] == "/admin/ui/trials?notice=rolled_back&version=1"
+        ended = client.get(done.headers["location"]).text
+        assert "agent@1 is rolled back" in ended and "rolled back by an admin" in ended
+        again = client.post(f"/admin/ui/trials/{trial['id']}/roll-back", data={"csrf_token": csrf_of(page.text)})
+        assert again.status_code == 409 and "has ended already" in again.text
