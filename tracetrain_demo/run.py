@@ -116,6 +116,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="city (default): one call, name the "
         "destination as JSON; lookup: look the hotel up with a function tool, then answer (2+ calls)",
     )
+    p.add_argument(
+        "--canary",
+        type=float,
+        metavar="FRACTION",
+        help="try each new version on this share of new trajectories before it serves them all (serve --canary; "
+        "default: a new version serves everything at once)",
+    )
     p.add_argument("--temperature", type=float, default=0.7, help="the agent's sampling temperature (default 0.7)")
     p.add_argument("--learning-rate", type=float, default=3e-4, help="the LoRA's AdamW learning rate (default 3e-4)")
     p.add_argument(
@@ -155,7 +162,7 @@ def _start_serve(args: argparse.Namespace, data_dir: Path, run_dir: Path, childr
         sys.executable, "-m", "tracetrain_cli", "serve", "--model", str(model_dir), "--data-dir", str(run_dir),
         "--port", str(args.port), "--group-size", str(args.attempts), "--min-group-size", str(args.attempts),
         "--batch-groups", str(args.questions), f"--trainer-arg=--config={config}", *TASKS[args.task].serve_args,
-        *([f"--sampler-dtype={sampler}"] if sampler else []),
+        *([f"--sampler-dtype={sampler}"] if sampler else []), *([f"--canary={args.canary}"] if args.canary else []),
     ]  # fmt: skip
     serve = ChildProcess("tracetrain serve", command, dict(os.environ), run_dir / "logs" / "serve.log")
     _say(f"starting tracetrain serve on port {args.port} (vLLM on the CPU: ~1 min; log: {serve.log_path})")
