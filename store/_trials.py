@@ -13,7 +13,8 @@
                  ``rolled_back_at`` set, so a step still running from N is discarded when it records
                  (``store._guard.Guards.discard_stale``), and training goes on from the baseline
 
-Each end is one transaction whose guarded moves decide who won: of replicas (or an admin and a
+A policy keeps its newest ``KEEP_TRIALS`` (1000) trials; older ended ones are deleted as each
+trial ends. Each end is one transaction whose guarded moves decide who won: of replicas (or an admin and a
 replica) ending the same trial together, one does; the others find it ended. One trial of a
 policy runs at a time (the unique index ``ux_trials_running``): a replica that loaded another
 version meanwhile gives its claim back (``start`` returns None) and the version waits.
@@ -25,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import exists, func, insert, select, update
+from sqlalchemy import delete, exists, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -40,6 +41,8 @@ from store._tables import trials as TR
 TRIAL_FIELDS = ("id", "policy", "candidate", "baseline", "fraction", "state", "started_at", "ended_at", "decided_by",
                 "reason", "verdict")  # fmt: skip
 _T2 = T.alias("t2")
+# Ended trials kept per policy (about 1-2 KB each with their last look): older ones are deleted as each ends.
+KEEP_TRIALS = 1000
 _MAX_EVIDENCE_ROWS = 20_000  # (group, version) rows a look reads at most: far beyond any trial's size bound
 
 
@@ -253,6 +256,14 @@ class Trials:
         return True
 
 
+async def _forget_old(conn: AsyncConnection, policy: str, keep: int) -> None:
+    """Delete the policy's ended trials beyond the newest ``keep`` (a running one is never among them)."""
+    kept = select(TR.c.id).where(TR.c.policy == policy).order_by(TR.c.id.desc()).limit(keep)
+    await conn.execute(
+        delete(TR).where(TR.c.policy == policy, TR.c.state != TrialState.RUNNING.value, TR.c.id.not_in(kept))
+    )
+
+
 async def _end(
     conn: AsyncConnection, trial_id: int, to: TrialState, now: float, by: str, reason: str,
     verdict: dict[str, Any] | None,
@@ -263,5 +274,6 @@ async def _end(
         values["verdict"] = verdict
     if not await move(conn, TR, TR.c.id == trial_id, TrialState.RUNNING, to, **values):
         return None
-    row = (await conn.execute(select(TR).where(TR.c.id == trial_id))).one()
-    return dict(row._mapping)
+    row = dict((await conn.execute(select(TR).where(TR.c.id == trial_id))).one()._mapping)
+    await _forget_old(conn, row["policy"], KEEP_TRIALS)
+    return row

@@ -99,3 +99,21 @@ async def test_a_trial_keeps_its_fraction_and_baseline(replicas: tuple[Store, St
     await store.trials.start("agent", await claimed(store, "a"), "a", fraction)
     running = await other.trials.running("agent")
     assert running is not None and (running["fraction"], running["baseline"], running["candidate"]) == (fraction, 0, 1)
+
+
+async def test_a_policy_keeps_its_newest_trials_and_forgets_the_older_ended_ones(
+    replicas: tuple[Store, Store], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import store._trials
+
+    monkeypatch.setattr(store._trials, "KEEP_TRIALS", 3)
+    a, _ = replicas
+    ids = []
+    for version in range(1, 6):
+        await trained(a, version)
+        trial = await a.trials.start("agent", await claimed(a, "a"), "a", 0.5)
+        assert isinstance(trial, dict)
+        ids.append(trial["id"])
+        assert await a.trials.promote(trial["id"], by="test", reason="not worse", verdict=None)
+    assert [t["id"] for t in await a.trials.newest("agent", 100)] == ids[::-1][:3]
+    assert await a.trials.counts("agent") == {"promoted": 3}

@@ -30,12 +30,12 @@ Looks come after each new paired group from ``min_groups`` to ``max_groups`` (L 
 spends alpha/L on each side (Bonferroni), so a version no worse than delta is rolled back with
 probability at most alpha over the trial, whatever order the rewards arrive in, when the version's
 effect is the same on every task. Where it differs from task to task (a step that helps some tasks
-and hurts others) the within-task spread understates D's; measured by simulation (tests, and
-docs/TRAINING.md) an equal-on-average version is still rolled back at most 2.5% of the time with
-a per-task effect of standard deviation 0.2, 4.4% at 0.3. Weighing within groups is what makes a
-short trial decisive: a version rewarded 0 against 0.6 is rolled back after 3.3 paired groups on
-average (4.8 with a t-test over the groups' d_g alone, which lets 1.6% of such versions through by
-the bound of 8). Pure: no I/O; ``proxy.training._canary`` reads and acts.
+and hurts others) the within-task spread understates D's; measured by simulation
+(``bench/canary_test.py``, docs/BENCHMARKS.md) an equal-on-average version is still rolled back in
+2.5% of trials with a per-task effect of standard deviation 0.2, 4.4% at 0.3. Weighing within groups
+is what makes a short trial decisive: a version rewarded 0 against 0.6 is rolled back after 3.3
+paired groups on average (5.2 with a t-test over the groups' d_g alone, which lets 4% of such
+versions through by the bound of 8). Pure: no I/O; ``proxy.training._canary`` reads and acts.
 """
 
 from __future__ import annotations
