@@ -319,3 +319,20 @@ def test_the_dashboard_shows_each_trial_and_ends_one_with_its_csrf_token(start_p
         assert "agent@1 is rolled back" in ended and "rolled back by an admin" in ended
         again = client.post(f"/admin/ui/trials/{trial['id']}/roll-back", data={"csrf_token": csrf_of(page.text)})
         assert again.status_code == 409 and "has ended already" in again.text
+
+
+def test_a_trial_whose_baseline_the_regression_guard_rolled_back_is_rolled_back_too(start_proxy, tmp_path: Path) -> None:
+    proxy = start_proxy(**CANARY)
+    first = put_on_trial(proxy, 1, tmp_path)
+    httpx.post(f"{proxy.url}/admin/trials/{first['id']}/promote").raise_for_status()
+    second = put_on_trial(proxy, 2, tmp_path)
+    assert second["baseline"] == 1
+    # The regression guard rolls @1 back (its store transaction, as store.Guards.roll_back writes it).
+    proxy.rows("UPDATE policies SET active_version = 0, rolled_back_at = ?", time.time())
+    proxy.rows("UPDATE adapters SET state = 'rolled_back' WHERE version = 1")
+
+    ended = wait_for(lambda: (t := trials(proxy)["data"][0])["state"] != "running" and t)
+
+    assert ended["id"] == second["id"] and ended["state"] == "rolled_back" and ended["decided_by"] == "alias"
+    assert "from @1 to @0" in ended["reason"]
+    assert adapters(proxy)["active_version"] == 0 and {call(proxy, f"t{i}") for i in range(8)} == {0}

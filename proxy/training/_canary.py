@@ -79,7 +79,7 @@ class Canary:
         if active != trial["baseline"]:
             reason = (f"the alias moved from @{trial['baseline']} to @{active} during the trial (the regression "
                       "guard rolled it back)")  # fmt: skip
-            await self._end(trial, "rolled_back", "alias", reason, trial["verdict"])
+            await self._end(trial, "rolled_back", "alias", reason, trial["verdict"], serving=active)
             return None
         groups = await self._store.trials.evidence(trial, min_group_size=self._min_group_size)
         verdict = decide(groups, self._cfg, elapsed_s=time.time() - float(trial["started_at"]))
@@ -120,9 +120,12 @@ class Canary:
         return {"look": verdict.view(), "candidate": candidate, "baseline": baseline, "shares": shares}
 
     async def _end(
-        self, trial: dict[str, Any], decision: str, by: str, reason: str, record: dict[str, Any] | None
-    ) -> bool:
-        """End ``trial`` (one store transaction, through the publisher); False when another end came first."""
+        self, trial: dict[str, Any], decision: str, by: str, reason: str, record: dict[str, Any] | None,
+        serving: int | None = None,
+    ) -> bool:  # fmt: skip
+        """End ``trial`` (one store transaction, through the publisher); False when another end came first.
+
+        ``serving``: the version the alias points at, when it moved off the trial's baseline."""
         policy, candidate, baseline = self._policy, int(trial["candidate"]), int(trial["baseline"])
         if decision == "promoted":
             guard = watch_record(baseline) if self._guard else None
@@ -136,7 +139,7 @@ class Canary:
             async def roll_back() -> bool:
                 return await self._store.trials.roll_back(trial["id"], by=by, reason=reason, verdict=record)
 
-            won = await self._publisher.roll_back(candidate, baseline, roll_back)
+            won = await self._publisher.roll_back(candidate, baseline if serving is None else serving, roll_back)
         else:
             raise ValueError(f"a trial ends promoted or rolled_back, not {decision}")
         if won:
