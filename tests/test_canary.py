@@ -321,7 +321,7 @@ def test_the_dashboard_shows_each_trial_and_ends_one_with_its_csrf_token(start_p
         assert again.status_code == 409 and "has ended already" in again.text
 
 
-def test_a_trial_whose_baseline_the_regression_guard_rolled_back_is_rolled_back_too(start_proxy, tmp_path: Path) -> None:
+def test_a_trial_whose_baseline_the_guard_rolled_back_is_rolled_back_too(start_proxy, tmp_path: Path) -> None:
     proxy = start_proxy(**CANARY)
     first = put_on_trial(proxy, 1, tmp_path)
     httpx.post(f"{proxy.url}/admin/trials/{first['id']}/promote").raise_for_status()
