@@ -13,11 +13,12 @@
                  ``rolled_back_at`` set, so a step still running from N is discarded when it records
                  (``store._guard.Guards.discard_stale``), and training goes on from the baseline
 
-A policy keeps its newest ``KEEP_TRIALS`` (1000) trials; older ended ones are deleted as each
-trial ends. Each end is one transaction whose guarded moves decide who won: of replicas (or an admin and a
+Each end is one transaction whose guarded moves decide who won: of replicas (or an admin and a
 replica) ending the same trial together, one does; the others find it ended. One trial of a
 policy runs at a time (the unique index ``ux_trials_running``): a replica that loaded another
-version meanwhile gives its claim back (``start`` returns None) and the version waits.
+version meanwhile gives its claim back (``start`` says "another trial runs") and the version
+waits. A policy keeps its newest ``KEEP_TRIALS`` (1000) trials; older ended ones are deleted as
+each trial ends.
 """
 
 from __future__ import annotations
@@ -173,6 +174,7 @@ class Trials:
             .where(*self._window(trial), T.c.reward.is_not(None), ~served_by_other, ~unrewarded_member,
                    members >= min_group_size, T.c.group_id.not_in(closed))
             .group_by(T.c.group_id, T.c.last_version)
+            .order_by(func.max(T.c.rewarded_at), T.c.group_id)
             .limit(_MAX_EVIDENCE_ROWS)
         )  # fmt: skip
         async with self._engine.connect() as conn:
