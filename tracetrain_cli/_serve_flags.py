@@ -35,6 +35,7 @@ def add_serve_parser(sub: Any) -> None:
     _add_door_flags(p)
     _add_reward_flags(p)
     _add_guard_flags(p)
+    _add_canary_flags(p)
     _add_retention_flags(p)
     _add_observability_flags(p)
     _add_handover_flags(p)
@@ -305,13 +306,15 @@ def _add_door_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_reward_flags(p: argparse.ArgumentParser) -> None:
-    """Where rewards come from: posted, an LLM judge, or both."""
+    """Where rewards come from: posted, an LLM judge, both, or people."""
     p.add_argument(
         "--reward-source",
-        choices=["external", "judge", "both"],
+        choices=["external", "judge", "both", "human"],
         help="where rewards come from: POST /v1/rewards (external), an LLM judge that scores each group's "
-        "trajectories against each other (judge; no reward function needed), or both (posted rewards train, the "
-        f"judge's scores are recorded beside them){setting_default('reward_source')}",
+        "trajectories against each other (judge; no reward function needed), both (posted rewards train, the "
+        "judge's scores are recorded beside them), or people (human: the dashboard's review queue). Whatever the "
+        "source, a person's score on the dashboard overrides a posted or judged reward"
+        + setting_default("reward_source"),
     )
     p.add_argument(
         "--judge-model",
@@ -355,6 +358,45 @@ def _add_guard_flags(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="the guard decides within this many rewarded groups of a new version"
         + setting_default("regression_groups"),
+    )
+
+
+def _add_canary_flags(p: argparse.ArgumentParser) -> None:
+    """Canary trials: a new version serves a share of new trajectories until its rewards decide."""
+    p.add_argument(
+        "--canary",
+        type=float,
+        metavar="FRACTION",
+        help="try each new version on this share of new trajectories (e.g. 0.1) before it serves everyone: the "
+        "version before it serves the rest, and a paired test of their rewards within groups promotes it or rolls "
+        "it back (docs/TRAINING.md, 'Trying a version'). Default: a new version serves everything at once",
+    )
+    p.add_argument(
+        "--canary-groups",
+        type=int,
+        metavar="N",
+        help="a trial decides within this many complete groups holding both versions"
+        + setting_default("canary_groups"),
+    )
+    p.add_argument(
+        "--canary-minutes",
+        type=float,
+        metavar="MINUTES",
+        help="a trial decides within this many minutes, on the evidence it has" + setting_default("canary_minutes"),
+    )
+    p.add_argument(
+        "--canary-margin",
+        type=float,
+        metavar="REWARD",
+        help="how much lower the new version's rewards may be than the current one's and still count as not worse"
+        + setting_default("canary_margin"),
+    )
+    p.add_argument(
+        "--canary-alpha",
+        type=float,
+        metavar="P",
+        help="the chance a trial rolls back a version that is not worse (and, alike, promotes early one that is), "
+        "over all its looks" + setting_default("canary_alpha"),
     )
 
 
