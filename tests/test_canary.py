@@ -336,3 +336,46 @@ def test_a_trial_whose_baseline_the_guard_rolled_back_is_rolled_back_too(start_p
     assert ended["id"] == second["id"] and ended["state"] == "rolled_back" and ended["decided_by"] == "alias"
     assert "from @1 to @0" in ended["reason"]
     assert adapters(proxy)["active_version"] == 0 and {call(proxy, f"t{i}") for i in range(8)} == {0}
+
+
+def record_for(proxy: RunningProxy, policy: str, version: int, tmp_path: Path) -> None:
+    """The trainer records ``policy``'s adapter ``version``."""
+    path = tmp_path / "adapters" / policy / str(version)
+    path.mkdir(parents=True)
+    proxy.rows("INSERT INTO adapters (policy, version, path, state, metrics, created_at) "
+               "VALUES (?, ?, ?, 'trained', '{}', ?)", policy, version, str(path), time.time())  # fmt: skip
+
+
+def test_a_trial_of_one_policy_leaves_another_policys_serving_untouched(
+    start_proxy, fake: Any, tmp_path: Path
+) -> None:
+    # b tries no version (canary 0 overrides the server's) and serves b@2; a puts a@1 on trial against a@0.
+    proxy = start_proxy(policies=("a", "b"), policy_configs={"b": {"canary": 0}}, **CANARY)
+    record_for(proxy, "b", 1, tmp_path)
+    wait_for(lambda: httpx.get(f"{proxy.url}/admin/adapters?policy=b").json()["active_version"] == 1)
+    record_for(proxy, "b", 2, tmp_path)
+    wait_for(lambda: httpx.get(f"{proxy.url}/admin/adapters?policy=b").json()["active_version"] == 2)
+    record_for(proxy, "a", 1, tmp_path)
+    trial = wait_for(lambda: httpx.get(f"{proxy.url}/admin/trials?policy=a").json()["running"])
+    assert (trial["policy"], trial["candidate"], trial["baseline"]) == ("a", 1, 0)
+    time.sleep(1.2)  # every sync since has adopted the trial
+
+    served_a = [call(proxy, f"a-{i}", model="a") for i in range(24)]
+    fake.requests.clear()
+    served_b = [call(proxy, f"b-{i}", model="b") for i in range(24)]
+
+    assert set(served_a) == {0, 1}  # a's new trajectories split between its two versions
+    assert served_b == [2] * 24  # b's all go to b's alias, whatever a's split would draw for them
+    assert {r["model"] for r in fake.requests} == {"b@2"}
+    assert httpx.get(f"{proxy.url}/admin/trials?policy=b").json() | {"data": None} == {
+        "object": "list", "policy": "b", "canary": {"fraction": None, "margin": 0.05, "alpha": 0.05, "max_groups": 6,
+                                                     "max_minutes": 30.0},
+        "running": None, "data": None,
+    }  # fmt: skip
+    listed = httpx.get(f"{proxy.url}/admin/trials").json()  # every policy's
+    assert [t["policy"] for t in listed["data"]] == ["a"] and listed["running"] is None
+    # Another policy's trial is a 404 for an admin who names b, as an unknown trial.
+    named_b = httpx.post(f"{proxy.url}/admin/trials/{trial['id']}/promote?policy=b")
+    assert named_b.status_code == 404 and named_b.json()["error"]["code"] == "trial_not_found"
+    assert httpx.post(f"{proxy.url}/admin/trials/{trial['id']}/promote?policy=a").json()["state"] == "promoted"
+    assert {call(proxy, f"b-late-{i}", model="b") for i in range(8)} == {2}

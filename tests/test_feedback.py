@@ -53,7 +53,7 @@ def test_a_persons_score_is_the_reward_over_a_services_with_its_source_and_note(
     # A second score replaces the first: the person changed their mind.
     feedback(proxy, "t1", {"score": 0}).raise_for_status()
     assert (trajectory(proxy, "t1")["reward"], trajectory(proxy, "t1")["reward_note"]) == (0.0, None)
-    assert 'tracetrain_rewards_total{source="human"} 2.0' in httpx.get(f"{proxy.url}/metrics").text
+    assert 'tracetrain_rewards_total{policy="agent",source="human"} 2.0' in httpx.get(f"{proxy.url}/metrics").text
 
 
 def test_a_persons_score_overrides_the_judges_before_and_after_it_judged(start_proxy, fake: FakeVLLM) -> None:

@@ -85,7 +85,8 @@ async def trials(request: Request, services: ServicesDep) -> Response:
     admin = await admit(request)
     policy = await picked(request, services)
     listing = await _trials.list_trials(services, policy, 50)
-    return await show(request, services, admin, "trials.html", "Trials", policy, trials=listing,
+    # The policy in view (picked, or the only one served) names the notice's version.
+    return await show(request, services, admin, "trials.html", "Trials", listing["policy"], trials=listing,
                       refresh=10 if listing["running"] else None)  # fmt: skip
 
 
