@@ -24,6 +24,15 @@ turns into a constrained, well-formed call); TRL runs ``GRPOTrainer(tools=[find_
 multi-turn tool mode (TRL 1.16: generate, parse the tool calls with the template's response parser,
 run the tool, append the result, generate again, up to ``max_tool_calling_iterations``), with the
 same chat template. TRL generates with transformers and cannot constrain the first call.
+
+``--task agents-sdk`` races an OpenAI Agents SDK agent (tracetrain_demo/agents_sdk.py: ``Agent`` +
+``function_tool`` + ``Runner.run`` through the proxy's ``/v1/responses``) against the same TRL tool mode:
+TRL 1.16 has no mode that runs an agent program (its ``rollout_func`` needs token ids from a generation
+server it serves itself, ``trl vllm-serve``, which supports vLLM 0.22-0.31), so the comparable is its
+tool loop on the same instructions, requests, tool, template and checker (the tool task's). The judge asks
+vLLM through Chat Completions what the proxy sends it for the SDK's Responses calls (the tool task's
+agent: the same system turn, request, tool and tool result, rendered to the same prompt:
+tests/test_demo_agents_sdk.py), since vLLM's own /v1/responses renders a conversation its own way.
 """
 
 from __future__ import annotations
@@ -42,6 +51,10 @@ from _learn.evaluate import REPO, Judge
 
 from tracetrain_demo.report import save_success_plot, success_axes
 
+# A task whose agent speaks another API, and the chat task whose agent sends vLLM the same conversation: TRL
+# trains on that one, and the judge measures with its agent.
+_CHAT_TWIN = {"agents-sdk": "lookup"}
+
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -53,9 +66,10 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=REPO / ".tracetrain" / "bench-learning", help="results and plot")
     p.add_argument("--eval-attempts", type=int, default=2, help="attempts per held-out request (default 2)")
     p.add_argument("--reuse", action="store_true", help="skip a side whose adapters are already in OUT")
-    p.add_argument("--task", choices=["city", "lookup"], default="city",
+    p.add_argument("--task", choices=["city", "lookup", "agents-sdk"], default="city",
                    help="the demo's task (default city); lookup: a function tool over two calls or more, TRL in its "
-                   "tools= mode")  # fmt: skip
+                   "tools= mode; agents-sdk: the same lookup by an OpenAI Agents SDK agent, against TRL's tools= "
+                   "mode")  # fmt: skip
     args = p.parse_args()
     args.out = args.out.resolve()  # adapter paths go to vLLM, whose working directory may differ
     args.out.mkdir(parents=True, exist_ok=True)
@@ -70,7 +84,8 @@ def main() -> int:
         trl.mkdir(parents=True, exist_ok=True)
         with (trl / "trl.log").open("w") as log:
             subprocess.run([sys.executable, str(REPO / "bench" / "_learn" / "trl_loop.py"), "--model-dir",
-                            str(model_dir), "--out", str(trl), "--minutes", str(args.minutes), "--task", args.task],
+                            str(model_dir), "--out", str(trl), "--minutes", str(args.minutes), "--task",
+                            _CHAT_TWIN.get(args.task, args.task)],
                            stdout=log, stderr=subprocess.STDOUT, check=True)  # fmt: skip
 
     marks = [float(m) for m in range(int(args.minutes) + 1)]
@@ -79,7 +94,7 @@ def main() -> int:
     sides = {"tracetrain": _steps(ours), "trl": _steps(trl)}
     rows = []
     _say(f"measuring held-out success at minutes {', '.join(f'{m:g}' for m in marks)} (a fresh vLLM)")
-    with Judge(model_dir, args.out / "judge", args.eval_attempts, args.task) as judge:
+    with Judge(model_dir, args.out / "judge", args.eval_attempts, _CHAT_TWIN.get(args.task, args.task)) as judge:
         base = judge.success("base", None)
         for mark in marks:
             row: dict[str, float | int | None] = {"minute": mark}

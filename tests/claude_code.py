@@ -21,7 +21,7 @@ needs_claude = pytest.mark.skipif(
 
 
 def claude_env(base_url: str, api_key: str, home: Path, max_output_tokens: int | None = None) -> dict[str, str]:
-    """The environment that points Claude Code at the proxy (also the README's configuration)."""
+    """The environment that points Claude Code at the proxy (also docs/APIS.md's configuration)."""
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": str(home),

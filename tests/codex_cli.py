@@ -20,7 +20,7 @@ needs_codex = pytest.mark.skipif(CODEX is None, reason="the Codex CLI is not ins
 
 
 def codex_config(base_url: str) -> str:
-    """The config.toml that points Codex at the proxy (also the README's configuration)."""
+    """The config.toml that points Codex at the proxy (also docs/APIS.md's configuration)."""
     return f'''model = "agent"
 model_provider = "tracetrain"
 

@@ -93,4 +93,4 @@ def test_ordinary_policy_names_are_accepted(tmp_path: Path) -> None:
         assert Settings(data_dir=tmp_path, policy=name).policy == name
         args = parse_args(["--database-url", "sqlite+aiosqlite:///x.db", "--data-dir", str(tmp_path),
                            "--base-model", str(tmp_path), "--policy", name])  # fmt: skip
-        assert args.policy == name
+        assert args.policy == [name]

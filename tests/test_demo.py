@@ -8,8 +8,9 @@ and posts the checker's reward. The whole demo on real vLLM is `make demo`.
 from __future__ import annotations
 
 import json
+import random
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 
@@ -120,15 +121,15 @@ def test_the_agent_reads_only_the_environment_and_reports_each_attempt(
 
 
 def test_the_demo_uses_the_admin_token_serve_uses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tracetrain_demo.run import _admin_token
+    from tracetrain_demo.serve_api import admin_token
 
     monkeypatch.delenv("TRACETRAIN_ADMIN_TOKEN", raising=False)
     with pytest.raises(SystemExit, match="set TRACETRAIN_ADMIN_TOKEN"):
-        _admin_token(tmp_path)
+        admin_token(tmp_path)
     (tmp_path / "admin-token").write_text("made-by-serve-" + "x" * 20 + "\n")  # as `tracetrain serve` writes it
-    assert _admin_token(tmp_path) == "made-by-serve-" + "x" * 20
+    assert admin_token(tmp_path) == "made-by-serve-" + "x" * 20
     monkeypatch.setenv("TRACETRAIN_ADMIN_TOKEN", "from-the-environment-" + "y" * 10)
-    assert _admin_token(tmp_path) == "from-the-environment-" + "y" * 10
+    assert admin_token(tmp_path) == "from-the-environment-" + "y" * 10
 
 
 def test_busy_fractions_count_overlapping_spans_once() -> None:
@@ -156,14 +157,107 @@ def test_the_summary_without_held_out_evaluations_still_writes_the_numbers_and_t
     assert (tmp_path / "reward-curve.png").stat().st_size > 0
 
 
-def test_the_city_task_samples_in_bf16_only_where_the_cpu_has_bf16_units(tmp_path: Path) -> None:
-    from tracetrain_demo.tasks import TASKS, sampler_dtype
+def test_bf16_is_chosen_only_where_the_cpu_has_bf16_units_and_the_task_gains_by_it(tmp_path: Path) -> None:
+    from tracetrain_demo.tasks import TASKS, precision
 
     bf16, avx2 = tmp_path / "bf16", tmp_path / "avx2"
     bf16.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n")
     avx2.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2\n")
-    assert sampler_dtype(TASKS["city"], "auto", bf16) == "bfloat16"
-    assert sampler_dtype(TASKS["city"], "auto", avx2) is None  # serve's default: the trainer's float32
-    assert sampler_dtype(TASKS["lookup"], "auto", bf16) is None  # measured in float32 only
-    assert sampler_dtype(TASKS["city"], "float32", bf16) == "float32"  # the user's choice wins
-    assert sampler_dtype(TASKS["city"], "auto", tmp_path / "missing") is None
+    city, lookup, sdk = TASKS["city"], TASKS["lookup"], TASKS["agents-sdk"]
+    # (vLLM's, the trainer's)
+    assert precision(city, "auto", "auto", bf16) == ("bfloat16", "float32")  # sampling bound: vLLM alone
+    assert precision(lookup, "auto", "auto", bf16) == ("bfloat16", "bfloat16")  # training bound: both
+    assert precision(sdk, "auto", "auto", bf16) == ("bfloat16", "bfloat16")
+    for task in (city, lookup, sdk):  # an AVX2 CPU (or none known): float32 on both sides, as serve's default
+        assert precision(task, "auto", "auto", avx2) == ("float32", "float32")
+        assert precision(task, "auto", "auto", tmp_path / "missing") == ("float32", "float32")
+    assert precision(city, "float32", "auto", bf16) == ("float32", "float32")  # the user's choice wins
+    assert precision(lookup, "auto", "float32", bf16) == ("bfloat16", "float32")
+    assert precision(lookup, "auto", "bfloat16", avx2) == ("bfloat16", "bfloat16")  # vLLM follows the trainer
+
+
+def test_each_versions_training_success_is_read_from_what_the_proxy_recorded(
+    proxy: RunningProxy, fake: FakeVLLM, rewards_url: str
+) -> None:
+    from tracetrain_demo.serve_api import training_success
+
+    request = scenarios()[0][0]
+    right, wrong = f'{{"city": "{request.destination}"}}', f'{{"city": "{request.origin}"}}'
+    fake.script(*[Reply(content=right)] * 12, *[Reply(content=wrong)] * 4)
+    client = proxy.client()
+    for k in range(16):  # the agent's headers are all that ties an attempt to its group; no agent log is read
+        agent.attempt(client, "agent", request, f"v-{k}", "v", temperature=1.0, max_tokens=16)
+        assert httpx.post(rewards_url, json={"trajectory_id": f"v-{k}"}).status_code == 204
+    agent.attempt(client, "agent", request, "unrewarded", "u", temperature=1.0, max_tokens=16)
+    assert training_success(proxy.url) == {0: pytest.approx(0.75)}  # served by agent@0; unrewarded ones left out
+    assert training_success(proxy.url, "agent") == {0: pytest.approx(0.75)}  # a lane asks for its own policy
+    assert training_success(proxy.url, "lookup") == {}  # another policy's attempts are not this one's
+
+
+def test_the_demo_resumes_training_after_the_regression_guard_rolls_a_version_back(
+    start_proxy: Callable[..., RunningProxy], tmp_path: Path
+) -> None:
+    """The guard pauses training until an admin resumes; the demo, the admin of its own serve, says why and resumes,
+    so that the rest of its minutes train on the version restored instead of idling."""
+    from test_regression_guard import GUARDED, baseline, publish, until_decided
+
+    from tracetrain_demo.serve_api import resume_if_paused
+
+    proxy = start_proxy(**GUARDED)  # no admin token: loopback is trusted (the guard tests' helpers rely on it)
+    token = "unused-on-loopback"
+    assert resume_if_paused(proxy.url, token) is None  # nothing to resume
+    rng = random.Random(7)
+    baseline(proxy, rng, 0.8)
+    publish(proxy, 1, tmp_path)
+    verdict, _ = until_decided(proxy, 1, lambda: [0.0, float(rng.random() < 0.1)])
+    assert verdict["state"] == "rolled_back"
+
+    reason = resume_if_paused(proxy.url, token, "agent")  # each lane resumes its own policy
+
+    assert reason is not None and reason.startswith("regression guard: agent@1 rolled back to @0")
+    assert not httpx.get(f"{proxy.url}/admin/training", params={"policy": "agent"}).json()["paused"]
+    assert resume_if_paused(proxy.url, token, "agent") is None
+
+
+def test_several_tasks_share_one_precision_and_train_for_the_longest_default(tmp_path: Path) -> None:
+    from tracetrain_demo.run import _minutes, _parse, _precision
+
+    bf16, avx2 = tmp_path / "bf16", tmp_path / "avx2"
+    bf16.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n")
+    avx2.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2\n")
+    both = _parse(["--task", "city,agents-sdk"])
+    assert both.tasks == ["city", "agents-sdk"]
+    # One vLLM, one trainer: each side in bf16 only where every task gains by it.
+    assert _precision(both, bf16) == ("bfloat16", "float32")
+    assert _precision(_parse(["--task", "lookup,agents-sdk"]), bf16) == ("bfloat16", "bfloat16")
+    assert _precision(both, avx2) == ("float32", "float32")
+    chosen = _parse(["--task", "city,lookup", "--trainer-dtype", "bfloat16"])
+    assert _precision(chosen, bf16) == ("bfloat16", "bfloat16")  # the user's choice wins
+    assert _minutes(_parse([])) == 4.5  # the city task's
+    assert _minutes(both) == 10.0  # the longest task's
+    assert _minutes(_parse(["--task", "city,lookup", "--minutes", "2"])) == 2.0
+
+
+def test_held_out_evaluations_beside_training_keep_few_attempts_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tracetrain_demo._lane as lane_module
+    from tracetrain_demo._lane import Evaluation, Lane
+    from tracetrain_demo.run import _BESIDE_TRAINING, _parse
+
+    commands: list[list[str]] = []
+
+    class Recorded:  # the agent's process, as far as an Evaluation starts it
+        def __init__(self, name: str, command: list[str], env: dict[str, str], log: Path) -> None:
+            commands.append(command)
+
+        def start(self) -> None:
+            pass
+
+    monkeypatch.setattr(lane_module, "ChildProcess", Recorded)
+    lane, args = Lane("lookup", "lookup", "http://127.0.0.1:1", tmp_path, 0), _parse([])
+    Evaluation(lane, 0, 2, args, [], concurrency=_BESIDE_TRAINING)  # beside training
+    Evaluation(lane, 3, 2, args, [])  # after training, on an idle vLLM
+    beside, after = (command[command.index("--concurrency") + 1] for command in commands)
+    assert (beside, after) == ("16", "64")
+    assert commands[0][commands[0].index("--model") + 1] == "lookup@0"

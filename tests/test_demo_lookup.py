@@ -13,7 +13,7 @@ from fake_vllm import FakeVLLM, Reply, ToolCall
 
 from tracetrain import Client
 from tracetrain_demo import lookup_agent, reward_service
-from tracetrain_demo.lookup import by_prompt, find_hotel, hotel_in, json_hotel, scenarios, score
+from tracetrain_demo.lookup import INSTRUCTIONS, by_prompt, find_hotel, hotel_in, json_hotel, scenarios, score
 from tracetrain_demo.tasks import TASKS
 from trainer._samples import CapturedCall, build_samples
 
@@ -80,9 +80,10 @@ def test_one_tool_episode_is_one_trajectory_of_two_calls_that_merge_and_is_rewar
     episode = lookup_agent.attempt(proxy.client(), "agent", scenario, "L-0", "L", temperature=1.0, max_tokens=48)
     assert (episode["calls"], episode["reply"], episode["tool_cities"]) == (2, f'{{"hotel": "{booked}"}}',
                                                                             [scenario.destination])  # fmt: skip
-    second = fake.requests[1]["messages"]
-    assert [m["role"] for m in second] == ["user", "assistant", "tool"]
-    assert booked in second[2]["content"] and fake.requests[0]["tools"][0]["function"]["name"] == "find_hotel"
+    first, second = fake.requests[0]["messages"], fake.requests[1]["messages"]
+    assert first == [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": scenario.prompt}]
+    assert [m["role"] for m in second] == ["system", "user", "assistant", "tool"]
+    assert booked in second[3]["content"] and fake.requests[0]["tools"][0]["function"]["name"] == "find_hotel"
     assert TASKS["lookup"].score_episode(episode).success
 
     assert httpx.post(rewards_url, json={"trajectory_id": "L-0"}).status_code == 204

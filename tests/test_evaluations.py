@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -121,15 +122,21 @@ def test_the_oldest_evaluations_go_beyond_the_bound(
 
 
 def test_the_demo_posts_each_held_out_success_and_goes_on_when_refused(
-    start_proxy: Callable[..., Any], capsys: pytest.CaptureFixture[str]
+    start_proxy: Callable[..., Any], capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
+    from tracetrain_demo._lane import Lane
     from tracetrain_demo.report import HeldOut
-    from tracetrain_demo.run import _post_evaluation
+    from tracetrain_demo.run import _post_evaluations
 
     proxy = start_proxy(admin_token=ADMIN)
-    _post_evaluation(proxy.url, ADMIN, HeldOut(0, 0.375, 200, time.time(), time.time()))
+    lane = Lane("city", "agent", proxy.url, tmp_path, rewards_port=0)
+    lane.report.held_out.append(HeldOut(0, 0.375, 200, time.time(), time.time()))
+    _post_evaluations(proxy.url, ADMIN, lane)
     [row] = stored(proxy)
     assert (row["version"], row["name"], row["value"], row["samples"]) == (0, "held_out_success", 0.375, 200)
-    _post_evaluation(proxy.url, "not-the-token", HeldOut(0, 0.5, 200, time.time(), time.time()))
+    _post_evaluations(proxy.url, ADMIN, lane)  # each result is posted once
+    assert len(stored(proxy)) == 1
+    lane.report.held_out.append(HeldOut(0, 0.5, 200, time.time(), time.time()))
+    _post_evaluations(proxy.url, "not-the-token", lane)
     assert "could not post the held-out evaluation of agent@0" in capsys.readouterr().out
     assert len(stored(proxy)) == 1

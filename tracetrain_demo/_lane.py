@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tracetrain_demo import serve_api
 from tracetrain_demo.report import HeldOut, Report, Step
 from tracetrain_demo.tasks import TASKS, Scored
 from tracetrain_proc import ChildProcess
@@ -39,16 +40,17 @@ class Evaluation:
     """The agent on every held-out request of its task, served by one version, in its own process.
 
     It runs beside training (vLLM batches its calls with the training round's), so measuring
-    costs little wall time; only the last one waits for training to end.
+    costs little wall time; only the last one waits for training to end. ``concurrency``: its attempts in
+    flight (beside training, a few, so that the rounds go first).
     """
 
     def __init__(self, lane: Lane, version: int, attempts: int, args: argparse.Namespace,
-                 children: list[ChildProcess]) -> None:  # fmt: skip
+                 children: list[ChildProcess], *, concurrency: int = 64) -> None:  # fmt: skip
         self.version, self.started, self.model = version, time.time(), f"{lane.policy}@{version}"
         tag = f"eval-{lane.policy}-v{version}"
         command = [sys.executable, "-m", "tracetrain_demo.agent", "--task", lane.task, "--split", "held-out",
                    "--model", self.model, "--attempts", str(attempts), "--temperature", str(args.temperature),
-                   "--tag", tag]  # fmt: skip
+                   "--tag", tag, "--concurrency", str(concurrency)]  # fmt: skip
         self._agent = ChildProcess("held-out agent", command, env_for(lane.url), lane.run_dir / "logs" / f"{tag}.jsonl")
         self._children, self._task = children, lane.task
         self._agent.start()
@@ -147,20 +149,12 @@ class Lane:
         self.evaluations = []
 
     def close(self, began: float, busy_cores: float) -> None:
-        """What the training window measured: when each side was busy, each version's success."""
+        """What the training window measured: when each side was busy, each version's success on its training
+        attempts (as the proxy recorded them)."""
         report = self.report
         report.sampling.extend(report.rounds)
         report.training_window = (began, time.time())
         report.machine_busy_cores = busy_cores
-        report.served_success = self._training_success()
+        report.served_success = serve_api.training_success(self.url, self.policy)
         for step in report.steps:
             step.success = report.served_success.get(step.version)
-
-    def _training_success(self) -> dict[int, float]:
-        """Success of the training attempts, by the version that served their final reply."""
-        wins: dict[int, list[bool]] = {}
-        for episode in episodes(self.log) if self.log.is_file() else []:
-            version = int(str(episode["served_by"]).rpartition("@")[2] or 0)
-            wins.setdefault(version, []).append(score(self.task, episode).success)
-        # A version that served only the stragglers of a round says nothing.
-        return {v: sum(w) / len(w) for v, w in wins.items() if len(w) >= 16}

@@ -3,7 +3,8 @@
 Like any OpenAI app it reads OPENAI_BASE_URL and OPENAI_API_KEY from the environment.
 It passes a travel request to the model, asks which city needs a hotel as JSON, and
 parses the reply (``tracetrain_demo.city_agent``; ``--task lookup``: the model looks the hotel up
-with a function tool first, ``tracetrain_demo.lookup_agent``). The only tracetrain-specific thing is
+with a function tool first, ``tracetrain_demo.lookup_agent``; ``--task agents-sdk``: the same with an OpenAI
+Agents SDK agent, ``tracetrain_demo.agents_sdk_agent``). The only tracetrain-specific thing is
 two headers naming the attempt's trajectory and its group (the attempts at one request), so that GRPO compares
 them; an app that cannot set headers would use the path prefix /g/GROUP/t/TRAJECTORY/v1.
 
@@ -17,12 +18,15 @@ service (the way an app would report that a task ended).
 from __future__ import annotations
 
 import argparse
+import asyncio
+import inspect
 import json
 import random
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import httpx
 import openai
@@ -46,16 +50,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tag", default="demo", help="prefix of trajectory and group ids (default demo)")
     p.add_argument("--done-url", help="POST {trajectory_id} here when an attempt ends (the reward service)")
     p.add_argument("--seed", type=int, default=0, help="order of the training questions (default 0)")
+    p.add_argument("--concurrency", type=int, default=64,
+                   help="attempts in flight at once (default 64); fewer leave the server to other work "
+                   "sooner")  # fmt: skip
     args = p.parse_args(argv)
 
     task = TASKS[args.task]
     train, held_out = task.scenarios()
     max_tokens = args.max_tokens or task.max_tokens
-    client = openai.OpenAI(max_retries=2, timeout=300.0)  # OPENAI_BASE_URL and OPENAI_API_KEY from the environment
     order = random.Random(args.seed)
     pool = list(train)
     round_number = 0
-    with ThreadPoolExecutor(max_workers=64) as threads, httpx.Client(timeout=30.0) as reporter:
+    with httpx.Client(timeout=30.0) as reporter, asyncio.Runner() as loop:
+
+        def report(episode: dict[str, object]) -> None:
+            print(json.dumps(episode), flush=True)
+            if args.done_url:
+                reporter.post(args.done_url, json={"trajectory_id": episode["trajectory_id"]}).raise_for_status()
+
+        sampling = {"temperature": args.temperature, "max_tokens": max_tokens}
+        concurrency = max(1, args.concurrency)
         while args.rounds == 0 or round_number < args.rounds:
             round_number += 1
             if args.split == "held-out":
@@ -68,15 +82,41 @@ def main(argv: Sequence[str] | None = None) -> int:
             jobs = []
             for scenario in questions:
                 group = f"{args.tag}-{uuid.uuid4().hex[:8]}"
-                for k in range(args.attempts):
-                    jobs.append(threads.submit(task.attempt, client, args.model, scenario, f"{group}-{k}", group,
-                                               temperature=args.temperature, max_tokens=max_tokens))  # fmt: skip
-            for job in jobs:
-                episode = job.result()
-                print(json.dumps(episode), flush=True)
-                if args.done_url:
-                    reporter.post(args.done_url, json={"trajectory_id": episode["trajectory_id"]}).raise_for_status()
+                jobs += [(scenario, f"{group}-{k}", group) for k in range(args.attempts)]
+            if inspect.iscoroutinefunction(task.attempt):
+                loop.run(_gather(task.attempt, args.model, jobs, report, concurrency, **sampling))
+            else:
+                _run_threads(task.attempt, args.model, jobs, report, concurrency, **sampling)
     return 0
+
+
+_Jobs = list[tuple[Any, str, str]]  # (scenario, trajectory id, group id) of each attempt in a round
+
+
+def _run_threads(attempt: Callable[..., dict[str, object]], model: str, jobs: _Jobs,
+                 report: Callable[[dict[str, object]], None], concurrency: int, **sampling: Any) -> None:  # fmt: skip
+    """A plain OpenAI-client attempt per thread, ``concurrency`` at once; reported in order."""
+    # OPENAI_BASE_URL and OPENAI_API_KEY from the environment
+    with (openai.OpenAI(max_retries=2, timeout=300.0) as client,
+          ThreadPoolExecutor(max_workers=concurrency) as threads):  # fmt: skip
+        futures = [threads.submit(attempt, client, model, *job, **sampling) for job in jobs]
+        for future in futures:
+            report(future.result())
+
+
+async def _gather(attempt: Callable[..., Awaitable[dict[str, object]]], model: str, jobs: _Jobs,
+                  report: Callable[[dict[str, object]], None], concurrency: int, **sampling: Any) -> None:  # fmt: skip
+    """An async attempt (the Agents SDK's ``Runner.run``) per job, ``concurrency`` at once on one client; reported
+    as each ends."""
+    slots = asyncio.Semaphore(concurrency)
+
+    async def one(client: openai.AsyncOpenAI, job: tuple[Any, str, str]) -> dict[str, object]:
+        async with slots:
+            return await attempt(client, model, *job, **sampling)
+
+    async with openai.AsyncOpenAI(max_retries=2, timeout=300.0) as client:  # from the environment, as above
+        for episode in asyncio.as_completed([one(client, job) for job in jobs]):
+            await asyncio.to_thread(report, await episode)  # the reward service's POST off the loop
 
 
 if __name__ == "__main__":

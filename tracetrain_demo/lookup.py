@@ -4,11 +4,13 @@ Success: the final reply holds a JSON object naming the hotel that ``find_hotel`
 destination.
 
 A scenario is one travel request; the agent is given one function tool, ``find_hotel(city)``, which
-returns the hotel booked in that city (or that nothing is booked there). An episode takes at least
-two calls: the model calls the tool, the agent runs it and sends the result back, the model answers.
+returns the hotel booked in that city (or that nothing is booked there), and its instructions in the
+system turn. An episode takes at least two calls: the model calls the tool, the agent runs it and
+sends the result back, the model answers.
 
-    user       Ana is flying from Lima to Oslo on Friday. Use find_hotel to look up the hotel booked
-               for her, then reply with only JSON: {"hotel": "<hotel name>"}
+    system     You look up the hotel booked for a traveller. Call find_hotel with the city the traveller
+               goes to, then reply with only JSON: {"hotel": "<hotel name>"}
+    user       Ana is flying from Lima to Oslo on Friday.
     assistant  <tool_call>{"name": "find_hotel", "arguments": {"city": "Oslo"}}</tool_call>
     tool       {"city": "Oslo", "hotel": "Hotel Silver Harbour"}
     assistant  {"hotel": "Hotel Silver Harbour"}
@@ -57,9 +59,12 @@ _REQUESTS = (
     "{n} lives in {a} and has a conference in {b} on {d}.",
     "Travel request: {n}, {d}. Departure: {a}. Destination: {b}.",
 )
-QUESTION = (
-    "Use the find_hotel tool to look up the hotel booked for {n} in the destination city, "
-    'then reply with only JSON: {{"hotel": "<hotel name>"}}'
+# The task's wording, the same for every request (training and held-out). In the system turn, with the request
+# alone as the user turn, SmolLM2-135M passed the destination to the tool in 23-24% of its first calls against
+# 12-14% with the same ask after the request in the user turn (4 x 32 training requests each, T 0.7).
+INSTRUCTIONS = (
+    "You look up the hotel booked for a traveller. Call find_hotel with the city the traveller goes to, "
+    'then reply with only JSON: {"hotel": "<hotel name>"}'
 )
 _FIRST = ("Silver", "Grand", "Blue", "Royal", "Old", "North", "Golden", "Green", "Little", "Red", "White", "Iron")
 _SECOND = ("Harbour", "Garden", "Tower", "Bridge", "Lantern", "Crown", "Meadow", "Anchor", "Castle", "River")
@@ -98,8 +103,8 @@ _KNOWN = {normal(c): c for c in CITIES}
 
 @functools.cache
 def scenarios() -> tuple[list[Scenario], list[Scenario]]:
-    """(train, held_out): held-out requests name only cities no training request names."""
-    return split_requests(_REQUESTS, QUESTION, seed=SPLIT_SEED, sep=" ")
+    """(train, held_out): held-out requests name only cities no training request names; a prompt is the request."""
+    return split_requests(_REQUESTS, "", seed=SPLIT_SEED, sep="")
 
 
 @functools.cache

@@ -1,6 +1,7 @@
 """The tool task's agent: the openai SDK's plain tool loop, knowing nothing of tracetrain.
 
-It sends the request with the ``find_hotel`` function tool, the first call with ``tool_choice``
+It sends the task's instructions (a system message) and the request with the ``find_hotel`` function
+tool, the first call with ``tool_choice``
 "required" (the agent's first step is a lookup: vLLM then constrains the output to a well-formed
 call, and the model still chooses the arguments), later ones "auto"; while the model answers with tool
 calls, it runs each (``lookup.find_hotel``), appends the result as a ``tool`` message and asks
@@ -16,7 +17,7 @@ from typing import Any, cast
 
 import openai
 
-from tracetrain_demo.lookup import TOOL_NAME, TOOLS, find_hotel, tool_cities
+from tracetrain_demo.lookup import INSTRUCTIONS, TOOL_NAME, TOOLS, find_hotel, tool_cities
 from tracetrain_demo.task import Scenario
 
 MAX_CALLS = 3
@@ -25,7 +26,8 @@ MAX_CALLS = 3
 def attempt(client: openai.OpenAI, model: str, scenario: Scenario, trajectory_id: str, group_id: str,
             *, temperature: float, max_tokens: int, max_calls: int = MAX_CALLS) -> dict[str, object]:  # fmt: skip
     """One attempt: tool calls answered until the model replies without one (or ``max_calls`` calls)."""
-    messages: list[dict[str, Any]] = [{"role": "user", "content": scenario.prompt}]
+    messages: list[dict[str, Any]] = [{"role": "system", "content": INSTRUCTIONS},
+                                      {"role": "user", "content": scenario.prompt}]  # fmt: skip
     headers = {"X-Trajectory-Id": trajectory_id, "X-Group-Id": group_id}
     reply, served_by, calls = "", "", 0
     while calls < max_calls:

@@ -73,6 +73,7 @@ class Report:
     training: list[tuple[float, float]] = field(default_factory=list)
     training_window: tuple[float, float] = (0.0, 0.0)
     machine_busy_cores: float = 0.0  # of psutil.cpu_count() cores, averaged over the training phase
+    rollbacks: list[str] = field(default_factory=list)  # the regression guard's reasons (the demo resumed each time)
 
     def busy(self) -> dict[str, float]:
         """The fraction of the training phase's wall time vLLM was sampling, the trainer training, and both."""
@@ -136,13 +137,16 @@ def summary(report: Report, run_dir: Path, suffix: str = "") -> None:
           f"the one trained (importance-corrected), {sum(s.stale for s in report.steps)} dropped as stale")  # fmt: skip
     for line in turns(report.steps):
         print(line)
+    if report.rollbacks:
+        print(f"the regression guard rolled back {len(report.rollbacks)} version(s); the demo resumed training from "
+              "the version restored each time")  # fmt: skip
     held = report.held_out
     results = {"policy": name, "before": held[0].success if held else None,
                "after": held[-1].success if held else None,
                "after_version": held[-1].version if held else None, "minutes": report.seconds / 60,
                "training_began": report.training_window[0], "held_out": [vars(h) for h in held], "busy": busy,
                "machine_busy_cores": report.machine_busy_cores, "steps": [vars(s) for s in report.steps],
-               "served_success": report.served_success}  # fmt: skip
+               "served_success": report.served_success, "rollbacks": report.rollbacks}  # fmt: skip
     (run_dir / f"results{suffix}.json").write_text(json.dumps(results, indent=2))
     png = _plot(report, run_dir / f"reward-curve{suffix}.png")
     print(f"reward curve: {png}\nnumbers: {run_dir / f'results{suffix}.json'}")

@@ -1,20 +1,23 @@
 """``tracetrain demo``: an unmodified agent gets better at its task while it runs.
 
-    tracetrain serve (vLLM + proxy + trainer)  <-- agent (plain OpenAI client, OPENAI_BASE_URL)
+    tracetrain serve (vLLM + proxy + trainer)  <-- agent (an OpenAI client or Agents SDK app, OPENAI_BASE_URL)
           ^  POST /v1/rewards                       | POST /finished
           +---------- reward service <--------------+
 
 1. Pull the default model and start ``tracetrain serve`` on a fresh demo directory
-   (DATA_DIR/demo; the compile cache is kept between runs).
+   (DATA_DIR/demo; the compile cache is kept between runs); go on once its proxy answers
+   (the trainer loads while the first round samples).
 2. Start the reward service; measure held-out success of ``agent@0`` (the base model)
-   beside the first round.
+   beside the first rounds, a few attempts at a time so that the rounds go first.
 3. Run the agent on the training requests, round after round. Each round's groups are
    rewarded, trigger a training step, and the new adapter is hot-swapped in while the
    agent keeps asking ``agent``: later rounds are served by newer versions. vLLM samples
    the next round while the trainer trains the last (a round starts while at most one
-   job is pending). Every --eval-every minutes the newest version is measured too.
-4. After --steps steps or --minutes minutes, measure held-out success on the newest
-   version, print the per-step table, how busy each side was, and write the plot
+   job is pending). Every --eval-every minutes the version serving is measured too. When
+   the regression guard rolls a version back and pauses training, the demo says why and
+   resumes (the next step trains on the version restored).
+4. After --steps steps or --minutes minutes (the task's default), measure held-out success
+   on the version serving, print the per-step table, how busy each side was, and write the plot
    (reward-curve.png) and the numbers (results.json) to DATA_DIR/demo. Each held-out success is also
    posted to the server (``POST /admin/evaluations``): with ``--log-to`` the trainer logs it into its run.
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import shutil
@@ -37,17 +41,21 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import httpx
 from tqdm import tqdm  # type: ignore[import-untyped]  # no stubs in the train extra
 
+from tracetrain_demo import serve_api
 from tracetrain_demo._lane import Evaluation, Lane, env_for
 from tracetrain_demo.report import HEADER, busy_cpu_seconds, row, summary
-from tracetrain_demo.tasks import TASKS, sampler_dtype
+from tracetrain_demo.tasks import TASKS, precision
 from tracetrain_proc import ChildProcess
 
-_SERVE_READY = "ready: agents use OPENAI_BASE_URL"
+# serve's line once the proxy answers (before its trainer has loaded: the first round samples meanwhile).
+_SERVE_READY = "proxy ready: "
+# Held-out attempts in flight while training rounds sample: a few, so that vLLM serves the rounds (and the first
+# step lands) sooner; the evaluation after training takes the agent's default (64) on an idle vLLM.
+_BESIDE_TRAINING = 16
 # TrainConfig's defaults (docs/TRAINING.md says how they were chosen), except: on a CPU, packed rows
 # near the sample length keep attention cheap.
 _TRAIN_CONFIG = {"micro_batch_tokens": 1024}
@@ -55,13 +63,16 @@ _TRAIN_CONFIG = {"micro_batch_tokens": 1024}
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
+    if "agents-sdk" in args.tasks and importlib.util.find_spec("agents") is None:
+        raise SystemExit("tracetrain demo: the agents-sdk task's agent needs the OpenAI Agents SDK: "
+                         "pip install 'tracetrain[demo]' (or 'openai-agents>=0.20,<0.21')")  # fmt: skip
     started = time.monotonic()
     data_dir: Path = args.data_dir
     run_dir = data_dir / "demo"
     children: list[ChildProcess] = []
     try:
         url = args.url or _start_serve(args, data_dir, run_dir, children)
-        args.admin_token = _admin_token(run_dir)
+        args.admin_token = serve_api.admin_token(run_dir)
         lanes = []
         for task in args.tasks:
             policy = "agent" if len(args.tasks) == 1 else task
@@ -74,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _say("measuring held-out success of the base model while the first round samples")
         _train(url, lanes, args, children)
         for lane in lanes:
-            version = _active_version(url, args.admin_token, lane.policy)
+            version = serve_api.active_version(url, args.admin_token, lane.policy)
             if args.eval_attempts:
                 _say(f"measuring held-out success of {lane.policy}@{version} ...")
                 lane.report.held_out.append(Evaluation(lane, version, args.eval_attempts, args, children).result())
@@ -105,7 +116,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8100, help="the proxy's port (default 8100; vLLM uses the next one)")
     p.add_argument("--url", help="use a tracetrain serve already running at this root URL instead of starting one")
     p.add_argument("--steps", type=int, default=60, help="stop after this many training steps (default 60)")
-    p.add_argument("--minutes", type=float, default=6.0, help="or after this many minutes of training (default 6)")
+    p.add_argument("--minutes", type=float,
+                   help="or after this many minutes of training (default: the task's, sized so the demo ends within "
+                   "6 minutes for city, 12 for lookup, 15 for agents-sdk on a 2-core CPU with bf16 units; with "
+                   "several tasks, the longest)")  # fmt: skip
     p.add_argument("--questions", type=int, default=4, help="requests per round = groups per step (default 4)")
     p.add_argument("--attempts", type=int, default=8, help="attempts per request = group size (default 8)")
     p.add_argument(
@@ -127,7 +141,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         default="city",
         metavar="TASK[,TASK]",
         help="city (default): one call, name the destination as JSON; lookup: look the hotel up with a function "
-        "tool, then answer (2+ calls); city,lookup: both at once, as two policies named after them (an agent each, "
+        "tool, then answer (2+ calls); agents-sdk: the same lookup by an OpenAI Agents SDK agent (Runner.run "
+        "through /v1/responses); city,lookup: both at once, as two policies named after them (an agent each, "
         "one vLLM and one trainer for both; --steps and --questions are per policy)",
     )
     p.add_argument(
@@ -143,9 +158,17 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "--sampler-dtype",
         choices=["auto", "float32", "bfloat16"],
         default="auto",
-        help="vLLM's dtype (serve --sampler-dtype). auto (default): bfloat16 for the city task on a CPU with bf16 "
-        "units (avx512_bf16, amx_bf16: about twice the steps; the trainer stays in float32 and its loss corrects for "
-        "the gap), else the trainer's, float32 (with several tasks: bfloat16 only if every one gains by it)",
+        help="vLLM's dtype (serve --sampler-dtype). auto (default): bfloat16 on a CPU with bf16 units (avx512_bf16, "
+        "amx_bf16: about twice the tokens per second), else the trainer's (with several tasks: bfloat16 only if "
+        "every one gains by it)",
+    )
+    p.add_argument(
+        "--trainer-dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="the trainer's (TrainConfig.dtype; bfloat16 on a CPU: float32 weights under bf16 autocast). auto "
+        "(default): bfloat16 for the tool tasks on a CPU with bf16 units (their steps train twice as fast), else "
+        "float32 (with several tasks: bfloat16 only if every one gains by it; one trainer trains them all)",
     )
     p.add_argument(
         "--log-to",
@@ -157,7 +180,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "--sampler-correction",
         choices=["auto", "none", "tis", "mis"],
         help="the trainer's correction for a sampler/learner gap (default: the task's; city: auto, tis where the "
-        "dtypes differ; lookup: tis, as its first call is constrained)",
+        "dtypes differ; lookup and agents-sdk: tis, as their first call is constrained)",
     )
     args = p.parse_args(argv)
     args.tasks = [task.strip() for task in args.task.split(",") if task.strip()]
@@ -177,15 +200,15 @@ def _start_serve(args: argparse.Namespace, data_dir: Path, run_dir: Path, childr
             path.unlink()
     run_dir.mkdir(parents=True, exist_ok=True)
     tasks = [TASKS[task] for task in args.tasks]
-    choices = {sampler_dtype(task, args.sampler_dtype) for task in tasks}
-    sampler = choices.pop() if len(choices) == 1 else None  # tasks that disagree: the trainer's, float32
-    if args.sampler_dtype == "auto" and sampler:
-        _say(f"vLLM samples in {sampler}: this CPU has bf16 units (--sampler-dtype float32 for the trainer's dtype)")
+    sampler, trainer = _precision(args)
+    if "bfloat16" in (sampler, trainer) and "auto" in (args.sampler_dtype, args.trainer_dtype):
+        _say(f"this CPU has bf16 units: vLLM samples in {sampler}, the trainer learns in {trainer} "
+             "(--sampler-dtype/--trainer-dtype float32 for float32)")  # fmt: skip
     # One trainer for every policy: the strictest task's correction (lookup's tis) serves them all.
     chosen = [task.sampler_correction for task in tasks if task.sampler_correction != "auto"]
     correction = args.sampler_correction or (chosen[0] if chosen else "auto")
     config = run_dir / "train-config.json"
-    config.write_text(json.dumps({**_TRAIN_CONFIG, "learning_rate": args.learning_rate,
+    config.write_text(json.dumps({**_TRAIN_CONFIG, "learning_rate": args.learning_rate, "dtype": trainer,
                                   "sampler_correction": correction}))  # fmt: skip
     policies = ["agent"] if len(tasks) == 1 else [task.name for task in tasks]
     command = [
@@ -194,7 +217,7 @@ def _start_serve(args: argparse.Namespace, data_dir: Path, run_dir: Path, childr
         "--batch-groups", str(args.questions), f"--trainer-arg=--config={config}",
         *(arg for policy in policies for arg in ("--policy", policy)),
         *dict.fromkeys(arg for task in tasks for arg in task.serve_args),
-        *([f"--sampler-dtype={sampler}"] if sampler else []), *([f"--log-to={args.log_to}"] if args.log_to else []),
+        f"--sampler-dtype={sampler}", *([f"--log-to={args.log_to}"] if args.log_to else []),
         *([f"--canary={args.canary}"] if args.canary else []),
     ]  # fmt: skip
     serve = ChildProcess("tracetrain serve", command, dict(os.environ), run_dir / "logs" / "serve.log")
@@ -217,17 +240,17 @@ def _start_serve(args: argparse.Namespace, data_dir: Path, run_dir: Path, childr
     return url
 
 
-def _admin_token(run_dir: Path) -> str:
-    """The admin token serve uses: TRACETRAIN_ADMIN_TOKEN, else the one it made in DATA_DIR/demo/admin-token."""
-    if token := os.environ.get("TRACETRAIN_ADMIN_TOKEN"):
-        return token
-    path = run_dir / "admin-token"
-    if not path.is_file():
-        raise SystemExit(
-            f"tracetrain demo: no admin token for the dashboard API: set TRACETRAIN_ADMIN_TOKEN to the one the "
-            f"tracetrain serve at --url uses (or run that serve with --data-dir {run_dir})"
-        )
-    return path.read_text().strip()
+def _minutes(args: argparse.Namespace) -> float:
+    """Minutes of training: --minutes, else the task's default (with several tasks, the longest)."""
+    return float(args.minutes or max(TASKS[task].minutes for task in args.tasks))
+
+
+def _precision(args: argparse.Namespace, cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, str]:
+    """(vLLM's dtype, the trainer's): each task's (``tasks.precision``); where the tasks disagree, float32 (one vLLM
+    and one trainer serve them all)."""
+    chosen = [precision(TASKS[task], args.sampler_dtype, args.trainer_dtype, cpuinfo) for task in args.tasks]
+    samplers, trainers = {sampler for sampler, _ in chosen}, {trainer for _, trainer in chosen}
+    return (samplers.pop() if len(samplers) == 1 else "float32", trainers.pop() if len(trainers) == 1 else "float32")
 
 
 def _last_status(log: Path) -> str:
@@ -250,23 +273,29 @@ def _train(url: str, lanes: list[Lane], args: argparse.Namespace, children: list
     On two cores vLLM samples the next round while the trainer trains on the last one (a lane starts a
     round when at most one job of its policy is pending). The base model's held-out evaluation of each
     task runs beside the first round, and every --eval-every minutes the newest version's beside the
-    rounds of the moment.
+    rounds of the moment, a few attempts at a time (the rounds go first). When the regression guard rolls a
+    version back and pauses a policy's training, the demo says why and resumes it.
     """
     began, cpu_before = time.time(), busy_cpu_seconds()
-    deadline = time.monotonic() + args.minutes * 60
+    deadline = time.monotonic() + _minutes(args) * 60
     several = len(lanes) > 1
     for lane in lanes:
         lane.next_eval = time.monotonic() + args.eval_every * 60
         if args.eval_attempts:
-            lane.evaluations.append(Evaluation(lane, 0, args.eval_attempts, args, children))
+            lane.evaluations.append(Evaluation(lane, 0, args.eval_attempts, args, children,
+                                               concurrency=_BESIDE_TRAINING))  # fmt: skip
     with tqdm(total=args.steps * len(lanes), desc="training steps", unit="step") as bar:
         bar.write(("policy  " if several else "") + HEADER)
         while any(len(lane.report.steps) < args.steps for lane in lanes) and time.monotonic() < deadline:
-            every_job = _jobs(url, args.admin_token)
+            every_job = serve_api.jobs(url, args.admin_token)
             for lane in lanes:
                 if len(lane.report.steps) >= args.steps:
                     lane.stop_rounds(children)  # done: the other policies get the machine
                     continue
+                if (reason := serve_api.resume_if_paused(url, args.admin_token, lane.policy)) is not None:
+                    lane.report.rollbacks.append(reason)
+                    restored = serve_api.active_version(url, args.admin_token, lane.policy)
+                    bar.write(f"{reason}\nthe demo resumes training from {lane.policy}@{restored}")
                 jobs = lane.jobs(every_job)
                 lane.next_round(args, jobs, children)
                 for step in lane.new_steps(jobs):
@@ -283,8 +312,9 @@ def _train(url: str, lanes: list[Lane], args: argparse.Namespace, children: list
                     lane.next_eval = time.monotonic() + args.eval_every * 60
                     # The version serving now, not the newest trained: that one may not be published yet, or at all
                     # (the regression guard may have rolled it back).
-                    version = _active_version(url, args.admin_token, lane.policy)
-                    lane.evaluations.append(Evaluation(lane, version, args.eval_attempts, args, children))
+                    version = serve_api.active_version(url, args.admin_token, lane.policy)
+                    lane.evaluations.append(Evaluation(lane, version, args.eval_attempts, args, children,
+                                                       concurrency=_BESIDE_TRAINING))  # fmt: skip
             time.sleep(1.0)
     busy_cores = (busy_cpu_seconds() - cpu_before) / max(time.time() - began, 1e-9)
     for lane in lanes:
@@ -293,31 +323,14 @@ def _train(url: str, lanes: list[Lane], args: argparse.Namespace, children: list
         lane.close(began, busy_cores)
 
 
-def _admin_get(url: str, path: str, token: str, **params: Any) -> dict[str, Any]:
-    response = httpx.get(f"{url}{path}", params=params, headers={"Authorization": f"Bearer {token}"}, timeout=30)
-    response.raise_for_status()
-    return dict(response.json())
-
-
 def _post_evaluations(url: str, token: str, lane: Lane) -> None:
     """Tell the server (and through it, the trainer's run loggers) each held-out success not told yet."""
     for held in lane.report.held_out[lane.posted :]:
-        body = {"version": held.version, "scores": {"held_out_success": held.success}, "samples": held.attempts}
         try:
-            response = httpx.post(f"{url}/admin/evaluations", params={"policy": lane.policy}, json=body,
-                                  headers={"Authorization": f"Bearer {token}"}, timeout=30)  # fmt: skip
-            response.raise_for_status()
+            serve_api.post_evaluation(url, token, lane.policy, held)
         except httpx.HTTPError as exc:  # the demo's own report has them anyway
             _say(f"could not post the held-out evaluation of {lane.policy}@{held.version}: {exc}")
     lane.posted = len(lane.report.held_out)
-
-
-def _jobs(url: str, token: str) -> list[dict[str, Any]]:
-    return list(_admin_get(url, "/admin/jobs", token, limit=200)["data"])
-
-
-def _active_version(url: str, token: str, policy: str) -> int:
-    return int(_admin_get(url, "/admin/adapters", token, policy=policy)["active_version"])
 
 
 def _start(children: list[ChildProcess], child: ChildProcess) -> None:

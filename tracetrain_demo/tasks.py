@@ -3,6 +3,8 @@
 ``city`` (the default): one call, name the city that needs a hotel as JSON (``tracetrain_demo.task``).
 ``lookup``: look the hotel up with a function tool, read the result, answer as JSON; two calls or
 more per attempt (``tracetrain_demo.lookup``).
+``agents-sdk``: the same lookup by an OpenAI Agents SDK agent through the Responses API
+(``tracetrain_demo.agents_sdk``).
 """
 
 from __future__ import annotations
@@ -10,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from tracetrain import Trajectory
-from tracetrain_demo import lookup, task
+from tracetrain_demo import agents_sdk, lookup, task
 from tracetrain_vllm import cpu_has_bf16
 
 
@@ -30,15 +32,19 @@ class Scored(Protocol):
 class Task:
     name: str
     scenarios: Callable[[], tuple[Sequence[Any], Sequence[Any]]]
-    attempt: Callable[..., dict[str, object]]  # the agent's attempt: (client, model, scenario, ids, ...) -> episode
+    # The agent's attempt: (client, model, scenario, ids, ...) -> episode, or async (model, scenario, ids, ...).
+    attempt: Callable[..., Any]
     score_episode: Callable[[dict[str, Any]], Scored]  # from what the agent printed
     score_trajectory: Callable[[Trajectory], Scored]  # from what the proxy captured (the reward service)
     max_tokens: int  # per call
+    minutes: float  # the demo's training minutes by default (docs/BENCHMARKS.md: the runs that sized them)
     serve_args: tuple[str, ...] = ()  # added to `tracetrain serve`'s command line
     sampler_correction: str = "auto"  # the trainer's default for this task (TrainConfig.sampler_correction)
-    # On a CPU with bf16 units vLLM samples in bf16 (the trainer stays in float32; TIS corrects the gap): the city
-    # task made 35 steps and +90 points where float32 sampling made 17 and +68 (docs/BENCHMARKS.md, issue 22).
-    bf16_sampling: bool = False
+    # What computes in bf16 on a CPU with bf16 units (None: nothing; float32 on both sides, as on any other CPU).
+    # "sampler": vLLM alone (the trainer stays in float32; TIS corrects the gap): the city task made 35 steps and
+    # +90 points where float32 sampling made 17 and +68. "both": vLLM, and the trainer under bf16 autocast: the tool
+    # task's step trains ~8,600 tokens, 2x faster so (docs/BENCHMARKS.md).
+    bf16: Literal["sampler", "both"] | None = None
 
 
 def _city_episode(episode: dict[str, Any]) -> Scored:
@@ -60,12 +66,18 @@ def _lookup_episode(episode: dict[str, Any]) -> Scored:
 def _lookup_trajectory(trajectory: Trajectory) -> Scored:
     last = trajectory.calls[-1]
     messages = list(last.request["messages"])
-    scenario = lookup.by_prompt().get(messages[0]["content"])
+    user = next((m.get("content") for m in messages if m.get("role") == "user"), None)
+    scenario = lookup.by_prompt().get(user) if isinstance(user, str) else None
     if scenario is None:
         raise ValueError(f"trajectory {trajectory.id} does not start with one of the task's requests")
     answer = ((last.response or {}).get("choices") or [{}])[0].get("message") or {}
     cities = lookup.tool_cities([*messages, answer])  # the last call's own tool calls count too
     return lookup.score(scenario, cities, "" if answer.get("tool_calls") else _reply(last.response))
+
+
+def _agents_sdk_trajectory(trajectory: Trajectory) -> Scored:
+    last = trajectory.calls[-1]
+    return agents_sdk.score_call(last.request, last.response)
 
 
 def _reply(response: dict[str, Any] | None) -> str:
@@ -84,9 +96,22 @@ def _lookup_attempt(*args: Any, **kwargs: Any) -> dict[str, object]:
     return attempt(*args, **kwargs)
 
 
+async def _agents_sdk_attempt(*args: Any, **kwargs: Any) -> dict[str, object]:
+    from tracetrain_demo.agents_sdk_agent import attempt  # the SDK is imported by the agent's process alone
+
+    return await attempt(*args, **kwargs)
+
+
 TASKS: dict[str, Task] = {
     "city": Task(
-        "city", task.scenarios, _city_attempt, _city_episode, _city_trajectory, max_tokens=24, bf16_sampling=True
+        "city",
+        task.scenarios,
+        _city_attempt,
+        _city_episode,
+        _city_trajectory,
+        max_tokens=24,
+        minutes=4.5,
+        bf16="sampler",
     ),
     "lookup": Task(
         "lookup",
@@ -95,17 +120,37 @@ TASKS: dict[str, Task] = {
         _lookup_episode,
         _lookup_trajectory,
         max_tokens=48,
+        minutes=10.0,
         serve_args=(f"--vllm-arg=--chat-template={lookup.TEMPLATE}",),
         # The first call is constrained (tool_choice "required"): vLLM's logprobs are over what the grammar
         # allowed, the learner's over everything, a gap of ~0.27 nats per token even in float32 on both sides.
         sampler_correction="tis",
+        bf16="both",
+    ),
+    "agents-sdk": Task(
+        "agents-sdk",
+        agents_sdk.scenarios,
+        _agents_sdk_attempt,
+        _lookup_episode,  # the agent prints what the tool task's agent prints
+        _agents_sdk_trajectory,
+        max_tokens=48,
+        minutes=10.0,
+        serve_args=(f"--vllm-arg=--chat-template={lookup.TEMPLATE}",),
+        sampler_correction="tis",  # the first call is constrained, as the tool task's
+        bf16="both",
     ),
 }
 
 
-def sampler_dtype(task: Task, chosen: str, cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
-    """vLLM's dtype for the demo: ``chosen`` unless "auto"; then bf16 where the task gains by it and the CPU has
-    bf16 units (``tracetrain_vllm.cpu_has_bf16``), else None (serve's default: the trainer's float32)."""
-    if chosen != "auto":
-        return chosen
-    return "bfloat16" if task.bf16_sampling and cpu_has_bf16(cpuinfo) else None
+def precision(task: Task, sampler: str, trainer: str, cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, str]:
+    """(vLLM's dtype, the trainer's) for the demo: each as chosen unless "auto"; then bfloat16 where the task gains
+    by it (``Task.bf16``) and the CPU has bf16 units (``tracetrain_vllm.cpu_has_bf16``), else float32.
+
+    The trainer's "bfloat16" on a CPU is float32 weights under bf16 autocast (trainer/_lora.py).
+    """
+    bf16 = task.bf16 is not None and cpu_has_bf16(cpuinfo)
+    if trainer == "auto":
+        trainer = "bfloat16" if bf16 and task.bf16 == "both" else "float32"
+    if sampler == "auto":
+        sampler = "bfloat16" if bf16 else trainer
+    return sampler, trainer

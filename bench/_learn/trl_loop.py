@@ -91,7 +91,9 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     train, _ = lookup.scenarios() if tools else scenarios()
-    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": s.prompt}] for s in train]})
+    # The tool task's agent sends its instructions as the system turn, the request as the user turn (lookup_agent).
+    system = [{"role": "system", "content": lookup.INSTRUCTIONS}] if tools else []
+    dataset = Dataset.from_dict({"prompt": [[*system, {"role": "user", "content": s.prompt}] for s in train]})
     config = GRPOConfig(
         output_dir=str(args.out / "trainer"),
         use_cpu=True,
