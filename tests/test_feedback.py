@@ -170,3 +170,28 @@ def test_the_export_carries_each_rewards_source_and_a_persons_note(proxy: Runnin
     rows = {row["id"]: row for row in map(json.loads, out.read_text().splitlines())}
     assert (rows["t1"]["reward_source"], rows["t1"]["reward_note"]) == ("service", None)
     assert (rows["t2"]["reward_source"], rows["t2"]["reward_note"]) == ("human", "exactly right")
+
+
+def test_a_score_and_the_review_queue_keep_to_the_policy_named(start_proxy) -> None:
+    proxy = start_proxy(policies=("a", "b"), policy_configs={"b": {"reward_source": "human"}})
+    for policy, trajectory_id in (("a", "a-1"), ("b", "b-1"), ("b", "b-2")):
+        proxy.client(default_headers={"X-Trajectory-Id": trajectory_id}).chat.completions.create(
+            model=policy, messages=[{"role": "user", "content": "Capital of Peru?"}]
+        )
+
+    # Several policies and none named: a 400 that says to name one; each queue holds its own policy's.
+    assert httpx.get(f"{proxy.url}/admin/review").status_code == 400
+    assert [t["id"] for t in queue(proxy, policy="a")["data"]] == ["a-1"]
+    listed = queue(proxy, policy="b")
+    assert [t["id"] for t in listed["data"]] == ["b-1", "b-2"] and listed["reward_source"] == "human"
+    # A score naming b reaches b's trajectories only: a's is a 404, as an unknown one, and nothing is recorded.
+    named_b = httpx.post(f"{proxy.url}/admin/trajectories/a-1/feedback?policy=b", json={"score": 0.5})
+    assert named_b.status_code == 404 and named_b.json()["error"]["code"] == "trajectory_not_found"
+    assert trajectory(proxy, "a-1")["rewards"] == []
+    scored = httpx.post(f"{proxy.url}/admin/trajectories/b-1/feedback?policy=b", json={"score": 0.5})
+    assert scored.status_code == 200 and trajectory(proxy, "b-1")["reward_source"] == "human"
+    assert [t["id"] for t in queue(proxy, policy="b")["data"]] == ["b-2"]
+    # b takes people's scores only: a posted reward is refused for it, not for a.
+    refused = httpx.post(f"{proxy.v1}/rewards", json={"trajectory_id": "b-2", "reward": 1.0})
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "rewards_come_from_people"
+    httpx.post(f"{proxy.v1}/rewards", json={"trajectory_id": "a-1", "reward": 1.0}).raise_for_status()
