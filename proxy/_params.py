@@ -27,6 +27,7 @@ _CURSOR_PATTERN = r"^[A-Za-z0-9_.:|+\-]{1,256}$"
 
 Id = Annotated[str, Field(pattern=ID_PATTERN)]
 Version = Annotated[int, Field(ge=0, le=MAX_INT)]
+TrialId = Annotated[int, Field(ge=1, le=MAX_INT)]  # a canary trial (store.Trials)
 # A policy's name (proxy.Settings.policies) and a file of one of its adapters (store.FILE_NAME_PATTERN).
 PolicyName = Annotated[str, Field(pattern=POLICY_NAME_PATTERN)]
 FileName = Annotated[str, Field(pattern=FILE_NAME_PATTERN)]

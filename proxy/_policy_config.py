@@ -21,7 +21,7 @@ trainer's settings (its learning rate, LoRA rank, loss: one trainer process trai
 policy), the GPU hand-over, threading and the disk's limits.
 
 ``PolicySettings`` is what a policy runs with: the server's values (``Settings.policy_defaults``) under
-its overrides.
+its overrides. ``canary = 0`` turns the server's ``--canary`` off for one policy.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 log = logging.getLogger("tracetrain.proxy")
 
-RewardSource = Literal["external", "judge", "both"]
+RewardSource = Literal["external", "judge", "both", "human"]
 _MAX_RUBRIC = 20_000
 
 
@@ -69,6 +69,12 @@ class PolicyOverrides(BaseModel):
     regression_margin: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     regression_alpha: float | None = Field(default=None, gt=0, lt=1)
     regression_groups: int | None = Field(default=None, ge=3, le=64)
+    # Canary trials of its new versions (0: none, where the server's --canary would try them).
+    canary: float | None = Field(default=None, ge=0, lt=1)
+    canary_margin: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    canary_alpha: float | None = Field(default=None, gt=0, lt=1)
+    canary_groups: int | None = Field(default=None, ge=3, le=256)
+    canary_minutes: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     # Rewards and the judge.
     reward_source: RewardSource | None = None
     reward_timeout_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
@@ -121,6 +127,8 @@ class PolicyOverrides(BaseModel):
     def over(self, name: str, defaults: PolicySettings) -> PolicySettings:
         """The settings policy ``name`` runs with: these overrides over ``defaults`` (the server's)."""
         given = {field: value for field in _RESOLVED if (value := getattr(self, field)) is not None}
+        if given.get("canary") == 0:
+            given["canary"] = None  # the policy's versions go without a trial where the server's would have one
         return dataclasses.replace(defaults, name=name, **given, sampling=self.sampling or defaults.sampling)
 
 
@@ -147,6 +155,11 @@ class PolicySettings:
     regression_margin: float
     regression_alpha: float
     regression_groups: int
+    canary: float | None  # the share of new trajectories a new version is tried on; None: no trial
+    canary_margin: float
+    canary_alpha: float
+    canary_groups: int
+    canary_minutes: float
     reward_source: RewardSource
     reward_timeout_s: float | None
     judge_model: str | None
@@ -159,7 +172,7 @@ class PolicySettings:
     @property
     def judge_configured(self) -> bool:
         """A judge can score the policy's groups: one was named, or its rewards come from (or beside) the judge."""
-        return self.judge_model is not None or self.reward_source != "external"
+        return self.judge_model is not None or self.reward_source in ("judge", "both")
 
 
 # The settings a policy takes from the server unless it overrides them (every field but its name and sampling).

@@ -34,7 +34,7 @@ from proxy.judge import JudgeService
 from proxy.judge._timeout import RewardTimeout
 from proxy.observability import Exporters, Metrics, start_exporters
 from proxy.observability._disk import DiskWatch
-from proxy.training import HandoverCoordinator, JobScheduler, Publisher
+from proxy.training import Canary, HandoverCoordinator, JobScheduler, Publisher
 from proxy.training._guard import RegressionGuard
 from proxy.training._step_watch import StepWatch
 from store import PolicyAdded, Store
@@ -58,6 +58,7 @@ class Services:
     forwarder: Forwarder
     scheduler: JobScheduler  # also told of every reward written (metrics, the trace exporters, a job when due)
     publisher: Publisher
+    canary: Canary  # canary trials of new versions (--canary); also ends a trial left running when it is off
     metrics: Metrics
     token_texts: TokenTexts
     judging: JudgeService
@@ -93,6 +94,7 @@ async def build_services(
         gate = Gate(settings.handover_wait_s, metrics)  # closed only by the hand-over's coordinator
         scheduler = JobScheduler(store, registry, metrics=metrics, exporters=exporters)
         publisher = await _publishing(settings, store, registry, router, stack)  # fills the registry from the store
+        canary = _canary(store, publisher, registry, metrics, stack)
         handover = _training(settings, store, publisher, registry, router, gate, metrics, on_upstream_stuck, stack)
         judging = JudgeService(settings, store, registry, scheduler)
         judging.start()  # judges the groups of the policies whose rewards come from (or beside) the judge
@@ -112,8 +114,8 @@ async def build_services(
         forwarder = Forwarder(router, store, keyer, registry, metrics, exporters, gate, served)
         yield Services(
             settings, Credentials(settings, store.sessions), PolicyKeys(settings), store, router.upstreams[0], router,
-            registry, keyer, forwarder, scheduler, publisher, metrics, TokenTexts(router.upstreams[0]), judging,
-            exporters=exporters, handover=handover, disk=disk,
+            registry, keyer, forwarder, scheduler, publisher, canary, metrics, TokenTexts(router.upstreams[0]),
+            judging, exporters=exporters, handover=handover, disk=disk,
         )  # fmt: skip
 
 
@@ -161,6 +163,15 @@ async def _publishing(
     _start(stack, router.run(publisher.restore), "tracetrain-upstream-health")
     _start(stack, StepWatch(store).run(), "tracetrain-step-watch")
     return publisher
+
+
+def _canary(store: Store, publisher: Publisher, registry: PolicyRegistry, metrics: Metrics,
+            stack: AsyncExitStack) -> Canary:  # fmt: skip
+    """The canary's check of each policy's running trial (its canary setting); it runs without one too, to end a
+    trial left over."""
+    canary = Canary(store, publisher, metrics, registry)
+    _start(stack, canary.run(), "tracetrain-canary")
+    return canary
 
 
 def _training(

@@ -127,6 +127,16 @@ class Settings(BaseSettings):
     regression_alpha: float = Field(default=0.05, gt=0, lt=1)
     regression_groups: int = Field(default=8, ge=3, le=64)
 
+    # Canary trials (proxy.training._canary): with `canary` (a share in (0, 1)) a newly published version serves
+    # that share of new trajectories, the version before it the rest, until a paired test of their rewards within
+    # groups promotes it or rolls it back (margin and alpha as the guard's), within canary_groups paired groups or
+    # canary_minutes. Unset: a new version serves everything at once. Defaults and their reasons: docs/TRAINING.md.
+    canary: float | None = Field(default=None, gt=0, lt=1)
+    canary_margin: float = Field(default=0.05, ge=0, allow_inf_nan=False)
+    canary_alpha: float = Field(default=0.05, gt=0, lt=1)
+    canary_groups: int = Field(default=8, ge=3, le=256)
+    canary_minutes: float = Field(default=30.0, gt=0, allow_inf_nan=False)
+
     # A complete group (min_group_size trajectories or more) still missing rewards after this many seconds
     # with no call and no reward is judged when a judge is configured (judge_model, or a reward_source that
     # judges), else closed "unrewarded": never trained, counted (proxy.judge._timeout). Unset: groups
@@ -134,8 +144,10 @@ class Settings(BaseSettings):
     reward_timeout_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
     # Rewards: POSTed by the user's service ("external"), scored by an LLM judge over each group
-    # ("judge"), or both: external rewards train, the judge's scores are recorded beside them.
-    reward_source: Literal["external", "judge", "both"] = "external"
+    # ("judge"), or both: external rewards train, the judge's scores are recorded beside them; or scored by
+    # people only ("human": the dashboard's review queue, POST /admin/trajectories/{id}/feedback). A person's
+    # score is the trajectory's reward whatever the source: it overrides a service's or the judge's.
+    reward_source: Literal["external", "judge", "both", "human"] = "external"
     # A litellm model name: openai/gpt-4o-mini, anthropic/claude-..., hosted_vllm/NAME. Unset: the
     # base model served by `upstream`, with no external key (see proxy.judge._service).
     judge_model: str | None = None
@@ -392,7 +404,7 @@ class Settings(BaseSettings):
     @property
     def judge_configured(self) -> bool:
         """A judge can score a group: one was named, or rewards come from (or beside) the judge."""
-        return self.judge_model is not None or self.reward_source != "external"
+        return self.judge_model is not None or self.reward_source in ("judge", "both")
 
     @property
     def resolved_database_url(self) -> str:

@@ -33,17 +33,19 @@ from store._lifecycle import (
     JobState,
     PolicyState,
     TrainingState,
+    TrialState,
     allowed,
 )
 from store._policies import Policies, PolicyAdded
 from store._reads import GROUP_VIEW_STATES, GroupRecord, Reads, TrajectoryFilter, TrajectoryRecord
 from store._redact import redact, without_userinfo
 from store._retention import PruneReport, PruneRule
-from store._rewards import RewardIn, RewardRecord
+from store._rewards import REWARD_SOURCES, RewardIn, RewardRecord
 from store._sessions import Sessions
 from store._store import Store
 from store._tables import Call
 from store._timeouts import RewardTimeouts
+from store._trials import TRIAL_FIELDS, ArmTotals, GroupArms, Trials
 
 __all__ = [
     "ADAPTER_FIELDS",
@@ -55,11 +57,14 @@ __all__ = [
     "JUDGEMENT_STATES",
     "MOVES",
     "POLICY_NAME_PATTERN",
+    "REWARD_SOURCES",
     "TRAINING_FIELDS",
+    "TRIAL_FIELDS",
     "AdapterFile",
     "AdapterFiles",
     "AdapterState",
     "Adapters",
+    "ArmTotals",
     "Call",
     "CallWrite",
     "DueRule",
@@ -69,6 +74,7 @@ __all__ = [
     "ExportReads",
     "FileEntry",
     "GpuHandover",
+    "GroupArms",
     "GroupCalls",
     "GroupChanged",
     "GroupRecord",
@@ -100,6 +106,8 @@ __all__ = [
     "TrajectoryFilter",
     "TrajectoryRecord",
     "TransitionRefused",
+    "TrialState",
+    "Trials",
     "UnknownTrajectories",
     "allowed",
     "connect",

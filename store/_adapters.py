@@ -23,10 +23,11 @@ from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from store._adapter_files import AdapterFile, write_files
-from store._lifecycle import AdapterState, JobState, move
+from store._lifecycle import AdapterState, JobState, TrialState, move
 from store._tables import adapters as A
 from store._tables import policies as P
 from store._tables import training_jobs as J
+from store._tables import trials as TR
 from store._version_retention import Pruned, prune_versions, pruned_versions
 
 # A policy's name is also a directory (DATA_DIR/adapters/<policy>/): it starts with a letter or a digit, so it is
@@ -90,17 +91,16 @@ class Adapters:
             )
             return {int(v) for v in rows.scalars()}
 
-    async def claim_trained(self, policy: str, owner: str, lease_s: float) -> list[tuple[int, str]]:
-        """Claim every trained adapter of ``policy`` for publishing; (version, path) of those this call won."""
+    async def claim_trained(
+        self, policy: str, owner: str, lease_s: float, *, newest_only: bool = False
+    ) -> list[tuple[int, str]]:
+        """Claim every trained adapter of ``policy`` for publishing (``newest_only``: the newest, as a canary
+        trial takes one version at a time); (version, path) of those this call won."""
+        query = select(A.c.version, A.c.path).where(A.c.policy == policy, A.c.state == AdapterState.TRAINED.value)
+        query = query.order_by(A.c.version.desc()).limit(1) if newest_only else query.order_by(A.c.version)
         async with self._engine.begin() as conn:
-            rows = (
-                await conn.execute(
-                    select(A.c.version, A.c.path)
-                    .where(A.c.policy == policy, A.c.state == AdapterState.TRAINED.value)
-                    .order_by(A.c.version)
-                    .with_for_update(skip_locked=True)  # Postgres: rows another replica is claiming are skipped
-                )
-            ).all()
+            # Postgres: rows another replica is claiming are skipped.
+            rows = (await conn.execute(query.with_for_update(skip_locked=True))).all()
             claimed = []
             for version, path in rows:
                 won = await move(
@@ -167,19 +167,22 @@ class Adapters:
         return None if job_id is None else int(job_id)
 
     async def version_to_train_on(self, policy: str) -> int:
-        """The newest version not yet published if there is one, else the one the policy serves.
+        """The newest version not yet published, or on canary trial, if there is one; else the one the policy serves.
 
-        A job queued while the previous step's adapter is still being published continues
-        from that adapter instead of from the older version still serving. After a rollback
-        no newer adapter is pending, so training continues from the version rolled back to.
+        A job queued while the previous step's adapter is still being published (or tried on a share
+        of traffic: ``store._trials``) continues from that adapter instead of from the older version
+        still serving. After a rollback no newer adapter is pending, so training continues from the
+        version rolled back to.
         """
+        on_trial = select(TR.c.candidate).where(TR.c.policy == policy, TR.c.state == TrialState.RUNNING.value)
         async with self._engine.connect() as conn:
             active = int((await conn.execute(select(P.c.active_version).where(P.c.name == policy))).scalar() or 0)
             pending = (
                 await conn.execute(
                     select(func.max(A.c.version)).where(
                         A.c.policy == policy,
-                        A.c.state.in_((AdapterState.TRAINED.value, AdapterState.LOADING.value)),
+                        A.c.state.in_((AdapterState.TRAINED.value, AdapterState.LOADING.value))
+                        | A.c.version.in_(on_trial.scalar_subquery()),
                         A.c.version > active,
                     )
                 )

@@ -165,7 +165,7 @@ class Guards:
                 if paused:
                     why = "not published: training is paused by the regression guard"
                 elif began < state.rolled_back_at:
-                    why = "not published: its step continued from a version the regression guard rolled back"
+                    why = "not published: its step continued from a version that was rolled back"
                 else:
                     continue
                 where = (A.c.policy == policy) & (A.c.version == version)

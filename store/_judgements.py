@@ -24,7 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from store._compact import expand
 from store._errors import StoreError
 from store._lifecycle import GroupState
-from store._rewards import RewardRecord
+from store._rewards import RewardRecord, not_by_a_person
 from store._tables import calls as C
 from store._tables import groups as G
 from store._tables import judgements as JG
@@ -161,11 +161,12 @@ class Judgements:
             if scores_are_rewards:
                 await conn.execute(
                     update(T)
-                    .where(T.c.id == bindparam("b_id"))
-                    .values(reward=bindparam("b_r"), reward_source="judge", rewarded_at=now, tail_hash=None),
+                    .where(T.c.id == bindparam("b_id"), not_by_a_person())  # a person's score stays
+                    .values(reward=bindparam("b_r"), reward_source="judge", reward_note=bindparam("b_note"),
+                            rewarded_at=now, tail_hash=None),
                     # In key order, as every writer of trajectories (no deadlock between replicas).
                     [
-                        {"b_id": s["trajectory_id"], "b_r": s["score"]}
+                        {"b_id": s["trajectory_id"], "b_r": s["score"], "b_note": s["explanation"]}
                         for s in sorted(row["scores"], key=lambda s: str(s["trajectory_id"]))
                     ],
                 )

@@ -12,8 +12,11 @@
                  ▲ │                 │   └───▶ failed ──────activated──────────────▶ published
                  │ └──────────▶ discarded       (trained while paused, or from a version rolled back)
                  └──lease expired────┘          (its proxy died while publishing)
-              published ──the regression guard──▶ rolled_back ──activated by an admin──▶ published
+              published ──the regression guard, or its canary trial──▶ rolled_back ──activated by an admin──▶ published
               retired | failed | rolled_back | discarded ──retention deleted its files──▶ pruned   (for good)
+    trial:    running ──its rewards, its bound or an admin──▶ promoted | rolled_back
+              (a canary trial of a published version on a share of new trajectories: ``store._trials``;
+              one running trial per policy, held by a unique index)
     training: active ──the regression guard rolled a version back──▶ paused ──an admin resumes──▶ active
               (a policy's ``training`` column: paused, no job is created and no adapter published)
     policy:   serving ──an admin retires it──▶ retired ──added again──▶ serving
@@ -67,7 +70,8 @@ class AdapterState(enum.StrEnum):
     FAILED = "failed"
     RETIRED = "retired"
     ROLLED_BACK = "rolled_back"  # served worse than the version before it (proxy.training._guard)
-    DISCARDED = "discarded"  # never published: trained while paused, or continued from a version rolled back
+    DISCARDED = "discarded"  # never published: trained while paused, from a version rolled back, or passed over
+    # by a newer version while a canary trial ran (store._trials)
     PRUNED = "pruned"  # its files were deleted by retention (store.Adapters.prune); its row and metrics stay
 
 
@@ -83,6 +87,12 @@ class PolicyState(enum.StrEnum):
 
     SERVING = "serving"
     RETIRED = "retired"
+class TrialState(enum.StrEnum):
+    """A canary trial (``trials.state``): a new version serves a share of new trajectories until it is decided."""
+
+    RUNNING = "running"
+    PROMOTED = "promoted"  # it serves everything now
+    ROLLED_BACK = "rolled_back"  # it serves nothing; training goes on from the version it was tried against
 
 
 class GpuHandover(enum.StrEnum):
@@ -95,7 +105,7 @@ class GpuHandover(enum.StrEnum):
     REVOKED = "revoked"  # ended by the proxy: the worker died, or the step took too long
 
 
-State = GroupState | JobState | AdapterState | GpuHandover | TrainingState | PolicyState
+State = GroupState | JobState | AdapterState | GpuHandover | TrainingState | PolicyState | TrialState
 
 MOVES: frozenset[tuple[State, State]] = frozenset(
     {
@@ -119,7 +129,7 @@ MOVES: frozenset[tuple[State, State]] = frozenset(
         (AdapterState.RETIRED, AdapterState.PUBLISHED),
         (AdapterState.FAILED, AdapterState.PUBLISHED),
         (AdapterState.TRAINED, AdapterState.PUBLISHED),
-        (AdapterState.TRAINED, AdapterState.DISCARDED),
+        (AdapterState.TRAINED, AdapterState.DISCARDED),  # trained while paused, or from a version rolled back
         (AdapterState.PUBLISHED, AdapterState.ROLLED_BACK),  # the regression guard
         (AdapterState.ROLLED_BACK, AdapterState.PUBLISHED),  # an admin activates it anyway
         # Retention: a version neither served nor among those kept loses its files (store.Adapters.prune).
@@ -127,6 +137,8 @@ MOVES: frozenset[tuple[State, State]] = frozenset(
         (AdapterState.FAILED, AdapterState.PRUNED),
         (AdapterState.ROLLED_BACK, AdapterState.PRUNED),
         (AdapterState.DISCARDED, AdapterState.PRUNED),
+        (TrialState.RUNNING, TrialState.PROMOTED),
+        (TrialState.RUNNING, TrialState.ROLLED_BACK),
         (TrainingState.ACTIVE, TrainingState.PAUSED),
         (TrainingState.PAUSED, TrainingState.ACTIVE),
         (PolicyState.SERVING, PolicyState.RETIRED),

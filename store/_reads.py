@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from store._compact import expand
 from store._jobs import ready_condition
 from store._lifecycle import GroupState
-from store._rewards import RewardRecord
+from store._rewards import RewardRecord, not_by_a_person
 from store._tables import calls as C
 from store._tables import groups as G
 from store._tables import rewards as R
@@ -162,6 +162,43 @@ class Reads:
             # The last call of each wins; its reply read alike whatever API it spoke.
             last = {row.trajectory_id: call_reply(row.endpoint, row.response) for row in calls.all()}
             return GroupRecord(dict(group._mapping), [dict(m._mapping) for m in members.all()], last)
+
+    async def review_queue(self, policy: str, *, limit: int, after: int | None) -> list[dict[str, Any]]:
+        """What awaits a person's score, oldest first: trajectories with a recorded call that no person has
+        scored, in a group still open (its rewards may still train). ``limit + 1`` rows; keyset on the key."""
+        query = self._awaiting(policy).order_by(T.c.pk).limit(limit + 1)
+        if after is not None:
+            query = query.where(T.c.pk > after)
+        async with self._engine.connect() as conn:
+            return [dict(row._mapping) for row in (await conn.execute(query)).all()]
+
+    async def trajectory_key(self, trajectory_id: str) -> tuple[int, str] | None:
+        """A trajectory's key (its place in keyset order) and its policy, or None."""
+        async with self._engine.connect() as conn:
+            row = (await conn.execute(select(T.c.pk, T.c.policy).where(T.c.id == trajectory_id))).first()
+        return None if row is None else (int(row[0]), str(row[1]))
+
+    async def review_neighbours(self, policy: str, trajectory_pk: int) -> tuple[str | None, str | None]:
+        """(previous, next) trajectory ids in the review queue around the trajectory with key ``trajectory_pk``."""
+        before = self._awaiting(policy).where(T.c.pk < trajectory_pk).order_by(T.c.pk.desc()).limit(1)
+        after = self._awaiting(policy).where(T.c.pk > trajectory_pk).order_by(T.c.pk).limit(1)
+        async with self._engine.connect() as conn:
+            previous = (await conn.execute(before)).first()
+            following = (await conn.execute(after)).first()
+        return (previous.id if previous else None), (following.id if following else None)
+
+    async def review_count(self, policy: str) -> int:
+        query = self._awaiting(policy).with_only_columns(func.count()).order_by(None)
+        async with self._engine.connect() as conn:
+            return int((await conn.execute(query)).scalar_one())
+
+    @staticmethod
+    def _awaiting(policy: str) -> Any:
+        return (
+            select(T)
+            .select_from(T.join(G, G.c.id == T.c.group_id))
+            .where(T.c.policy == policy, T.c.n_calls > 0, not_by_a_person(), G.c.state == GroupState.OPEN.value)
+        )
 
     async def traffic(self) -> dict[str, int]:
         """Calls in the last minute and five minutes; trajectories in all and rewarded."""

@@ -1,4 +1,11 @@
-"""Posted rewards: recorded in one transaction, or not at all."""
+"""Rewards written: recorded in one transaction, or not at all.
+
+A reward has a source (``REWARD_SOURCES``): "service" (posted to ``POST /v1/rewards``), "judge"
+(the LLM judge's score, ``store._judgements``) or "human" (a person's score, with a note). Every
+reward is kept in ``rewards``; the trajectory holds the one that trains: a person's score over
+any other (``not_by_a_person``: a service's or the judge's later reward is recorded beside it, never
+over it), else the latest.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +14,19 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import bindparam, insert, select, update
+from sqlalchemy import ColumnElement, bindparam, insert, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from store._errors import UnknownTrajectories
 from store._tables import rewards as R
 from store._tables import trajectories as T
+
+REWARD_SOURCES = ("service", "judge", "human")
+
+
+def not_by_a_person() -> ColumnElement[bool]:
+    """The trajectory holds no person's score: another source's reward may replace what it holds."""
+    return or_(T.c.reward_source.is_(None), T.c.reward_source != "human")
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,13 +34,13 @@ class RewardIn:
     trajectory_id: str
     reward: float
     metrics: dict[str, float] = field(default_factory=dict)
-    source: str = "external"
-    explanation: str | None = None
+    source: str = "service"  # "service" or "human": what add_rewards writes
+    explanation: str | None = None  # a person's note
 
 
 @dataclass(frozen=True, slots=True)
 class RewardRecord:
-    """A reward as written: posted (source "external") or a judge's score (source "judge")."""
+    """A reward as written, from one of ``REWARD_SOURCES``."""
 
     trajectory_id: str
     group_id: str
@@ -57,11 +71,11 @@ async def add_rewards(
 ) -> list[RewardRecord]:
     """Record rewards in one transaction; any unknown trajectory id rejects the whole batch.
 
-    An external reward becomes the trajectory's reward (and ends its threading: a rewarded
-    trajectory takes no more calls by continuation). Returns the rewards written. ``policies``: only
-    trajectories of these policies may be rewarded; another policy's is unknown (None: every policy).
-    ``check`` is given the policies the batch rewards before anything is written; what it raises
-    rejects the whole batch.
+    A service's reward becomes the trajectory's reward unless a person scored it; a person's
+    score always does (either ends its threading: a rewarded trajectory takes no more calls by
+    continuation). Returns the rewards written. ``policies``: only trajectories of these policies
+    may be rewarded; another policy's is unknown (None: every policy). ``check`` is given the
+    policies the batch rewards before anything is written; what it raises rejects the whole batch.
     """
     items = list(rewards)
     wanted = {r.trajectory_id for r in items}
@@ -81,16 +95,18 @@ async def add_rewards(
             for r in items
         ]
         await conn.execute(insert(R), [reward.row() for reward in created])
-        if external := [r for r in items if r.source == "external"]:
-            await conn.execute(
-                update(T)
-                .where(T.c.id == bindparam("b_id"))
-                .values(reward=bindparam("b_r"), reward_source="external", metrics=bindparam("b_m"),
-                        rewarded_at=now, tail_hash=None)
-                ,
-                # In key order, as every writer of trajectories does (no deadlock between replicas);
-                # the sort is stable, so the later of two rewards for one trajectory still wins.
-                [{"b_id": r.trajectory_id, "b_r": r.reward, "b_m": r.metrics}
-                 for r in sorted(external, key=lambda r: r.trajectory_id)],
-            )  # fmt: skip
+        # A service's reward and its metrics, unless a person scored the trajectory; a person's score over any.
+        for source, where in (("service", not_by_a_person()), ("human", T.c.id.is_not(None))):
+            if items_of := [r for r in items if r.source == source]:
+                values = {"reward": bindparam("b_r"), "reward_source": source, "reward_note": bindparam("b_note"),
+                          "rewarded_at": now, "tail_hash": None}  # fmt: skip
+                if source == "service":
+                    values["metrics"] = bindparam("b_m")
+                await conn.execute(
+                    update(T).where(T.c.id == bindparam("b_id"), where).values(values),
+                    # In key order, as every writer of trajectories does (no deadlock between replicas);
+                    # the sort is stable, so the later of two rewards for one trajectory still wins.
+                    [{"b_id": r.trajectory_id, "b_r": r.reward, "b_m": r.metrics, "b_note": r.explanation}
+                     for r in sorted(items_of, key=lambda r: r.trajectory_id)],
+                )  # fmt: skip
     return created

@@ -3,7 +3,7 @@
 ``Store.open(url)`` connects (bringing the schema to the current revision), starts the
 group-commit writer when the process captures calls, and gathers the store's parts:
 ``policies``, ``adapters``, ``adapter_files``, ``jobs``, ``judgements``, ``reads``, ``export``, ``guards``,
-``reward_timeouts``, ``evaluations``. The few
+``reward_timeouts``, ``evaluations``, ``trials``. The few
 lookups on the proxy's request path (keying) are methods here. On SQLite the two asked on
 every call (a trajectory's group, an open thread) read synchronously through one raw
 ``sqlite3`` connection held for the store's life: an indexed SQLite read takes tens of
@@ -54,6 +54,7 @@ from store._tables import groups as G
 from store._tables import policies as P
 from store._tables import trajectories as T
 from store._timeouts import RewardTimeouts
+from store._trials import Trials
 from store._usage import store_bytes
 from store._writer import GroupCommitWriter
 
@@ -61,12 +62,12 @@ _R = TypeVar("_R")
 log = logging.getLogger("tracetrain.store")
 
 # Built once: SQLAlchemy then finds their compiled form by a memoized cache key (Postgres).
-_TRAJECTORY_GROUP = select(T.c.group_id, T.c.policy).where(T.c.id == bindparam("id"))
-_OPEN_THREADS = select(T.c.id, T.c.group_id, T.c.tail_hash).where(
+_TRAJECTORY_GROUP = select(T.c.group_id, T.c.policy, T.c.last_version, T.c.n_calls).where(T.c.id == bindparam("id"))
+_OPEN_THREADS = select(T.c.id, T.c.group_id, T.c.tail_hash, T.c.last_version).where(
     T.c.tail_hash.in_(bindparam("tails", expanding=True)), T.c.updated_at >= bindparam("since"), T.c.reward.is_(None)
 )
 # The same two on SQLite's own driver (the hot path).
-_SQLITE_TRAJECTORY_GROUP = "SELECT group_id, policy FROM trajectories WHERE id = ?"
+_SQLITE_TRAJECTORY_GROUP = "SELECT group_id, policy, last_version, n_calls FROM trajectories WHERE id = ?"
 _GROUP_POLICY = select(G.c.policy).where(G.c.id == bindparam("id"))
 _SQLITE_GROUP_POLICY = "SELECT policy FROM groups WHERE id = ?"
 # What the publisher acts on, in brief (``publishing_state``): every policy's adapters by state, and its row.
@@ -84,7 +85,8 @@ _SQLITE_POLICY_STATE = (
     "SELECT name, state, active_version, training, rolled_back_at, updated_at FROM policies ORDER BY name"
 )
 _SQLITE_OPEN_THREADS = (
-    "SELECT id, group_id, tail_hash FROM trajectories WHERE tail_hash IN ({}) AND updated_at >= ? AND reward IS NULL"
+    "SELECT id, group_id, tail_hash, last_version FROM trajectories "
+    "WHERE tail_hash IN ({}) AND updated_at >= ? AND reward IS NULL"
 )
 
 
@@ -110,6 +112,7 @@ class Store:
         self.sessions = Sessions(engine)
         self._releasing: set[asyncio.Task[int]] = set()  # seats given back for records refused without waiting
         self.evaluations = Evaluations(engine)
+        self.trials = Trials(engine)
 
     @classmethod
     async def open(cls, url: str, *, capture: bool = True) -> Store:
@@ -242,14 +245,18 @@ class Store:
         async with self.engine.connect() as conn:
             return await conn.run_sync(query)
 
-    async def trajectory_group(self, trajectory_id: str) -> tuple[str, str] | None:
-        """(group_id, policy) of a stored trajectory, or None."""
+    async def trajectory_group(self, trajectory_id: str) -> tuple[str, str, int | None] | None:
+        """(group_id, policy, served_by) of a stored trajectory, or None; ``served_by`` is the version that
+        served its last recorded call (None while none is recorded: a seat taken ahead of its first call)."""
         if self._reader is not None:
             rows = self._reader.execute(_SQLITE_TRAJECTORY_GROUP, (trajectory_id,)).fetchall()
         else:
             async with self.engine.connect() as conn:
                 rows = list((await conn.execute(_TRAJECTORY_GROUP, {"id": trajectory_id})).all())
-        return (rows[0][0], rows[0][1]) if rows else None
+        if not rows:
+            return None
+        group_id, policy, version, n_calls = rows[0]
+        return group_id, policy, (int(version) if n_calls else None)
 
     async def group_policy(self, group_id: str) -> str | None:
         """The policy of a stored group, or None: a call that names a group may only join its own policy's."""
@@ -274,11 +281,11 @@ class Store:
                 state = list((await conn.execute(_POLICY_STATE)).all())
         return tuple(tuple(row) for row in adapters), tuple(tuple(row) for row in state)
 
-    async def find_open_thread(self, tail_hashes: Sequence[str], since: float) -> tuple[str, str, str] | None:
+    async def find_open_thread(self, tail_hashes: Sequence[str], since: float) -> tuple[str, str, str, int] | None:
         """The unrewarded trajectory whose last request plus reply hashes to one of ``tail_hashes``.
 
         Earlier hashes in the sequence win (callers pass the longest prefix first).
-        Returns (trajectory_id, group_id, tail_hash).
+        Returns (trajectory_id, group_id, tail_hash, the version that served its last call).
         """
         if not tail_hashes:
             return None
@@ -289,7 +296,7 @@ class Store:
         else:
             async with self.engine.connect() as conn:
                 rows = list((await conn.execute(_OPEN_THREADS, {"tails": list(tail_hashes), "since": since})).all())
-        by_hash = {row[2]: (row[0], row[1], row[2]) for row in rows}
+        by_hash = {row[2]: (row[0], row[1], row[2], int(row[3])) for row in rows}
         return next((by_hash[h] for h in tail_hashes if h in by_hash), None)
 
     async def join_task_group(

@@ -93,7 +93,8 @@ class Trajectory(SQLModel, table=True):
     # Unkeyed trajectories: hash of (policy, messages + last reply) so a continuation can join.
     tail_hash: str | None = Field(default=None, index=True)
     reward: float | None = None
-    reward_source: str | None = None
+    reward_source: str | None = None  # "service" | "judge" | "human" (store.REWARD_SOURCES); a person's score wins
+    reward_note: str | None = None  # the person's note, or the judge's explanation, of the reward it holds
     metrics: dict[str, float] = _json(dict)
     rewarded_at: float | None = None
 
@@ -148,7 +149,7 @@ class Reward(SQLModel, table=True):
     group_id: str
     value: float
     metrics: dict[str, float] = _json(dict)
-    source: str = "external"  # "external" | "judge"
+    source: str = "service"  # "service" (POST /v1/rewards) | "judge" | "human" (a person's score, with a note)
     explanation: str | None = None
     created_at: float
 
@@ -211,6 +212,31 @@ class AdapterVersion(SQLModel, table=True):
     # The regression guard's watch over this version once published (proxy.training._guard): its
     # baseline, the group-mean rewards compared, and the verdict. None when it was never watched.
     guard: dict[str, Any] | None = _json(None)
+
+
+class Trial(SQLModel, table=True):
+    """A canary trial: a newly published version (``candidate``) serving ``fraction`` of new trajectories while
+    ``baseline`` serves the rest, until their rewards (or its bound, or an admin) decide (``store._trials``)."""
+
+    __tablename__ = "trials"
+    # One trial of a policy at a time: of replicas starting one together, one wins.
+    __table_args__ = (
+        Index("ux_trials_running", "policy", unique=True, sqlite_where=text("state = 'running'"),
+              postgresql_where=text("state = 'running'")),
+    )  # fmt: skip
+
+    id: int | None = Field(default=None, primary_key=True)
+    policy: str = Field(index=True)
+    candidate: int
+    baseline: int
+    fraction: float
+    state: str = "running"  # store.TrialState
+    started_at: float
+    ended_at: float | None = None
+    decided_by: str | None = None  # "test" (the paired test), "bound" (its size or time), "admin", "alias"
+    reason: str | None = None
+    # The last look at its rewards (proxy.training._canary_verdict): shares, means with intervals, the test.
+    verdict: dict[str, Any] | None = _json(None)
 
 
 class AdapterFile(SQLModel, table=True):
@@ -310,6 +336,7 @@ rewards = _table(Reward)
 training_jobs = _table(TrainingJob)
 adapters = _table(AdapterVersion)
 adapter_files = _table(AdapterFile)
+trials = _table(Trial)
 judgements = _table(Judgement)
 revoked_sessions = _table(RevokedSession)
 evaluations = _table(Evaluation)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import re
 from collections.abc import Iterator
@@ -55,7 +57,8 @@ def admin_routes(tmp_path: Path) -> list[tuple[str, str]]:
         if not path.startswith("/admin"):
             continue
         for method in sorted(getattr(route, "methods", set()) - {"HEAD"}):
-            found.append((method, re.sub(r"\{(\w+)\}", lambda m: "1" if m.group(1) == "version" else "x", path)))
+            filled = re.sub(r"\{(\w+)\}", lambda m: "1" if m.group(1) in ("version", "trial_id") else "x", path)
+            found.append((method, filled))
     return found
 
 
@@ -177,7 +180,13 @@ def test_captured_markup_is_shown_as_text_under_a_policy_that_runs_no_script(
         assert page.status_code == 200
         assert "<script>window" not in page.text and "<img src=x" not in page.text, path
         csp = page.headers["content-security-policy"]
-        assert "default-src 'none'" in csp and "script-src" not in csp and "unsafe-inline" not in csp
+        assert "default-src 'none'" in csp and "unsafe-inline" not in csp
+        scripts = re.findall(r"<script>(.*?)</script>", page.text, re.S)
+        if path == "/admin/ui/trajectories/xss":  # the review shortcuts, and no other script, allowed by their hash
+            digest = base64.b64encode(hashlib.sha256(scripts[0].encode()).digest()).decode()
+            assert len(scripts) == 1 and csp.endswith(f"script-src 'sha256-{digest}'"), csp
+        else:
+            assert scripts == [] and "script-src" not in csp
         assert page.headers["x-frame-options"] == "DENY"
     detail = httpx.get(f"{proxy.url}/admin/ui/trajectories/xss").text
     assert "&lt;script&gt;window.__pwned = 1&lt;/script&gt;" in detail  # the user's message, as text
@@ -444,7 +453,7 @@ def test_metrics_count_requests_tokens_captures_rewards_and_training(proxy: Runn
     assert metric(text, 'tracetrain_request_latency_seconds_count{endpoint="chat.completions"}') == 2
     assert metric(text, 'tracetrain_tokens_total{kind="completion",policy="agent"}') > 0
     assert metric(text, 'tracetrain_captured_calls_total{policy="agent"}') == 2
-    assert metric(text, 'tracetrain_rewards_total{policy="agent",source="external"}') == 1
+    assert metric(text, 'tracetrain_rewards_total{policy="agent",source="service"}') == 1
     assert metric(text, 'tracetrain_policy_active_version{policy="agent"}') == 1
     assert metric(text, 'tracetrain_training_steps{policy="agent"}') == 1
     assert metric(text, 'tracetrain_versions_loaded{policy="agent"}') == 2

@@ -78,6 +78,24 @@ def test_reasoning_parser_reaches_vllms_command_line_and_the_proxys_settings(cap
             settings_from(parser.parse_args(["serve", "--data-dir", str(tmp_path), *refused]))
 
 
+def test_canary_flags_and_a_human_reward_source_reach_the_proxys_settings(capsys, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--canary FRACTION" in help_text and "--canary-groups N" in help_text and "human" in help_text
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    serve = ["serve", "--data-dir", str(tmp_path)]
+    flags = ["--canary", "0.1", "--canary-groups", "12", "--canary-minutes", "20", "--reward-source", "human"]
+    settings = settings_from(parser.parse_args([*serve, *flags]))
+    assert (settings.canary, settings.canary_groups, settings.canary_minutes) == (0.1, 12, 20.0)
+    assert settings.reward_source == "human" and not settings.judge_configured
+    assert settings_from(parser.parse_args(serve)).canary is None  # off unless asked
+    for refused in (["--canary", "1"], ["--canary", "0"], ["--canary", "nan"], ["--canary-groups", "2"]):
+        with pytest.raises(SystemExit, match=r"invalid settings\n  canary"):
+            settings_from(parser.parse_args([*serve, *refused]))
+
+
 def test_serve_on_a_public_address_without_keys_says_what_to_do(tmp_path: Path) -> None:
     try:
         main(["serve", "--upstream", "http://127.0.0.1:9/v1", "--host", "0.0.0.0", "--data-dir", str(tmp_path)])

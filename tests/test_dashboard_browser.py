@@ -121,3 +121,47 @@ def test_a_captured_script_payload_does_not_run(start_proxy, fake: FakeVLLM, pag
     assert PAYLOAD in page.inner_text(".message.user pre")  # shown as the text it is
     assert PAYLOAD in "".join(page.locator(".tokens span").all_inner_texts())
     assert page.problems == []
+
+
+def test_a_reviewer_scores_trajectories_from_the_keyboard(start_proxy, fake: FakeVLLM, page: Any) -> None:
+    proxy = start_proxy(admin_token=ADMIN, reward_source="human")
+    for i in range(1, 5):
+        fake.script(Reply(content=f"Answer {i}."))
+        attempt(proxy, f"Question {i}?", f"r{i}")
+
+    def scored(trajectory_id: str) -> tuple[Any, ...]:
+        t = httpx.get(f"{proxy.url}/admin/trajectories/{trajectory_id}", headers=BEARER).json()
+        return t["reward"], t["reward_source"], t["reward_note"]
+
+    page.goto(f"{proxy.url}/admin/ui/login?next=/admin/ui/review")
+    page.fill("#token", ADMIN)
+    page.click("button[type=submit]")
+    page.wait_for_url("**/admin/ui/review")
+    assert "4" in page.inner_text("#review-total")
+    page.click("#review-start")
+    page.wait_for_url("**/admin/ui/trajectories/r1")
+    keys = page.inner_text("#review-keys")
+    assert "0\u20139" in keys and "Enter" in keys and "j / k" in keys  # the shortcuts are written on the page
+
+    page.keyboard.press("7")
+    assert page.input_value("#score") == "0.7"
+    page.keyboard.press("n")  # a note
+    page.keyboard.type("close, but wordy")
+    page.keyboard.press("Escape")
+    page.keyboard.press("Enter")  # saved; the next trajectory awaiting a score opens
+    page.wait_for_url("**/admin/ui/trajectories/r2?notice=scored")
+    assert scored("r1") == (0.7, "human", "close, but wordy")
+
+    page.keyboard.press("j")  # skip r2 for now
+    page.wait_for_url("**/admin/ui/trajectories/r3")
+    page.keyboard.press("k")  # back to it
+    page.wait_for_url("**/admin/ui/trajectories/r2")
+    page.keyboard.press("=")
+    page.keyboard.press("Enter")
+    page.wait_for_url("**/admin/ui/trajectories/r3?notice=scored")
+    page.keyboard.press("0")
+    page.keyboard.press("Enter")
+    page.wait_for_url("**/admin/ui/trajectories/r4?notice=scored")
+    assert [scored(t)[:2] for t in ("r2", "r3", "r4")] == [(1.0, "human"), (0.0, "human"), (None, None)]
+    assert "Score saved" in page.inner_text("[role=status]")
+    assert page.problems == []  # the review script ran under the page's policy, and nothing else tried to

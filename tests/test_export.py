@@ -118,7 +118,7 @@ def test_an_export_loads_with_datasets_and_keeps_every_token_exact(
         row = rows[trajectory_id]
         assert (row["policy"], row["reward"], row["group_id"]) == (policy, value, stored_group(captured, trajectory_id))
         assert {k: v for k, v in (row["metrics"] or {}).items() if v is not None} == metrics
-        assert row["reward_source"] == (None if value is None else "external")
+        assert row["reward_source"] == (None if value is None else "service")
         calls = captured.rows("SELECT * FROM calls WHERE trajectory_id = ? ORDER BY started_at, pk", trajectory_id)
         assert row["n_calls"] == len(row["calls"]) == len(calls) > 0
         prompts = whole_prompts(calls)

@@ -33,10 +33,10 @@ def test_the_proxy_subpackages_public_names() -> None:
 
     faces = {
         "proxy.admin": ["Admin", "AdminAuth", "TokenTexts"],
-        "proxy.data": ["RewardBatch", "RewardPost", "get_trajectory", "list_groups", "list_trajectories",
-                       "post_rewards"],
+        "proxy.data": ["FeedbackPost", "RewardBatch", "RewardPost", "get_trajectory", "give_feedback", "list_groups",
+                       "list_trajectories", "parse_feedback", "post_rewards", "review_queue", "validate_feedback"],
         "proxy.gateway": ["Forwarder", "Gate", "Key", "KeyHints", "Keyer", "NOT_AWAKE", "PolicyRegistry",
-                          "RETRY_AFTER_FAILED_S", "Route", "Served", "ServedPolicy", "Signer", "Upstream",
+                          "RETRY_AFTER_FAILED_S", "Route", "Served", "ServedPolicy", "Signer", "Split", "Upstream",
                           "new_trajectory_id"],
         "proxy.gateway.dialects": ["CHAT", "COMPLETIONS", "ChatCompletionRequest", "ChatTranslation",
                                    "CompletionRequest", "CountTokensRequest", "DIALECTS", "Dialect", "DialectName",
@@ -51,7 +51,8 @@ def test_the_proxy_subpackages_public_names() -> None:
         "proxy.judge": ["DEFAULT_RUBRIC", "Judge", "JudgeFailed", "JudgePrompt", "JudgeService", "Score",
                         "build_prompt"],
         "proxy.observability": ["Exporters", "Metrics", "start_exporters"],
-        "proxy.training": ["HandoverCoordinator", "JobScheduler", "PublishError", "Publisher"],
+        "proxy.training": ["Canary", "CanaryConfig", "HandoverCoordinator", "JobScheduler", "PublishError",
+                           "Publisher"],
     }  # fmt: skip
     for name, exported in faces.items():
         assert sorted(importlib.import_module(name).__all__) == exported, name
@@ -61,17 +62,18 @@ def test_store_public_names() -> None:
     import store
 
     assert sorted(store.__all__) == [
-        "ADAPTER_FIELDS", "AdapterFile", "AdapterFiles", "AdapterState", "Adapters",
+        "ADAPTER_FIELDS", "AdapterFile", "AdapterFiles", "AdapterState", "Adapters", "ArmTotals",
         "COMPACT_COLUMNS", "Call", "CallWrite", "DueRule", "EVALUATION_FIELDS", "Evaluations", "ExportFilter",
         "ExportPage", "ExportReads",
         "FILE_NAME_PATTERN", "FileEntry",
-        "GROUP_VIEW_STATES", "GpuHandover", "GroupCalls", "GroupChanged", "GroupRecord",
+        "GROUP_VIEW_STATES", "GpuHandover", "GroupArms", "GroupCalls", "GroupChanged", "GroupRecord",
         "GroupState", "Guards", "JOB_FIELDS", "JUDGEMENT_STATES", "JobState", "Jobs", "Judgements", "MOVES",
-        "POLICY_NAME_PATTERN", "Policies", "PolicyAdded", "PolicyState", "PruneReport", "PruneRule", "Reads",
-        "RecordRefused", "RewardIn", "RewardRecord", "RewardSummary", "RewardTimeouts", "RewardedTrajectory",
+        "POLICY_NAME_PATTERN", "Policies", "PolicyAdded", "PolicyState", "PruneReport", "PruneRule", "REWARD_SOURCES",
+        "Reads", "RecordRefused", "RewardIn", "RewardRecord", "RewardSummary", "RewardTimeouts", "RewardedTrajectory",
         "SchemaTooNew", "Sessions", "Store", "StoreError", "StoreFull", "StoreUnavailable", "StoredCall",
-        "TRAINING_FIELDS", "TrainingState", "TrajectoryFilter", "TrajectoryRecord", "TransitionRefused",
-        "UnknownTrajectories", "allowed", "connect", "is_disk_full", "redact", "without_userinfo",
+        "TRAINING_FIELDS", "TRIAL_FIELDS", "TrainingState", "TrajectoryFilter", "TrajectoryRecord", "TransitionRefused",
+        "TrialState", "Trials", "UnknownTrajectories", "allowed", "connect", "is_disk_full", "redact",
+        "without_userinfo",
     ]  # fmt: skip
 
 

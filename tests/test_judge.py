@@ -380,8 +380,8 @@ def test_with_both_the_external_reward_stays_and_the_judge_score_is_recorded(sta
     (judged,) = wait_for(lambda: judgements(proxy, state="ok"))
     assert judged["trigger"] == "complete" and judged["reward_source"] == "both"
     right = httpx.get(f"{proxy.v1}/trajectories/right").json()
-    assert (right["reward"], right["reward_source"]) == (0.25, "external")
-    assert [(r["source"], r["reward"]) for r in right["rewards"]] == [("external", 0.25), ("judge", 1.0)]
+    assert (right["reward"], right["reward_source"]) == (0.25, "service")
+    assert [(r["source"], r["reward"]) for r in right["rewards"]] == [("service", 0.25), ("judge", 1.0)]
     # Asked again about the same content, the judge is not asked again.
     again = httpx.post(f"{proxy.url}/admin/groups/{group}/judge").json()
     assert again["state"] == "ok" and again["cached"] is True and again["attempts"] == 0

@@ -58,6 +58,12 @@ NEW_COLUMNS: dict[str, dict[str, Any]] = {
     },  # 0009: every old policy is served
     "groups": {"judge_owner": None, "judge_lease_expires_at": None},
     "calls": {"prefix_of": None, "prefix_tokens": 0, "prefix_messages": 0},  # 0007: every old row is whole
+    "trajectories": {"reward_note": None},  # 0012
+}
+# Values a revision renames: 0012 calls a posted reward's source "service" (it was "external").
+RENAMED: dict[str, dict[str, dict[Any, Any]]] = {
+    "rewards": {"source": {"external": "service"}},
+    "trajectories": {"reward_source": {"external": "service"}},
 }
 # Columns a revision fills from the rows already there: derived groups numbered within their task, seats taken.
 BACKFILLED: dict[str, dict[str, dict[str, Any]]] = {
@@ -328,6 +334,8 @@ async def test_a_35c4648_database_is_upgraded_with_every_row_intact(make_databas
         added = NEW_COLUMNS.get(name, {})
         filled = BACKFILLED.get(name, {})
         new = added.keys() | {k for values in filled.values() for k in values}
+        renamed = RENAMED.get(name, {})
+        rows = [{k: renamed[k].get(v, v) if k in renamed else v for k, v in row.items()} for row in rows]
         assert [{k: v for k, v in row.items() if k not in new} for row in after[name]] == rows, name
         assert all({k: row[k] for k in added} == added for row in after[name]), name
         for row in after[name] if filled else ():

@@ -218,7 +218,7 @@ def test_a_reward_is_a_span_of_evaluation_events_in_its_trajectory_trace(
     scores = {attributes(e.attributes)["gen_ai.evaluation.name"]: e for e in span.events}
     assert attributes(scores["reward"].attributes)["gen_ai.evaluation.score.value"] == 0.75
     assert attributes(scores["correct"].attributes)["gen_ai.evaluation.score.value"] == 1.0
-    assert attributes(span.attributes)["tracetrain.reward.source"] == "external"
+    assert attributes(span.attributes)["tracetrain.reward.source"] == "service"
     sent = 'tracetrain_export_items{outcome="sent",receiver="otlp"} 2.0'
     wait_until(lambda: sent in httpx.get(f"{proxy.url}/metrics").text)  # published every 0.2 s
 

@@ -81,9 +81,10 @@ def add_export_parser(sub: Any) -> None:
         help="write captured trajectories to a JSONL or Parquet dataset (HF datasets loads it)",
         description=(
             "Write the captured trajectories to one file, one row per trajectory: id, group_id, policy, reward, "
-            "reward_source, metrics, created_at, the calls in order (each with its request messages or prompt, its "
-            "response message, prompt_token_ids, completion_token_ids, logprobs, finish_reason and the policy "
-            "version that served it) and `messages`, the whole conversation (the last call's request messages plus "
+            "reward_source (service, judge or human: a person's score), reward_note, metrics, created_at, the calls "
+            "in order (each with its request messages or prompt, its response message, prompt_token_ids, "
+            "completion_token_ids, logprobs, finish_reason and the policy version that served it) and `messages`, "
+            "the whole conversation (the last call's request messages plus "
             "its response) for supervised fine-tuning. Token ids are exactly those vLLM sampled. Load it with "
             "datasets.load_dataset('json' or 'parquet', data_files=FILE). Reads the store while `tracetrain serve` "
             "runs; trajectories recorded after the export starts are not included."

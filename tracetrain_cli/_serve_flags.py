@@ -8,6 +8,7 @@ from typing import Any
 
 from tracetrain_cli._models import DEFAULT_MODEL, LOG_BACKENDS, setting_default, setting_default_value
 from tracetrain_cli._serve_devices import add_device_flags
+from tracetrain_cli._serve_rewards import add_canary_flags, add_guard_flags, add_reward_flags
 
 
 def add_serve_parser(sub: Any) -> None:
@@ -33,8 +34,9 @@ def add_serve_parser(sub: Any) -> None:
     _add_policy_flags(p)
     _add_key_flags(p)
     _add_door_flags(p)
-    _add_reward_flags(p)
-    _add_guard_flags(p)
+    add_reward_flags(p)
+    add_guard_flags(p)
+    add_canary_flags(p)
     _add_retention_flags(p)
     _add_observability_flags(p)
     _add_handover_flags(p)
@@ -301,60 +303,6 @@ def _add_door_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="/metrics, /docs, /redoc and /openapi.json then need 'Authorization: Bearer' with the admin token or a "
         "reward key (default: open, like /healthz)",
-    )
-
-
-def _add_reward_flags(p: argparse.ArgumentParser) -> None:
-    """Where rewards come from: posted, an LLM judge, or both."""
-    p.add_argument(
-        "--reward-source",
-        choices=["external", "judge", "both"],
-        help="where rewards come from: POST /v1/rewards (external), an LLM judge that scores each group's "
-        "trajectories against each other (judge; no reward function needed), or both (posted rewards train, the "
-        f"judge's scores are recorded beside them){setting_default('reward_source')}",
-    )
-    p.add_argument(
-        "--judge-model",
-        metavar="MODEL",
-        help="the judge, as a litellm model name: openai/gpt-4o-mini (reads OPENAI_API_KEY), anthropic/..., "
-        "hosted_vllm/NAME (default: the base model vLLM serves, no key needed)",
-    )
-    p.add_argument(
-        "--judge-rubric",
-        metavar="TEXT_OR_@FILE",
-        help="what makes one trajectory better than another, as text or @path/to/rubric.md "
-        "(default: a generic rubric for agent tasks)",
-    )
-
-
-def _add_guard_flags(p: argparse.ArgumentParser) -> None:
-    """The regression guard: each new version's rewards watched, a worse one rolled back."""
-    p.add_argument(
-        "--no-regression-guard",
-        action="store_true",
-        help="do not watch each new version's rewards; by default a version that serves worse rewards than the "
-        "one before it is rolled back and training pauses until an admin resumes it (docs/TRAINING.md)",
-    )
-    p.add_argument(
-        "--regression-margin",
-        type=float,
-        metavar="REWARD",
-        help="how much lower a new version's mean group reward may be and still count as not worse"
-        + setting_default("regression_margin"),
-    )
-    p.add_argument(
-        "--regression-alpha",
-        type=float,
-        metavar="P",
-        help="the chance the guard rolls back a version that is not worse, over all its looks"
-        + setting_default("regression_alpha"),
-    )
-    p.add_argument(
-        "--regression-groups",
-        type=int,
-        metavar="N",
-        help="the guard decides within this many rewarded groups of a new version"
-        + setting_default("regression_groups"),
     )
 
 

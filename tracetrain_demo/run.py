@@ -145,6 +145,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "through /v1/responses); city,lookup: both at once, as two policies named after them (an agent each, "
         "one vLLM and one trainer for both; --steps and --questions are per policy)",
     )
+    p.add_argument(
+        "--canary",
+        type=float,
+        metavar="FRACTION",
+        help="try each new version on this share of new trajectories before it serves them all (serve --canary; "
+        "default: a new version serves everything at once)",
+    )
     p.add_argument("--temperature", type=float, default=0.7, help="the agent's sampling temperature (default 0.7)")
     p.add_argument("--learning-rate", type=float, default=3e-4, help="the LoRA's AdamW learning rate (default 3e-4)")
     p.add_argument(
@@ -211,6 +218,7 @@ def _start_serve(args: argparse.Namespace, data_dir: Path, run_dir: Path, childr
         *(arg for policy in policies for arg in ("--policy", policy)),
         *dict.fromkeys(arg for task in tasks for arg in task.serve_args),
         f"--sampler-dtype={sampler}", *([f"--log-to={args.log_to}"] if args.log_to else []),
+        *([f"--canary={args.canary}"] if args.canary else []),
     ]  # fmt: skip
     serve = ChildProcess("tracetrain serve", command, dict(os.environ), run_dir / "logs" / "serve.log")
     _say(f"starting tracetrain serve on port {args.port} (vLLM on the CPU: ~1 min; log: {serve.log_path})")

@@ -21,7 +21,7 @@ from proxy.gateway.upstream import Router, Server
 from proxy.judge import JudgeService
 from proxy.observability import Metrics
 from proxy.observability._disk import DiskWatch
-from proxy.training import HandoverCoordinator, JobScheduler, Publisher
+from proxy.training import Canary, HandoverCoordinator, JobScheduler, Publisher
 from proxy.training._guard import resume_training as resume
 from store import (
     ADAPTER_FIELDS,
@@ -52,6 +52,8 @@ class Sources(Protocol):
     def scheduler(self) -> JobScheduler: ...
     @property
     def publisher(self) -> Publisher: ...
+    @property
+    def canary(self) -> Canary: ...
     @property
     def judging(self) -> JudgeService: ...
     @property
@@ -91,15 +93,19 @@ async def overview(services: Sources, policy: str | None = None) -> dict[str, An
         "gpu_handover": await _gpu_handover(services),
         "upstreams": await _upstreams(services),
         "paused": [p["training"] for p in summaries if p["training"]["paused"]],
-        # The one policy in view (named, or the only one there is): its training state; None with several.
+        # The one policy in view (named, or the only one there is): its training state and trial; None with several.
         "training": summaries[0]["training"] if len(summaries) == 1 else None,
+        "trial": summaries[0]["trial"] if len(summaries) == 1 else None,
+        "awaiting_review": sum(p["awaiting_review"] for p in summaries),
+        "reviewed_by_people": [p["policy"] for p in summaries if p["reward_source"] == "human"],
         "groups_unrewarded": sum(p["groups_unrewarded"] for p in summaries),
         "disk": _disk(services),
     }
 
 
 async def _policy_summary(services: Sources, row: dict[str, Any]) -> dict[str, Any]:
-    """One policy on the overview: its alias, the versions loaded here, ready groups, training state."""
+    """One policy on the overview: its alias, the versions loaded here, ready groups, training state, its running
+    canary trial and what awaits a person's score."""
     name = str(row["name"])
     served = services.registry.get(name) if name in services.registry else None
     return {
@@ -112,6 +118,9 @@ async def _policy_summary(services: Sources, row: dict[str, Any]) -> dict[str, A
         "groups_ready": len(await services.scheduler.ready_groups(name)),
         "groups_unrewarded": await services.store.reward_timeouts.unrewarded(name),
         "training": await training_state(services, name),
+        "trial": await services.store.trials.running(name),  # its canary trial running, if any
+        "awaiting_review": await services.store.reads.review_count(name),
+        "reward_source": served.settings.reward_source if served is not None else None,
     }
 
 

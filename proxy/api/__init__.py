@@ -15,6 +15,7 @@ from proxy.api import (
     _admin_policies,
     _dashboard,
     _dashboard_actions,  # noqa: F401 (its routes join _dashboard.forms as it is imported)
+    _dashboard_review,
     _data,
     _health,
     _judge,
@@ -32,6 +33,7 @@ ROUTERS: tuple[APIRouter, ...] = (
     _judge.router,
     _dashboard.router,
     _dashboard.forms,  # its routes are _dashboard_actions'
+    _dashboard_review.router,
     _adapters.router,
     _health.router,
 )

@@ -1,24 +1,29 @@
 """The admin JSON API: everything the dashboard shows, and its actions.
 
-Reads: overview, trajectories, groups, training jobs, adapters, training state. Actions:
-train now, activate a version (rollback/forward), resume training after the regression guard paused
-it, end every dashboard session, and record a version's evaluation (for the trainer's run loggers).
-Each is about one policy: ``?policy=NAME`` (optional while one policy is served); the policies
-themselves are ``proxy.api._admin_policies``. The admin token (``Authorization: Bearer``) or a
-dashboard session with its CSRF token admits a request (``proxy._credentials``).
+Reads: overview, trajectories, groups, training jobs, adapters, training state, canary trials,
+the review queue. Actions: train now, activate a version (rollback/forward), resume training after
+the regression guard paused it, end a canary trial (promote or roll back), a person's score of a
+trajectory, end every dashboard session, and record a version's evaluation (for the trainer's run
+loggers). Each is about one policy: ``?policy=NAME`` (optional while one policy is served; lists of
+jobs and trials show every policy's without it; a trial or trajectory of another policy than the one
+named is a 404); the policies themselves are ``proxy.api._admin_policies``. The admin token
+(``Authorization: Bearer``) or a dashboard session with its CSRF token admits a request
+(``proxy._credentials``).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, Query, Request
 
-from proxy._params import Cursor, GroupViewState, Id, Limit, PolicyName, UnixTime, Version
-from proxy.admin import _policies
+from proxy._params import Cursor, GroupViewState, Id, Limit, PolicyName, TrialId, UnixTime, Version, json_body
+from proxy._policy_keys import EVERY, Scope
+from proxy.admin import _policies, _review, _trials
 from proxy.admin import _service as _admin
 from proxy.admin._evaluations import EvaluationPost, record_evaluation
 from proxy.api._deps import ServicesDep, require_admin
+from proxy.data import FeedbackPost, parse_feedback
 from proxy.errors import InvalidRequest
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], tags=["admin"])
@@ -149,3 +154,54 @@ async def post_evaluation(post: EvaluationPost, services: ServicesDep, policy: P
     `{"version": 3, "scores": {"held_out_success": 0.62}, "samples": 200}`. The trainer logs them to its run
     (`--log-to`) at that version's step."""
     return await record_evaluation(services.store, await _policies.chosen(services, policy), post)
+
+
+@router.get("/trials")
+async def list_trials(services: ServicesDep, limit: Limit = 50, policy: PolicyParam = None) -> dict[str, Any]:
+    """Canary trials of every policy, or of `policy`, newest first: each version's share of new trajectories,
+    rewards with 95% intervals, the paired test, the verdict and why (a policy's `canary` setting)."""
+    if policy is not None:
+        policy = await _policies.chosen(services, policy)
+    return await _trials.list_trials(services, policy, limit)
+
+
+@router.post("/trials/{trial_id}/promote")
+async def promote_trial(trial_id: TrialId, services: ServicesDep, policy: PolicyParam = None) -> dict[str, Any]:
+    """End a running trial: its version serves everything (409 once the trial has ended; 404 for a trial of
+    another policy than `policy`)."""
+    return await _trials.end_trial(services, trial_id, "promoted", await _named(services, policy))
+
+
+@router.post("/trials/{trial_id}/roll-back")
+async def roll_back_trial(trial_id: TrialId, services: ServicesDep, policy: PolicyParam = None) -> dict[str, Any]:
+    """End a running trial: its version serves nothing, and training goes on from the version it was tried
+    against (409 once the trial has ended; 404 for a trial of another policy than `policy`)."""
+    return await _trials.end_trial(services, trial_id, "rolled_back", await _named(services, policy))
+
+
+@router.get("/review")
+async def review_queue(
+    services: ServicesDep, limit: Limit = 50, after: Cursor = None, policy: PolicyParam = None
+) -> dict[str, Any]:
+    """What awaits a person's score in the policy's groups, oldest first: trajectories no person scored yet, in a
+    group still open."""
+    return await _review.queue(services, await _policies.chosen(services, policy), limit=limit, after=after)
+
+
+_FEEDBACK_BODY = json_body(FeedbackPost, {"score": {"score": 0.8, "note": "right answer, too long"}})
+
+
+@router.post("/trajectories/{trajectory_id}/feedback", openapi_extra=_FEEDBACK_BODY)
+async def feedback(
+    trajectory_id: Id, request: Request, services: ServicesDep, policy: PolicyParam = None
+) -> dict[str, Any]:
+    """A person's score of a trajectory (`{"score": 0 to 1, "note"?}`): its reward, with source `human`, over a
+    service's or the judge's (a 404 for a trajectory of another policy than `policy`)."""
+    named = await _named(services, policy)
+    scope = EVERY if named is None else Scope(frozenset({named}))
+    return await _review.score(services, trajectory_id, parse_feedback(await request.body()), scope)
+
+
+async def _named(services: ServicesDep, policy: str | None) -> str | None:
+    """The policy a request names, checked (a 404 for one the store does not hold); None when it names none."""
+    return None if policy is None else await _policies.chosen(services, policy)

@@ -18,8 +18,9 @@ from proxy._params import Id, PolicyName, Version
 from proxy._services import Services
 from proxy.admin import _policies
 from proxy.admin import _service as _admin
-from proxy.api._dashboard import _admit, _auth, _login_page, _or_error_page, _safe_next, adapters_page, forms
+from proxy.api._dashboard import adapters_page, forms
 from proxy.api._deps import ServicesDep
+from proxy.api._pages import admin_auth, admit, login_page, or_error_page, safe_next
 from proxy.errors import ProxyError, TooManyRequests
 
 Csrf = Annotated[str, Form()]
@@ -38,27 +39,27 @@ def _to(services: Services, path: str, policy: str, **notice: str | int) -> Redi
 
 @forms.get("/ui/login")
 async def login_form(request: Request, next: str = "/admin") -> Response:
-    if _auth(request).open:
+    if admin_auth(request).open:
         return RedirectResponse("/admin", status_code=303)
-    return _login_page(request, 200, next_url=_safe_next(next))
+    return login_page(request, 200, next_url=safe_next(next))
 
 
 @forms.post("/ui/login")
 async def login(
     request: Request, token: Annotated[str, Form()] = "", next: Annotated[str, Form()] = "/admin"
 ) -> Response:
-    auth = _auth(request)
+    auth = admin_auth(request)
     if auth.open:
         return RedirectResponse("/admin", status_code=303)
     try:
         right = auth.log_in(request, token)
     except TooManyRequests as exc:
-        page = _login_page(request, 429, error=exc.message, next_url=_safe_next(next))
+        page = login_page(request, 429, error=exc.message, next_url=safe_next(next))
         page.headers["Retry-After"] = str(exc.retry_after_s)
         return page
     if not right:
-        return _login_page(request, 401, error="That is not the admin token.", next_url=_safe_next(next))
-    response = RedirectResponse(_safe_next(next), status_code=303)
+        return login_page(request, 401, error="That is not the admin token.", next_url=safe_next(next))
+    response = RedirectResponse(safe_next(next), status_code=303)
     response.set_cookie(
         COOKIE, auth.new_session(), max_age=SESSION_S, path="/admin", httponly=True, samesite="strict",
         secure=cookie_is_secure(request),
@@ -68,8 +69,8 @@ async def login(
 
 @forms.post("/ui/logout")
 async def logout(request: Request, csrf_token: Csrf = "") -> Response:
-    admin = await _admit(request, csrf_token)
-    await _auth(request).revoke(admin)  # ended on the server too: a copy of the cookie is refused from now on
+    admin = await admit(request, csrf_token)
+    await admin_auth(request).revoke(admin)  # ended on the server too: a copy of the cookie is refused from now on
     response = RedirectResponse("/admin/ui/login", status_code=303)
     response.delete_cookie(COOKIE, path="/admin", httponly=True, samesite="strict")
     return response
@@ -80,8 +81,8 @@ async def logout(request: Request, csrf_token: Csrf = "") -> Response:
 
 @forms.post("/ui/groups/{group_id}/judge")
 async def judge_group(group_id: Id, request: Request, services: ServicesDep, csrf_token: Csrf = "") -> Response:
-    await _admit(request, csrf_token)
-    judgement = await _or_error_page(request, services.judging.judge_group(group_id), "Not judged")
+    await admit(request, csrf_token)
+    judgement = await or_error_page(request, services.judging.judge_group(group_id), "Not judged")
     notice = "judged" if judgement["state"] == "ok" else "judge_failed"
     return RedirectResponse(f"/admin/ui/groups/{quote(group_id, safe='')}?notice={notice}", status_code=303)
 
@@ -90,8 +91,8 @@ async def judge_group(group_id: Id, request: Request, services: ServicesDep, csr
 async def activate(
     version: Version, request: Request, services: ServicesDep, csrf_token: Csrf = "", policy: PolicyField = None
 ) -> Response:
-    admin = await _admit(request, csrf_token)
-    name = await _or_error_page(request, _policies.chosen(services, policy), "Not found")
+    admin = await admit(request, csrf_token)
+    name = await or_error_page(request, _policies.chosen(services, policy), "Not found")
     try:
         active = await services.publisher.activate(name, version)
     except ProxyError as exc:
@@ -103,8 +104,8 @@ async def activate(
 async def resume_training(
     request: Request, services: ServicesDep, csrf_token: Csrf = "", policy: PolicyField = None
 ) -> Response:
-    await _admit(request, csrf_token)
-    name = await _or_error_page(request, _policies.chosen(services, policy), "Not found")
+    await admit(request, csrf_token)
+    name = await or_error_page(request, _policies.chosen(services, policy), "Not found")
     await _admin.resume_training(services, name)
     return _to(services, "/admin/ui/training", name, notice="resumed")
 
@@ -113,8 +114,8 @@ async def resume_training(
 async def train_now(
     request: Request, services: ServicesDep, csrf_token: Csrf = "", policy: PolicyField = None
 ) -> Response:
-    admin = await _admit(request, csrf_token)
-    name = await _or_error_page(request, _policies.chosen(services, policy), "Not found")
+    admin = await admit(request, csrf_token)
+    name = await or_error_page(request, _policies.chosen(services, policy), "Not found")
     if reason := await services.scheduler.paused(name):
         why = f"Training is paused: {reason}. Resume it on the Training page first."
         return await adapters_page(request, services, admin, name, status=409, error=why)
@@ -133,13 +134,13 @@ async def train_now(
 async def add_policy(
     request: Request, services: ServicesDep, csrf_token: Csrf = "", name: Annotated[str, Form()] = ""
 ) -> Response:
-    await _admit(request, csrf_token)
-    await _or_error_page(request, _policies.add_policy(services, name, None), "Not added")
+    await admit(request, csrf_token)
+    await or_error_page(request, _policies.add_policy(services, name, None), "Not added")
     return _to(services, "/admin/ui/policies", name, notice="added", name=name)
 
 
 @forms.post("/ui/policies/{name}/retire")
 async def retire_policy(name: PolicyName, request: Request, services: ServicesDep, csrf_token: Csrf = "") -> Response:
-    await _admit(request, csrf_token)
-    await _or_error_page(request, _policies.retire_policy(services, name), "Not retired")
+    await admit(request, csrf_token)
+    await or_error_page(request, _policies.retire_policy(services, name), "Not retired")
     return RedirectResponse(f"/admin/ui/policies?notice=retired&name={quote(name, safe='')}", status_code=303)

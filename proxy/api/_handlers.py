@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
-from proxy.api._dashboard import PageResponse, bad_page_request
+from proxy.api._pages import PageResponse, bad_page_request
 from proxy.errors import InvalidRequest, NotFound, ProxyError, error_response, http_error_response, response_for
 
 

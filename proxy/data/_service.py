@@ -25,12 +25,21 @@ _PK_CURSOR = re.compile(r"[0-9]{1,10}")
 
 # Told of every reward written (``proxy.training.JobScheduler.rewards_written``: metrics, Langfuse, a job when due).
 RewardsWritten = Callable[[Sequence[RewardRecord]], Awaitable[None]]
-# policy -> its reward source ("external", "judge" or "both"), for the policies served.
+# policy -> its reward source ("external", "judge", "both" or "human"), for the policies served.
 RewardSources = Callable[[str], str | None]
 
 
 def refuse_external_rewards(policies: set[str], reward_source: RewardSources) -> None:
-    """A policy whose rewards come from the judge alone (``--reward-source judge``) takes no posted reward: a 409."""
+    """A policy whose rewards come from the judge alone (reward source ``judge``), or from people alone (``human``),
+    takes no posted reward: a 409."""
+    by_people = sorted(p for p in policies if reward_source(p) == "human")
+    if by_people:
+        raise Conflict(
+            f"The rewards of {', '.join(by_people)} are people's scores (reward source human: the dashboard's review "
+            "queue, or POST /admin/trajectories/{id}/feedback with the admin token). Give the policy the reward "
+            "source external to post rewards. Nothing was recorded.",
+            code="rewards_come_from_people",
+        )
     judged = sorted(p for p in policies if reward_source(p) == "judge")
     if judged:
         raise Conflict(

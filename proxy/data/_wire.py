@@ -52,6 +52,7 @@ _TRAJECTORY_FIELDS = (
     "last_version",
     "reward",
     "reward_source",
+    "reward_note",
     "metrics",
     "rewarded_at",
 )

@@ -3,7 +3,8 @@
 ``Forwarder.handle(dialect, raw, hints)`` takes each call through the same steps: parse and
 validate its body (its dialect's ``request``: the identity for chat and text completions, a
 translation to chat for the Responses and Messages APIs), admit it past the gate, resolve its model
-to a policy version, key it to a trajectory and group (threading on the messages vLLM is sent),
+to a policy version, key it to a trajectory and group (threading on the messages vLLM is sent; while
+a canary trial runs, the trajectory's version is its share of the trial's: ``_split``),
 forward it with the capture flags added, answer (whole, or relayed as its stream arrives, in its
 dialect's shape), and record it. The record is durable before the response's last byte leaves:
 non-streamed responses are sent after the commit; streams hold back only their closing event
@@ -149,6 +150,8 @@ class Forwarder:
             messages = sent.get("messages") if api.upstream == "chat.completions" else None
             conversation = Conversation(route.policy, messages, sent.get("prompt"))
             key = await self._key(route.policy, hints, conversation)
+            route = self._registry.for_trajectory(route, key.trajectory_id, key.served_by)  # a canary trial's split
+            self._keyer.served(key.trajectory_id, route.version)
             upstream_body, asked = prepare_upstream_body(sent, api.upstream, route.served_model)
             if api.asked is not None:
                 asked = api.asked

@@ -48,6 +48,9 @@ class Key:
     # > 0: a new trajectory not seated yet; its record seats it in a derived group of this size
     # (``CallWrite.seat_in``) and ``group_id`` is "" until then (``Keyer.seated``).
     seat_in: int = 0
+    # The version that served the trajectory's calls so far (its last one), when known: None for a new
+    # trajectory. A canary trial keeps a trajectory on its version (``PolicyRegistry.for_trajectory``).
+    served_by: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,8 +101,9 @@ class Conversation:
 
 
 class Keyer:
-    """Resolves keys from the store; caches only what never changes: the group and policy of a stored trajectory,
-    the policy of a stored group."""
+    """Resolves keys from the store; caches what never changes (the group and policy of a stored trajectory, the
+    policy of a stored group) and the version that served each recent trajectory's last call here (``served``),
+    all bounded."""
 
     def __init__(self, store: Store, *, group_size: int, thread_ttl_s: float) -> None:
         self._store = store
@@ -107,6 +111,7 @@ class Keyer:
         self._thread_ttl_s = thread_ttl_s
         self._groups_of: OrderedDict[str, tuple[str, str]] = OrderedDict()  # trajectory id -> (group id, policy)
         self._group_policies: OrderedDict[str, str] = OrderedDict()  # group id -> policy
+        self._served_by: OrderedDict[str, int] = OrderedDict()  # trajectory id -> version of its last call here
 
     async def resolve(
         self, policy: str, hints: KeyHints, conversation: Conversation, *, alone: bool = False,
@@ -128,12 +133,12 @@ class Keyer:
             keyed_by = "header" if hints.header_trajectory else "path"
             known = await self._known_group(trajectory_id, policy)
             if known is not None:
-                return Key(trajectory_id, known, keyed_by, None)
+                return Key(trajectory_id, known[0], keyed_by, None, served_by=known[1])
             return await self._new(policy, trajectory_id, keyed_by, group_hint, conversation, alone, defer_seat, size)
         if group_hint is None:
             found = await self._find_thread(conversation.thread_candidates)
             if found is not None:
-                return Key(found[0], found[1], "thread", None)
+                return Key(found[0], found[1], "thread", None, served_by=found[2])
         return await self._new(policy, new_trajectory_id(), "new", group_hint, conversation, alone, defer_seat, size)
 
     async def _new(
@@ -167,21 +172,32 @@ class Keyer:
         """A call of ``trajectory_id`` was not recorded and its seat given back: ask the store next time."""
         self._groups_of.pop(trajectory_id, None)
 
+    def served(self, trajectory_id: str, version: int) -> None:
+        """The version routed to serve a trajectory's call (what its next call here keeps, during a trial)."""
+        self._served_by[trajectory_id] = version
+        self._served_by.move_to_end(trajectory_id)
+        if len(self._served_by) > _CACHE_SIZE:
+            self._served_by.popitem(last=False)
+
     def _remember(self, key: Key, policy: str) -> Key:
         self._groups_of.setdefault(key.trajectory_id, (key.group_id, policy))
         if len(self._groups_of) > _CACHE_SIZE:
             self._groups_of.popitem(last=False)
         return Key(key.trajectory_id, self._groups_of[key.trajectory_id][0], key.keyed_by, key.task_key)
 
-    async def _known_group(self, trajectory_id: str, policy: str) -> str | None:
-        """The group of a trajectory already keyed, or None; a 404 when it is another policy's."""
+    async def _known_group(self, trajectory_id: str, policy: str) -> tuple[str, int | None] | None:
+        """(group, version of its last call) of a trajectory keyed before, here or (the store) on any replica;
+        None when it is new; a 404 when it is another policy's."""
         known = self._groups_of.get(trajectory_id)
+        served_by = self._served_by.get(trajectory_id)
         if known is None:
             stored = await self._store.trajectory_group(trajectory_id)
             # Another call of the same new trajectory may have been keyed while we waited.
             known = self._groups_of.get(trajectory_id)
+            served_by = self._served_by.get(trajectory_id)
             if known is None and stored is not None:
                 known = self._groups_of[trajectory_id] = (stored[0], stored[1])
+                served_by = stored[2]
         if known is None:
             return None
         if known[1] != policy:
@@ -190,7 +206,7 @@ class Keyer:
                 f"calls of one policy. Start a new trajectory (another id) for '{policy}'.",
                 param="trajectory_id",
             )
-        return known[0]
+        return known[0], served_by
 
     async def _check_group(self, group_id: str, policy: str) -> None:
         """A named group takes trajectories of one policy: a 404 when ``group_id`` is another policy's."""
@@ -209,10 +225,10 @@ class Keyer:
                 param="group_id",
             )
 
-    async def _find_thread(self, candidates: Sequence[str]) -> tuple[str, str] | None:
+    async def _find_thread(self, candidates: Sequence[str]) -> tuple[str, str, int] | None:
         # Asked of the store every time: a call's record (and its tail) commits before its
         # reply is sent, so the store is never behind the client, on any replica.
         if not candidates:
             return None
         stored = await self._store.find_open_thread(candidates, since=time.time() - self._thread_ttl_s)
-        return (stored[0], stored[1]) if stored else None
+        return (stored[0], stored[1], stored[3]) if stored else None

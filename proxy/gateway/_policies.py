@@ -10,6 +10,11 @@ routes to, the versions loaded); the publisher adds, updates and removes them as
 (``proxy.training._publisher``), so a policy added or retired on one replica is served or not on
 every replica. ``resolve(model, scope)`` answers for a request whose key reaches ``scope``'s
 policies: any other name, another policy's included, is a 404 exactly as an unknown one is.
+
+While a canary trial of a policy's new version runs (``--canary``), ``NAME`` names one of two
+versions, by trajectory: ``resolve`` gives the version serving everything, and the call path, once
+it knows the call's trajectory, asks ``for_trajectory`` (the policy's trial's split: ``_split``).
+Each policy has its own trial, or none: a trial of one never moves another's calls.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from proxy._policy_config import PolicySettings, policy_settings
 from proxy._policy_keys import EVERY, Scope
 from proxy._settings import Settings
 from proxy.errors import ModelNotFound, UpstreamNotReady
+from proxy.gateway._split import Split
 
 # ASCII digits, few enough for int(): str.isdigit() also takes "²", and int() refuses 4,300 digits.
 _PINNED = re.compile(r"[0-9]{1,10}")
@@ -36,6 +42,7 @@ class Route:
     policy: str
     version: int
     served_model: str  # what vLLM serves: the base model, or "policy@N"
+    pinned: bool = False  # the client named the version (``policy@N``): no canary trial moves it
 
     @property
     def public_name(self) -> str:
@@ -51,6 +58,9 @@ class ServedPolicy:
         self.settings = settings
         self.active_version = active_version
         self.loaded_versions: set[int] = {0}
+        # The policy's canary trial running, as the store says (adopted by its publisher); None: ``NAME`` is the
+        # alias.
+        self.split: Split | None = None
 
     def adapter(self, version: int) -> str:
         """The version's name in vLLM: ``NAME@N``."""
@@ -122,12 +132,23 @@ class PolicyRegistry:
         state = self.policy(model, scope)
         _, sep, pinned = model.partition("@")
         if not sep:
-            version = state.active_version
-        elif _PINNED.fullmatch(pinned) and int(pinned) in state.loaded_versions:
-            version = int(pinned)
-        else:
-            loaded = ", ".join(state.adapter(v) for v in sorted(state.loaded_versions))
-            raise ModelNotFound(f"The model '{model}' is not loaded; loaded versions: {loaded}.", param="model")
+            return Route(state.name, state.active_version, self.served_name(state.name, state.active_version))
+        if _PINNED.fullmatch(pinned) and int(pinned) in state.loaded_versions:
+            return Route(state.name, int(pinned), self.served_name(state.name, int(pinned)), pinned=True)
+        loaded = ", ".join(state.adapter(v) for v in sorted(state.loaded_versions))
+        raise ModelNotFound(f"The model '{model}' is not loaded; loaded versions: {loaded}.", param="model")
+
+    def for_trajectory(self, route: Route, trajectory_id: str, served_by: int | None) -> Route:
+        """The canary hook: while ``route``'s policy has a trial running, the version ``route``'s trajectory
+        meets (``Split.version_for``); a pinned route, or no trial, as it is. ``served_by``: the version of the
+        trajectory's recorded calls."""
+        state = self._states.get(route.policy)
+        split = state.split if state is not None else None
+        if state is None or split is None or route.pinned:
+            return route
+        version = split.version_for(trajectory_id, served_by)
+        if version == route.version or version not in state.loaded_versions:
+            return route
         return Route(state.name, version, self.served_name(state.name, version))
 
     def served_name(self, policy: str, version: int) -> str:

@@ -11,6 +11,10 @@ policy's own: ``proxy._policy_config``):
   ``POST /v1/rewards`` is refused (409): one group must not mix reward sources.
 - ``both``: external rewards train; every group is judged too and the judge's scores are
   recorded beside them (``rewards`` rows with source "judge"), never replacing them.
+- ``human``: people score (the dashboard's review queue); nothing is judged on its own.
+
+A person's score (source "human") is never replaced by the judge's: with ``judge`` the judge's
+score is recorded beside it, and the trajectory keeps the person's.
 
 When a group is complete. An agent whose rewards come from the judge posts nothing, so
 the proxy cannot know that a trajectory ended. A group is judged once it has at least
@@ -98,7 +102,7 @@ class JudgeService:
     @property
     def automatic(self) -> bool:
         """Some served policy's groups are judged as they complete (its reward source is ``judge`` or ``both``)."""
-        return any(served.settings.reward_source != "external" for served in self._registry)
+        return any(served.settings.reward_source in ("judge", "both") for served in self._registry)
 
     def start(self) -> None:
         """Start the background scan: it judges the groups of the policies served now whose rewards come from
@@ -186,8 +190,8 @@ class JudgeService:
         due = []
         for served in self._registry:
             s = served.settings
-            if s.reward_source == "external":
-                continue
+            if s.reward_source not in ("judge", "both"):
+                continue  # posted rewards, or people's scores: nothing is judged on its own
             rule = DueRule(
                 policy=s.name, scores_are_rewards=s.reward_source == "judge", group_size=s.group_size,
                 min_group_size=s.min_group_size, quiet_s=s.judge_quiet_s, idle_s=s.judge_idle_s, horizon_s=_HORIZON_S,

@@ -180,9 +180,10 @@ def _message(message: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def reward_scores(reward: Mapping[str, Any]) -> list[tuple[str, float]]:
-    """A reward's scores by name: ``reward`` (``reward.judge`` for the judge's), then each of its metrics."""
-    source = str(reward.get("source") or "external")
-    name = "reward" if source == "external" else f"reward.{source}"
+    """A reward's scores by name: ``reward`` (``reward.judge`` for the judge's, ``reward.human`` for a person's),
+    then each of its metrics."""
+    source = str(reward.get("source") or "service")
+    name = "reward" if source == "service" else f"reward.{source}"
     return [(name, float(reward["reward"]))] + [
         (str(metric), float(value)) for metric, value in (reward.get("metrics") or {}).items()
     ]

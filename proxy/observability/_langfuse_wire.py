@@ -128,7 +128,7 @@ def generation_attributes(write: CallWrite) -> dict[str, str | bool | int | floa
 def reward_scores(reward: Mapping[str, Any]) -> list[dict[str, Any]]:
     """A reward as Langfuse scores on its trajectory's trace: ``reward``, then one per metric."""
     trajectory_id = str(reward["trajectory_id"])
-    source = str(reward.get("source") or "external")
+    source = str(reward.get("source") or "service")
     common = {
         "traceId": trace_id(trajectory_id),
         "dataType": "NUMERIC",
@@ -139,7 +139,7 @@ def reward_scores(reward: Mapping[str, Any]) -> list[dict[str, Any]]:
             "source": source,
         },
     }
-    name = "reward" if source == "external" else f"reward.{source}"  # the judge's: reward.judge
+    name = "reward" if source == "service" else f"reward.{source}"  # the judge's: reward.judge; a person's: .human
     comment = {"comment": reward["explanation"]} if reward.get("explanation") else {}
     scores = [{"id": uuid.uuid4().hex, "name": name, "value": float(reward["reward"]), **common, **comment}]
     for metric, value in (reward.get("metrics") or {}).items():

@@ -20,7 +20,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from store import JobState, Store, TrainingState
+from store import JobState, Store, TrainingState, TrialState
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -40,7 +40,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         for define in (self._calls, self._disk, self._training, self._handover, self._upstreams, self._guards,
-                       self._memory):  # fmt: skip
+                       self._canary, self._memory):  # fmt: skip
             define(self.registry)
 
     def _calls(self, r: CollectorRegistry) -> None:
@@ -189,6 +189,37 @@ class Metrics:
             "scores are their rewards) or unrewarded (closed, never trained).", ["policy", "outcome"], registry=r,
         )  # fmt: skip
 
+    def _canary(self, r: CollectorRegistry) -> None:
+        """Canary trials (--canary; proxy.training._canary): the running trial, read from the store at each scrape."""
+        self.canary_verdicts = Counter(
+            "tracetrain_canary_verdicts", "Canary trials this proxy ended, by verdict (promoted, rolled_back) and "
+            "what decided it: test (the paired test), bound (its size or time), admin, alias (the alias moved off "
+            "its baseline), config (--canary off).", ["policy", "verdict", "by"], registry=r,
+        )  # fmt: skip
+        self.canary_trials = Gauge(
+            "tracetrain_canary_trials", "Canary trials in the store, by state.", ["policy", "state"], registry=r
+        )
+        self.canary_candidate = Gauge(
+            "tracetrain_canary_candidate_version", "The version on canary trial (store); absent while none runs.",
+            ["policy"], registry=r,
+        )  # fmt: skip
+        self.canary_share = Gauge(
+            "tracetrain_canary_share", "The running trial's share of its new trajectories served by each arm "
+            "(candidate, baseline), at its last look.", ["policy", "arm"], registry=r,
+        )  # fmt: skip
+        self.canary_reward = Gauge(
+            "tracetrain_canary_reward_mean", "The running trial's mean reward of each arm's rewarded trajectories, "
+            "with its 95% interval (bound: mean, low, high).", ["policy", "arm", "bound"], registry=r,
+        )  # fmt: skip
+        self.canary_groups = Gauge(
+            "tracetrain_canary_paired_groups", "Complete groups of the running trial holding both versions: the "
+            "paired test's evidence.", ["policy"], registry=r,
+        )  # fmt: skip
+        self.canary_difference = Gauge(
+            "tracetrain_canary_difference", "The running trial's mean paired difference of rewards (candidate - "
+            "baseline) with its 95% interval (bound: mean, low, high).", ["policy", "bound"], registry=r,
+        )  # fmt: skip
+
     def _memory(self, r: CollectorRegistry) -> None:
         """The trace export, and what this process holds in memory."""
         self.exported = Gauge(
@@ -288,6 +319,7 @@ class Metrics:
             paused = policy.get("training") == TrainingState.PAUSED
             reason = str(policy.get("training_reason") or "") if paused else ""
             self.paused.labels(name, reason).set(1 if paused else 0)
+        await self._set_canary(store)
         self.loaded.clear()  # a retired policy's versions were unloaded
         for name, count in loaded_versions.items():
             self.loaded.labels(name).set(count)
@@ -298,6 +330,28 @@ class Metrics:
                 self.exported.labels(receiver, outcome).set(count)
         self._set_upstreams(upstreams, upstream_states)
         return generate_latest(self.registry)
+
+    async def _set_canary(self, store: Store) -> None:
+        for series in (self.canary_candidate, self.canary_share, self.canary_reward, self.canary_groups,
+                       self.canary_difference):  # fmt: skip
+            series.clear()  # a trial that ended since the last scrape disappears
+        for policy in [str(p["name"]) for p in await store.policies.all()]:
+            counts = await store.trials.counts(policy)
+            for state in TrialState:
+                self.canary_trials.labels(policy, state.value).set(counts.get(state.value, 0))
+            trial = await store.trials.running(policy)
+            if trial is None:
+                continue
+            self.canary_candidate.labels(policy).set(trial["candidate"])
+            record = trial["verdict"] or {}
+            for arm in ("candidate", "baseline"):
+                if (share := (record.get("shares") or {}).get(arm)) is not None:
+                    self.canary_share.labels(policy, arm).set(share)
+                _set_interval(self.canary_reward, (policy, arm), (record.get(arm) or {}).get("mean"),
+                              (record.get(arm) or {}).get("interval"))  # fmt: skip
+            look = record.get("look") or {}
+            self.canary_groups.labels(policy).set(look.get("n") or 0)
+            _set_interval(self.canary_difference, (policy,), look.get("difference"), look.get("interval"))
 
     def _set_last_step(self, job: dict[str, Any]) -> None:
         for name in LAST_STEP_METRICS:
@@ -317,3 +371,10 @@ class Metrics:
             for adapter in server["versions"]:
                 policy, _, version = str(adapter).rpartition("@")
                 self.upstream_versions.labels(url, policy, version).set(1)
+
+
+def _set_interval(gauge: Gauge, labels: tuple[str, ...], mean: float | None, interval: Sequence[float] | None) -> None:
+    """A mean and its interval as three series of ``gauge`` (bound: mean, low, high), those known."""
+    for bound, value in (("mean", mean), *zip(("low", "high"), interval or (), strict=False)):
+        if value is not None:
+            gauge.labels(*labels, bound).set(value)

@@ -122,7 +122,7 @@ def reward_span(reward: Mapping[str, Any], resource: Resource) -> ReadableSpan:
     attributes = {
         "tracetrain.trajectory.id": trajectory_id,
         "tracetrain.group.id": str(reward.get("group_id") or ""),
-        "tracetrain.reward.source": str(reward.get("source") or "external"),
+        "tracetrain.reward.source": str(reward.get("source") or "service"),
         "gen_ai.conversation.id": trajectory_id,
     }
     seed = f"reward:{trajectory_id}:{at}:{reward.get('source')}:{reward.get('reward')}"

@@ -32,6 +32,12 @@ How a version gets into a vLLM server (by path, or by name through its resolver)
 While vLLM sleeps for a training step (``--share-gpu``), the hand-over's coordinator holds
 the publisher (``held()``): nothing is loaded into a sleeping vLLM; once it is awake the
 coordinator publishes what the step recorded before any held call goes on.
+
+With a canary (``canary``: the share of new trajectories a new version serves), a loaded version
+is published on trial instead of becoming the alias (``store.Trials.start``), one trial at a time:
+while one runs nothing is claimed, and then only the newest trained version. The registry's split
+is the store's running trial, adopted with the alias; ``promote`` and ``roll_back`` end a trial
+(``proxy.training._canary``). An admin's ``activate`` waits for the trial's end.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ from proxy._periodic import every
 from proxy._policy_config import policy_settings
 from proxy._settings import Settings
 from proxy.errors import Conflict, NotFound, ProxyError
-from proxy.gateway import PolicyRegistry, ServedPolicy
+from proxy.gateway import PolicyRegistry, ServedPolicy, Split
 from proxy.gateway.upstream import Router, Server
 from proxy.training._loading import AdapterDelivery, AdapterLoader, PublishError, already_loaded
 from proxy.training._policy_sync import PolicySync
@@ -123,6 +129,7 @@ class Publisher:
         async with self._lock:
             await self._reclaim_expired()
             await self._policies.adopt(load=False)
+            await self._adopt_trials()
 
     @asynccontextmanager
     async def held(self) -> AsyncIterator[Callable[[], Awaitable[None]]]:
@@ -136,6 +143,7 @@ class Publisher:
     async def _sync(self, *, reload_now: bool = False) -> None:
         await self._reclaim_expired()
         await self._policies.adopt()
+        await self._adopt_trials()
         for served in self._registry:
             await self._publish_trained(served)
         await self._loader.reload_missing(now=reload_now)
@@ -151,13 +159,27 @@ class Publisher:
             log.warning("adapter %s@%d %s", policy, version, why)
         training = (await self._store.guards.training(policy))["training"] == TrainingState.ACTIVE
         if training and self._router.serving():  # with no server in rotation a load could not be checked
-            for version, path in await self._store.adapters.claim_trained(policy, self._owner, self._lease_s):
+            for version, path in await self._claim(served):
                 await self._publish(served, version, path)
+
+    async def _claim(self, served: ServedPolicy) -> list[tuple[int, str]]:
+        """What to publish now: every trained version; with a canary (the policy's ``canary``), the newest, and
+        nothing while the policy's trial runs."""
+        policy = served.name
+        if served.settings.canary is None:
+            return await self._store.adapters.claim_trained(policy, self._owner, self._lease_s)
+        if await self._store.trials.running(policy) is not None:
+            return []
+        return await self._store.adapters.claim_trained(policy, self._owner, self._lease_s, newest_only=True)
 
     async def activate(self, policy: str, version: int) -> int:
         """Roll back or forward: serve ``version`` (still on disk) as ``policy``. Returns it."""
         async with self._lock:
             served = self._served(policy)
+            if (trial := await self._store.trials.running(policy)) is not None:
+                raise Conflict(f"{policy}@{trial['candidate']} is on canary trial (trial {trial['id']}): end the "
+                               "trial first, promoting or rolling it back (POST /admin/trials/{id}/promote or "
+                               "/roll-back, or the dashboard's Trials page).", code="trial_running")  # fmt: skip
             if version != 0 and version not in served.loaded_versions:
                 row = await self._store.adapters.get(policy, version)
                 if row is not None and row["state"] == AdapterState.PRUNED:
@@ -226,6 +248,20 @@ class Publisher:
             served.active_version = to
             served.loaded_versions.discard(bad)
             self._withdrawn[(policy, bad)] = time.monotonic()
+            await self._adopt_trial(served)
+            return True
+
+    async def promote(self, policy: str, version: int, commit: Callable[[], Awaitable[bool]]) -> bool:
+        """``policy``'s version on canary trial serves everything: ``commit`` ends the trial and flips the alias
+        in the store (False: another replica or an admin ended it first)."""
+        async with self._lock:
+            if not await commit():
+                return False
+            if policy in self._registry:
+                served = self._registry.get(policy)
+                served.active_version = version
+                self._left_window.pop((policy, version), None)
+                await self._adopt_trial(served)
             return True
 
     async def _unload_withdrawn(self) -> None:
@@ -246,6 +282,18 @@ class Publisher:
         for job_id, worker in await self._store.jobs.reclaim_expired():
             log.warning("training job %d: its worker %s stopped renewing its lease; queued again", job_id, worker)
 
+    async def _adopt_trials(self) -> None:
+        """Each policy's canary trial the store says runs, as the registry splits its trajectories."""
+        for served in self._registry:
+            await self._adopt_trial(served)
+
+    async def _adopt_trial(self, served: ServedPolicy) -> None:
+        """The policy's running canary trial, as the registry splits its trajectories (``proxy.gateway.Split``)."""
+        trial = await self._store.trials.running(served.name)
+        served.split = None if trial is None else Split(
+            int(trial["id"]), int(trial["candidate"]), int(trial["baseline"]), float(trial["fraction"])
+        )  # fmt: skip
+
     async def _publish(self, served: ServedPolicy, version: int, path: str) -> None:
         policy = served.name
         started = time.perf_counter()
@@ -255,16 +303,37 @@ class Publisher:
             log.error("adapter %s@%d not published: %s", policy, version, exc.message)
             await self._store.adapters.failed(policy, version, exc.message)
             return
+        if served.settings.canary is not None:
+            await self._start_trial(served, version, started)
+            return
         served.loaded_versions.add(version)
         if not await self._store.adapters.published(policy, version, self._owner):
-            # Our lease ran out mid-load and another replica took the adapter over: it publishes it.
-            log.warning("%s@%d: the claim was taken back while loading; left to its new publisher", policy, version)
+            _claim_lost(policy, version)
             return
         replaced = served.active_version
         await self._flip(served, version, forward_only=True)
         if served.settings.regression_guard:
             await self._store.guards.watch(policy, version, watch_record(replaced))
         log.info("published %s@%d in %.0f ms", policy, version, (time.perf_counter() - started) * 1e3)
+
+    async def _start_trial(self, served: ServedPolicy, version: int, started: float) -> None:
+        """A loaded version goes on canary trial; if another trial of its policy began meanwhile, it waits
+        (unloaded first, while this replica still holds its claim: no other replica loads it meanwhile)."""
+        policy = served.name
+        trial = await self._store.trials.start(policy, version, self._owner, float(served.settings.canary or 0))
+        if trial == "claim lost":
+            _claim_lost(policy, version)
+            return
+        if isinstance(trial, str):
+            await self._loader.unload_everywhere(policy, version)
+            if await self._store.trials.release(policy, version, self._owner):
+                log.info("%s@%d waits: another version went on trial first", policy, version)
+            return
+        served.loaded_versions.add(version)
+        served.split = Split(int(trial["id"]), version, int(trial["baseline"]), float(trial["fraction"]))
+        log.info("published %s@%d on canary trial in %.0f ms: it serves %.0f%% of new trajectories, @%d the rest",
+                 policy, version, (time.perf_counter() - started) * 1e3, trial["fraction"] * 100,
+                 trial["baseline"])  # fmt: skip
 
     async def _flip(self, served: ServedPolicy, version: int, *, forward_only: bool = False) -> None:
         if not await self._store.policies.flip(served.name, version, forward_only=forward_only):
@@ -292,3 +361,8 @@ class Publisher:
             if not await self._store.adapters.retired(served.name, version):
                 continue
             await self._loader.unload_everywhere(served.name, version)
+
+
+def _claim_lost(policy: str, version: int) -> None:
+    # Our lease ran out mid-load and another replica took the adapter over: it publishes it.
+    log.warning("%s@%d: the claim was taken back while loading; left to its new publisher", policy, version)

@@ -48,7 +48,7 @@ class Reward(_Response):
     group_id: str
     reward: float
     metrics: dict[str, float] = Field(default_factory=dict)
-    source: str = "external"
+    source: str = "service"  # "service" (posted), "judge" or "human" (a person's score)
     created_at: float
 
 

@@ -1,0 +1,167 @@
+"""The canary's paired test (a pure function) and the gateway's split of new trajectories, on hand-made groups."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from proxy.gateway import Split
+from proxy.gateway._split import draw
+from proxy.training import CanaryConfig
+from proxy.training._canary_verdict import arm_view, decide, paired, t_quantile, within_groups
+from store import ArmTotals, GroupArms
+
+CFG = CanaryConfig(fraction=0.5)  # min 3, max 8 paired groups, margin 0.05, alpha 0.05
+_ids = iter(range(10**9))
+
+
+def group(candidate: list[float], baseline: list[float]) -> GroupArms:
+    def mean(xs: list[float]) -> float | None:
+        return sum(xs) / len(xs) if xs else None
+
+    def spread(xs: list[float]) -> float:
+        return sum((x - (mean(xs) or 0.0)) ** 2 for x in xs)
+
+    return GroupArms(f"g{next(_ids)}", len(candidate), mean(candidate), spread(candidate), len(baseline),
+                     mean(baseline), spread(baseline), 0.0)  # fmt: skip
+
+
+def test_only_groups_holding_both_versions_are_paired_evidence() -> None:
+    groups = [group([1.0], [0.0]), group([1.0, 1.0], []), group([], [0.5]), group([0.5, 0.0], [1.0])]
+    assert [g.candidate_mean for g in paired(groups)] == [1.0, 0.25]
+
+
+def test_the_difference_weighs_each_group_by_its_split_and_its_spread_is_pooled_within_groups() -> None:
+    within = within_groups([group([1.0, 0.0], [0.0, 0.0, 0.0]), group([0.5], [1.0, 0.5])])
+    # w = 2*3/5 = 1.2 and 1*2/3; d = 0.5 and -0.25; spread 0.5 + 0.125 over (3 + 1) degrees of freedom
+    assert within is not None
+    assert within.difference == pytest.approx((1.2 * 0.5 + 2 / 3 * -0.25) / (1.2 + 2 / 3))
+    assert within.se == pytest.approx((0.625 / 4 / (1.2 + 2 / 3)) ** 0.5) and within.df == 4
+    # One trajectory per version per group: the groups' own spread around the difference stands in.
+    ones = within_groups([group([1.0], [0.0]), group([0.0], [0.0]), group([1.0], [1.0])])
+    assert ones is not None and ones.df == 2 and ones.difference == pytest.approx(1 / 3)
+    assert ones.se == pytest.approx((0.5 * ((2 / 3) ** 2 + 2 * (1 / 3) ** 2) / 2 / 1.5) ** 0.5)
+
+
+def test_a_version_worse_in_every_group_is_rolled_back_as_soon_as_a_look_shows_it() -> None:
+    worse = [group([0.0, 0.0, 0.0], [0.75, 0.5, 1.0, 0.5]), group([0.0, 0.25], [0.5, 0.75]),
+             group([0.0], [1.0, 0.5, 0.25]), group([0.0, 0.0], [0.5, 0.5, 0.75]), group([0.0], [0.5, 1.0])]  # fmt: skip
+    looks = [decide(worse[:n], CFG, elapsed_s=60).decision for n in range(1, 6)]
+    verdict = decide(worse, CFG, elapsed_s=60)
+    assert looks[:2] == ["running", "running"] and "rolled_back" in looks
+    assert verdict.decision == "rolled_back" and verdict.by == "test" and verdict.reason.startswith("worse: ")
+    assert verdict.difference is not None and verdict.difference < -0.5
+    assert verdict.p_worse is not None and verdict.p_worse < CFG.alpha_per_look
+    assert verdict.interval is not None and verdict.interval[1] < 0
+
+
+def test_an_equal_version_runs_to_the_size_bound_and_is_promoted() -> None:
+    rng = random.Random(2)
+    equal = [group([float(rng.random() < 0.5) for _ in range(4)], [float(rng.random() < 0.5) for _ in range(4)])
+             for _ in range(10)]  # fmt: skip
+    running = decide(equal[:7], CFG, elapsed_s=60)
+    verdict = decide(equal, CFG, elapsed_s=60)
+    assert running.decision == "running" and running.reason.startswith("no verdict yet")
+    assert verdict.decision == "promoted" and verdict.by == "bound" and verdict.n == 8  # the first 8 paired groups
+    assert "not shown worse by its bound (8 paired groups)" in verdict.reason
+
+
+def test_a_clearly_better_version_is_promoted_before_the_bound() -> None:
+    better = [group([1.0, 1.0, 0.75], [0.0, 0.25]), group([1.0, 0.75], [0.25, 0.0, 0.0]), group([1.0], [0.0, 0.25]),
+              group([0.75, 1.0], [0.0]), group([1.0, 1.0], [0.25, 0.0])]  # fmt: skip
+    verdict = decide(better, CFG, elapsed_s=60)
+    assert verdict.decision == "promoted" and verdict.by == "test" and verdict.reason.startswith("not worse: ")
+
+
+def test_groups_that_differ_alike_decide_at_the_first_look() -> None:
+    same = [group([0.0], [0.6]) for _ in range(3)]
+    assert decide(same, CFG, elapsed_s=1).decision == "rolled_back"
+    assert decide([group([0.6], [0.6]) for _ in range(3)], CFG, elapsed_s=1).decision == "promoted"
+    assert decide([group([0.6], [0.6]) for _ in range(3)], CFG, elapsed_s=1).view()["t"] is None  # inf: not JSON
+
+
+def test_too_few_paired_groups_wait_and_the_time_bound_promotes_untested() -> None:
+    two = [group([0.0], [1.0]), group([0.0], [1.0])]
+    waiting = decide(two, CFG, elapsed_s=60)
+    at_bound = decide(two, CFG, elapsed_s=CFG.max_s)
+    assert waiting.decision == "running" and waiting.reason == "2 of 3 paired groups to a look"
+    assert at_bound.decision == "promoted" and at_bound.by == "bound" and at_bound.reason.startswith(
+        "promoted untested: the trial reached its bound (30 min) with 2 paired groups"
+    )
+
+
+def test_the_time_bound_decides_on_the_evidence_it_has() -> None:
+    rng = random.Random(4)
+    some = [group([float(rng.random() < 0.5)] * 2, [float(rng.random() < 0.5)] * 2) for _ in range(4)]
+    verdict = decide(some, CFG, elapsed_s=CFG.max_s + 1)
+    assert verdict.decision in ("promoted", "rolled_back") and verdict.n == 4
+
+
+def simulate(
+    rng: random.Random, cfg: CanaryConfig, candidate_p: float, baseline_p: float, effect_sd: float = 0.0
+) -> tuple[str, int]:
+    """One trial on groups of 8 attempts at tasks of random difficulty, split at random; (verdict, groups).
+
+    ``effect_sd``: how much the candidate's effect differs from task to task (0: alike on every task)."""
+    groups: list[GroupArms] = []
+    while True:
+        task = rng.uniform(-0.3, 0.3)  # some tasks are easier for both versions
+        effect = rng.gauss(0.0, effect_sd) if effect_sd else 0.0
+        arms: tuple[list[float], list[float]] = ([], [])
+        for _ in range(8):
+            on_trial = rng.random() < cfg.fraction
+            p = min(1.0, max(0.0, (candidate_p + effect if on_trial else baseline_p) + task))
+            arms[0 if on_trial else 1].append(float(rng.random() < p))
+        groups.append(group(*arms))
+        verdict = decide(groups, cfg, elapsed_s=0)
+        if verdict.decision != "running":
+            return verdict.decision, len(groups)
+
+
+@pytest.mark.parametrize("effect_sd", [0.0, 0.2])
+def test_an_equal_version_is_rolled_back_at_most_alpha_of_the_time(effect_sd: float) -> None:
+    rng = random.Random(11)
+    verdicts = [simulate(rng, CFG, 0.5, 0.5, effect_sd)[0] for _ in range(1000)]
+    assert verdicts.count("rolled_back") / len(verdicts) <= CFG.alpha
+
+
+def test_a_version_scoring_0_against_0_6_is_rolled_back_in_a_few_groups_nearly_always() -> None:
+    rng = random.Random(12)
+    outcomes = [simulate(rng, CFG, -1.0, 0.6) for _ in range(500)]  # 0 whatever the task: the bench's bad version
+    assert sum(v == "rolled_back" for v, _ in outcomes) / len(outcomes) >= 0.99
+    assert sum(n for _, n in outcomes) / len(outcomes) < 4.5
+
+
+def test_each_arm_is_shown_with_its_mean_and_95_percent_interval() -> None:
+    view = arm_view(ArmTotals(trajectories=10, rewarded=4, reward_sum=2.0, reward_sq_sum=2.0))
+    assert view["mean"] == 0.5 and view["interval"] == pytest.approx([0.5 - 3.182 * 0.2887, 0.5 + 3.182 * 0.2887],
+                                                                     abs=1e-3)  # fmt: skip
+    assert arm_view(ArmTotals(3, 0, 0.0, 0.0)) == {"trajectories": 3, "rewarded": 0, "mean": None, "interval": None}
+    assert t_quantile(0.975, 1000) == pytest.approx(1.962, abs=1e-3)
+
+
+REFUSED: list[dict[str, float]] = [
+    {"fraction": 0.0}, {"fraction": 1.0}, {"fraction": 0.5, "alpha": 0}, {"fraction": 0.5, "margin": -1},
+    {"fraction": 0.5, "min_groups": 9}, {"fraction": 0.5, "max_s": 0},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("bad", REFUSED)
+def test_a_canary_config_that_cannot_work_is_refused(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        CanaryConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_the_split_gives_about_its_fraction_of_new_trajectories_and_keeps_each_ones_version() -> None:
+    split = Split(trial_id=7, candidate=3, baseline=2, fraction=0.3)
+    ids = [f"traj-{i}" for i in range(10_000)]
+    first = {t: split.version_for(t, None) for t in ids}
+    assert abs(sum(v == 3 for v in first.values()) / len(ids) - 0.3) < 0.02
+    assert all(split.version_for(t, None) == v for t, v in first.items())  # the same on every replica, every time
+    assert split.version_for("any", served_by=3) == 3  # a trajectory the candidate served stays on it
+    assert {split.version_for("any", served_by=v) for v in (0, 1, 2)} == {2}  # begun before: the baseline
+    other = Split(trial_id=8, candidate=4, baseline=3, fraction=0.3)
+    moved = sum((first[t] == 3) != (other.version_for(t, None) == 4) for t in ids)
+    assert moved > 0.3 * len(ids)  # another trial draws other trajectories
+    assert 0 <= draw(1, "") < 1

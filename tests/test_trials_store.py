@@ -1,0 +1,119 @@
+"""Canary trials in the store: replicas racing to start or end one agree; the trainer goes on from the right version.
+
+Two ``Store`` instances on one database (what two proxy processes hold): SQLite, and PostgreSQL
+when TRACETRAIN_TEST_POSTGRES_URL names a database it may wipe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from sqlalchemy import update
+from test_replicas import database, replicas
+
+from store import AdapterState, Store, TrialState
+from store._tables import adapters as A
+
+__all__ = ["database", "replicas"]
+
+
+async def trained(store: Store, version: int) -> None:
+    await store.policies.ensure("agent", "base")
+    await store.adapters.record("agent", version, f"/adapters/agent/{version}", None, {})
+
+
+async def claimed(store: Store, owner: str) -> int:
+    (version, _), *_ = await store.adapters.claim_trained("agent", owner, 60, newest_only=True)
+    return version
+
+
+async def test_of_two_replicas_starting_trials_together_one_wins_and_the_other_waits(
+    replicas: tuple[Store, Store],
+) -> None:
+    a, b = replicas
+    await trained(a, 1)
+    await trained(a, 2)
+    one, two = await claimed(a, "a"), await claimed(b, "b")  # the newest each: b claims what is left
+    assert (one, two) == (2, 1)
+
+    started = await asyncio.gather(a.trials.start("agent", one, "a", 0.5), b.trials.start("agent", two, "b", 0.5))
+
+    winners = [s for s in started if isinstance(s, dict)]
+    assert len(winners) == 1 and "another trial runs" in started
+    waiting, owner = (two, "b") if winners[0]["candidate"] == one else (one, "a")
+    assert await b.trials.release("agent", waiting, owner)  # its claim given back: trained again, it waits
+    states = {row["version"]: row["state"] for row in await a.adapters.of_policy("agent")}
+    assert states == {winners[0]["candidate"]: AdapterState.PUBLISHED, waiting: AdapterState.TRAINED}
+
+
+async def test_of_two_replicas_ending_a_trial_together_one_does(replicas: tuple[Store, Store]) -> None:
+    a, b = replicas
+    await trained(a, 1)
+    trial = await a.trials.start("agent", await claimed(a, "a"), "a", 0.5)
+    assert isinstance(trial, dict) and trial["baseline"] == 0
+
+    ended = await asyncio.gather(
+        a.trials.promote(trial["id"], by="test", reason="not worse", verdict=None),
+        b.trials.roll_back(trial["id"], by="admin", reason="rolled back by an admin", verdict=None),
+    )
+
+    assert sorted(ended) == [False, True]
+    row = await a.trials.get(trial["id"])
+    assert row is not None and row["state"] in (TrialState.PROMOTED, TrialState.ROLLED_BACK)
+    promoted = row["state"] == TrialState.PROMOTED
+    assert await a.policies.active_version("agent") == (1 if promoted else 0)
+    adapter = await a.adapters.get("agent", 1)
+    expected = AdapterState.PUBLISHED if promoted else AdapterState.ROLLED_BACK
+    assert adapter is not None and adapter["state"] == expected
+
+
+async def test_the_trainer_goes_on_from_the_version_on_trial_and_after_a_rollback_from_the_baseline(
+    replicas: tuple[Store, Store],
+) -> None:
+    store, _ = replicas
+    await trained(store, 1)
+    trial = await store.trials.start("agent", await claimed(store, "a"), "a", 0.5)
+    assert isinstance(trial, dict)
+    assert await store.adapters.version_to_train_on("agent") == 1  # the version on trial, not the one serving
+    await trained(store, 2)
+    assert await store.adapters.version_to_train_on("agent") == 2
+
+    assert await store.trials.roll_back(trial["id"], by="test", reason="worse", verdict=None)
+
+    assert await store.adapters.version_to_train_on("agent") == 0
+    waiting = await store.adapters.get("agent", 2)
+    assert waiting is not None and waiting["state"] == AdapterState.DISCARDED and "agent@1" in waiting["error"]
+    # A step that began before the rollback, from @1, records after it: discarded when the publisher looks.
+    await store.adapters.record("agent", 3, "/adapters/agent/3", None, {})
+    async with store.engine.begin() as conn:
+        await conn.execute(update(A).where(A.c.version == 3).values(created_at=time.time() - 60))
+    assert [v for v, _ in await store.guards.discard_stale("agent")] == [3]
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.5])
+async def test_a_trial_keeps_its_fraction_and_baseline(replicas: tuple[Store, Store], fraction: float) -> None:
+    store, other = replicas
+    await trained(store, 1)
+    await store.trials.start("agent", await claimed(store, "a"), "a", fraction)
+    running = await other.trials.running("agent")
+    assert running is not None and (running["fraction"], running["baseline"], running["candidate"]) == (fraction, 0, 1)
+
+
+async def test_a_policy_keeps_its_newest_trials_and_forgets_the_older_ended_ones(
+    replicas: tuple[Store, Store], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import store._trials
+
+    monkeypatch.setattr(store._trials, "KEEP_TRIALS", 3)
+    a, _ = replicas
+    ids = []
+    for version in range(1, 6):
+        await trained(a, version)
+        trial = await a.trials.start("agent", await claimed(a, "a"), "a", 0.5)
+        assert isinstance(trial, dict)
+        ids.append(trial["id"])
+        assert await a.trials.promote(trial["id"], by="test", reason="not worse", verdict=None)
+    assert [t["id"] for t in await a.trials.newest("agent", 100)] == ids[::-1][:3]
+    assert await a.trials.counts("agent") == {"promoted": 3}
