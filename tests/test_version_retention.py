@@ -177,7 +177,9 @@ async def _publish(url: str, version: int) -> None:
         await store.close()
 
 
-def test_serve_passes_retention_to_its_trainer_and_vllm_and_reads_the_disk_flags(tmp_path: Path) -> None:
+def test_serve_passes_retention_to_its_trainer_and_vllm_and_reads_the_disk_flags(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import argparse
 
     from tracetrain_cli._serve import trainer_argv
@@ -200,6 +202,8 @@ def test_serve_passes_retention_to_its_trainer_and_vllm_and_reads_the_disk_flags
     ]
     settings = settings_from(parser.parse_args(["serve", *flags]))
     assert (settings.keep_versions, settings.keep_trajectories_days, settings.min_free_disk_mb) == (5, 30.0, 2048)
+    # serve hands its trainer the store's URL in the environment, never on the command line (ps shows that).
+    monkeypatch.setenv("TRACETRAIN_DATABASE_URL", settings.resolved_database_url)
 
     by_path = parse_args(trainer_argv(settings, tmp_path, "cpu", [])[3:])
     assert (by_path.keep_versions, by_path.adapter_files) == (5, False)  # vLLM loads the directory: no blobs
