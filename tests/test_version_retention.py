@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from conftest import RunningProxy
 from sqlalchemy import insert, select, update
 from test_trainer_worker import A, G, J, T, fetch, run_worker, seed_store, settings_for
