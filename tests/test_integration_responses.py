@@ -78,9 +78,12 @@ def tokenizer(long_model: Path) -> Any:
 
 
 def vllm_tools(request: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """The request's function tools as vLLM hands them to the chat template (its FunctionDefinition's dump)."""
+    """The request's function tools as vLLM hands them to the chat template (its FunctionDefinition's dump); the
+    hosted ones (Codex's web search, ...) the proxy leaves out."""
     tools = []
     for tool in request.get("tools") or ():
+        if tool.get("type") != "function":
+            continue
         function = {"name": tool["name"], "description": tool.get("description"), "parameters": tool.get("parameters")}
         if tool.get("strict") is not None:
             function["strict"] = tool["strict"]
