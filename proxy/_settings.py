@@ -13,11 +13,11 @@ import os
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from proxy._otel_env import endpoint_from_env, traces_url
 from proxy._policy_config import PolicyOverrides, PolicySettings, SamplingDefaults
 from store import POLICY_NAME_PATTERN, redact
 
@@ -232,35 +232,16 @@ class Settings(BaseSettings):
     @model_validator(mode="before")
     @classmethod
     def _otlp_from_otel_variables(cls, data: object) -> object:
-        """No endpoint named: OpenTelemetry's standard variables name it, as they would for any instrumented app."""
+        """No endpoint named: OpenTelemetry's standard variables name it (``proxy._otel_env``)."""
         if not isinstance(data, dict) or data.get("otlp_endpoint") or os.environ.get("TRACETRAIN_OTLP_ENDPOINT"):
             return data
-        env = os.environ
-        exporters = [e.strip() for e in env.get("OTEL_TRACES_EXPORTER", "otlp").split(",")]
-        if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true" or "otlp" not in exporters:
-            return data
-        if url := env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip():
-            return {**data, "otlp_endpoint": url}
-        if url := env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip():
-            return {**data, "otlp_endpoint": url.rstrip("/") + "/v1/traces"}
-        return data
+        url = endpoint_from_env()
+        return {**data, "otlp_endpoint": url} if url else data
 
     @field_validator("otlp_endpoint")
     @classmethod
     def _otlp_traces_url(cls, value: str | None) -> str | None:
-        if value is None or not value.strip():
-            return None
-        value = value.strip()
-        if not value.startswith(("http://", "https://")):
-            raise ValueError(f"the OTLP endpoint must be an http(s) URL such as http://collector:4318, got {value!r}")
-        protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-        if protocol and protocol.strip() != "http/protobuf":
-            raise ValueError(
-                f"tracetrain exports OTLP over HTTP (http/protobuf), not {protocol.strip()}: unset "
-                "OTEL_EXPORTER_OTLP_PROTOCOL and point the endpoint at the collector's HTTP port (usually 4318)"
-            )
-        path = urlsplit(value).path
-        return value.rstrip("/") + "/v1/traces" if path in ("", "/") else value
+        return traces_url(value)
 
     @field_validator("api_keys", "reward_keys", "adapter_keys", "upstreams", "policies", mode="before")
     @classmethod

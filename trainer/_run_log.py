@@ -32,6 +32,7 @@ Each library is imported only when asked for; a missing one is a ``MissingExtra`
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import logging
@@ -40,7 +41,10 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+if TYPE_CHECKING:
+    from store import Store
 
 log = logging.getLogger("tracetrain.trainer.runlog")
 
@@ -135,6 +139,7 @@ class RunLogs:
     def __init__(self, open_run: Callable[[str], RunLog]) -> None:
         self._open_run = open_run
         self._runs: dict[str, RunLog] = {}
+        self._evaluations_seen: dict[str, int] = {}  # policy -> the last evaluation id logged
 
     @property
     def policies(self) -> list[str]:
@@ -145,6 +150,22 @@ class RunLogs:
         if policy not in self._runs:
             self._runs[policy] = self._open_run(policy)
         return self._runs[policy]
+
+    def log_step(self, policy: str, version: int, metrics: Mapping[str, Any]) -> None:
+        """A recorded step of ``policy`` into its run (blocks: call from a thread)."""
+        self.of(policy).step(version, metrics)
+
+    async def log_evaluations(self, store: Store, policies: Sequence[str]) -> None:
+        """The evaluations of ``policies`` posted to the store since the last look, each into its policy's run;
+        a failure is logged and waits for the next look."""
+        try:
+            for policy in policies:
+                for row in await store.evaluations.since(policy, self._evaluations_seen.get(policy, 0)):
+                    run = await asyncio.to_thread(self.of, policy)
+                    await asyncio.to_thread(run.evaluation, row["version"], row["name"], row["value"], row["samples"])
+                    self._evaluations_seen[policy] = int(row["id"])
+        except Exception:
+            log.exception("logging the posted evaluations failed; trying again at the next look")
 
     def close(self) -> None:
         for run in self._runs.values():

@@ -107,7 +107,6 @@ class Worker:
         self._name = f"{socket.gethostname()}:{os.getpid()}"
         self._held = HeldLearner(settings)
         self._run_log = run_log  # --log-to: each policy's steps and evaluations in TensorBoard, W&B, MLflow
-        self._evaluations_seen: dict[str, int] = {}  # policy -> the last evaluation id logged
 
     @classmethod
     async def open(cls, settings: WorkerSettings, group: Ranks | None = None, run_log: RunLogs | None = None) -> Worker:
@@ -213,31 +212,13 @@ class Worker:
         if not finished:
             log.warning("job %s: its lease ran out and another worker took it; this result is dropped", job["id"])
         elif ok and version is not None and self._run_log is not None:
-            await asyncio.to_thread(self._log_step, str(job["policy"]), version, metrics)
-
-    def _log_step(self, policy: str, version: int, metrics: dict[str, Any]) -> None:
-        assert self._run_log is not None
-        self._run_log.of(policy).step(version, metrics)
-
-    def _log_evaluation(self, policy: str, row: dict[str, Any]) -> None:
-        assert self._run_log is not None
-        self._run_log.of(policy).evaluation(row["version"], row["name"], row["value"], row["samples"])
+            await asyncio.to_thread(self._run_log.log_step, str(job["policy"]), version, metrics)
 
     async def log_evaluations(self) -> None:
-        """Log the evaluations posted since the last look (``--log-to``), each into its policy's run; a failure
-        waits for the next look."""
-        run_log = self._run_log
-        if run_log is None:
-            return
-        try:
+        """Log the evaluations posted since the last look (``--log-to``), each into its policy's run."""
+        if self._run_log is not None:
             policies = list(self.settings.policies) or [p["name"] for p in await self._store.policies.all()]
-            for policy in policies:
-                rows = await self._store.evaluations.since(policy, self._evaluations_seen.get(policy, 0))
-                for row in rows:
-                    await asyncio.to_thread(self._log_evaluation, policy, row)
-                    self._evaluations_seen[policy] = int(row["id"])
-        except Exception:
-            log.exception("logging the posted evaluations failed; trying again at the next look")
+            await self._run_log.log_evaluations(self._store, policies)
 
     async def _renew_lease(self, job_id: int) -> None:
         """Keep the claim alive while the step runs (in a thread, so this loop stays free)."""
