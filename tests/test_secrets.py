@@ -96,17 +96,21 @@ def test_the_database_password_never_reaches_a_childs_command_line(tmp_path: Pat
 
 
 async def test_langfuses_and_the_judges_urls_are_redacted(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from proxy.observability import start_langfuse
+    from proxy.observability import start_exporters
+    from proxy.observability._export_process import langfuse_receiver
 
     caplog.set_level(logging.INFO)
     settings = Settings(data_dir=tmp_path, langfuse=True, langfuse_public_key="pk-lf-1234",
                         langfuse_secret_key="sk-lf-" + "s" * 20, langfuse_base_url=with_password("http://127.0.0.1:9"),
                         judge_api_base=with_password("http://judge.internal/v1"))  # fmt: skip
-    exporter = start_langfuse(settings)
-    assert exporter is not None
+    exporters = start_exporters(settings)
+    assert exporters is not None and exporters.scores is not None
     try:
-        assert PASSWORD not in repr(exporter) and PASSWORD not in caplog.text and "agent:***@127.0.0.1" in caplog.text
-        assert PASSWORD not in str(exporter._client.base_url)  # what httpx logs with each request
+        scores = exporters.scores  # Langfuse's scores, posted from the proxy's process
+        assert PASSWORD not in repr(scores) and PASSWORD not in caplog.text and "agent:***@127.0.0.1" in caplog.text
+        assert PASSWORD not in str(scores._client.base_url)  # what httpx logs with each request
+        # The spans, sent from the export process: the keys authenticate, the URL carries no password.
+        assert PASSWORD not in langfuse_receiver(scores.config).endpoint
     finally:
-        await exporter.aclose()
+        await exporters.aclose()
     assert PASSWORD not in repr(settings) and "agent:***@judge.internal" in repr(settings)

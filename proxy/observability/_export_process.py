@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from proxy.observability._langfuse import LangfuseConfig
 from proxy.observability._langfuse_wire import TRACES_PATH, generation_attributes
+from store import without_userinfo
 
 if TYPE_CHECKING:  # the SDK is imported in the export process only
     from proxy.observability._otlp import OtlpExport, Receiver
@@ -108,7 +109,8 @@ def langfuse_receiver(config: LangfuseConfig) -> Receiver:
     from proxy.observability._otlp import Receiver
 
     headers = {"Authorization": config.basic_auth(), "x-langfuse-ingestion-version": "4"}
-    return Receiver("langfuse", config.base_url.rstrip("/") + TRACES_PATH, generation_attributes, headers,
+    endpoint = without_userinfo(config.base_url).rstrip("/") + TRACES_PATH  # the keys authenticate; URLs get logged
+    return Receiver("langfuse", endpoint, generation_attributes, headers,
                     rewards=False, gzip=True)  # fmt: skip
 
 
