@@ -180,8 +180,7 @@ def test_a_rollback_discards_the_versions_trained_from_the_rolled_back_one(start
     waiting = wait_for(lambda: next(a for a in adapters(proxy)["data"] if a["version"] == 2)["state"] == "discarded")
     assert waiting and adapters(proxy)["active_version"] == 0 and running(proxy) is None
     # A step that was running from @1 when it was rolled back records after: it is discarded too.
-    record_trained_adapter(proxy, 3, tmp_path)
-    proxy.rows("UPDATE adapters SET created_at = ? WHERE version = 3", time.time() - 60)
+    record_trained_adapter(proxy, 3, tmp_path, created_at=time.time() - 60)  # recorded as begun before the roll-back
     wait_for(lambda: next(a for a in adapters(proxy)["data"] if a["version"] == 3)["state"] == "discarded")
     # A step begun after it trains from @0 and goes on trial against @0.
     record_trained_adapter(proxy, 4, tmp_path)

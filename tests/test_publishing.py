@@ -14,14 +14,17 @@ from fake_vllm import FakeVLLM, Reply
 TASK = [{"role": "user", "content": "Capital of Peru?"}]
 
 
-def record_trained_adapter(proxy: RunningProxy, version: int, tmp_path: Path, job_id: int | None = None) -> Path:
-    """What the trainer does after a step: write the adapter directory and record it."""
+def record_trained_adapter(
+    proxy: RunningProxy, version: int, tmp_path: Path, job_id: int | None = None, created_at: float | None = None
+) -> Path:
+    """What the trainer does after a step: write the adapter directory and record it (``created_at``: when its
+    step began, now by default)."""
     path = tmp_path / "adapters" / "agent" / str(version)
     path.mkdir(parents=True)
     proxy.rows(
         "INSERT INTO adapters (policy, version, path, job_id, state, metrics, created_at) "
         "VALUES ('agent', ?, ?, ?, 'trained', '{}', ?)",
-        version, str(path), job_id, time.time(),
+        version, str(path), job_id, time.time() if created_at is None else created_at,
     )  # fmt: skip
     return path
 
