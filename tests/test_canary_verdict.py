@@ -93,9 +93,20 @@ def test_too_few_paired_groups_wait_and_the_time_bound_promotes_untested() -> No
 
 def test_the_time_bound_decides_on_the_evidence_it_has() -> None:
     rng = random.Random(4)
-    some = [group([float(rng.random() < 0.5)] * 2, [float(rng.random() < 0.5)] * 2) for _ in range(4)]
+    some = [group([float(rng.random() < 0.5) for _ in range(3)], [float(rng.random() < 0.5) for _ in range(3)])
+            for _ in range(4)]  # fmt: skip
+    assert decide(some, CFG, elapsed_s=60).decision == "running"
     verdict = decide(some, CFG, elapsed_s=CFG.max_s + 1)
-    assert verdict.decision in ("promoted", "rolled_back") and verdict.n == 4
+    assert verdict.decision == "promoted" and verdict.by == "bound" and verdict.n == 4
+
+
+def test_every_look_is_taken_however_late_the_verdict_is_read() -> None:
+    """A look that decides stays the verdict when more groups complete before anyone reads it."""
+    decisive = [group([0.6], [0.6]) for _ in range(3)]  # shown no worse at the first look
+    noisy = [group([0.0, 0.0], [1.0, 1.0]), group([0.0, 1.0], [1.0, 0.0])]
+    read_late = decide(decisive + noisy, CFG, elapsed_s=60)
+    assert read_late == decide(decisive, CFG, elapsed_s=60)
+    assert read_late.decision == "promoted" and read_late.by == "test" and read_late.n == 3
 
 
 def simulate(

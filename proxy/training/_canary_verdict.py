@@ -133,8 +133,21 @@ def within_groups(groups: Sequence[GroupArms]) -> Within | None:
 
 
 def decide(groups: Sequence[GroupArms], cfg: CanaryConfig, *, elapsed_s: float) -> Verdict:
-    """The verdict on the trial's complete groups so far (the first ``max_groups`` paired ones are used)."""
+    """The verdict on the trial's complete groups so far (the first ``max_groups`` paired ones are used).
+
+    Every look from ``min_groups`` paired groups on is taken in turn, so the verdict is the same
+    whenever (and by whichever replica) it is read: two groups completing between two reads do not
+    skip the look between them."""
     used = paired(groups)[: cfg.max_groups]
+    for k in range(cfg.min_groups, len(used)):
+        early = _look(used[:k], cfg, elapsed_s=0.0)
+        if early.decision != "running":
+            return early
+    return _look(used, cfg, elapsed_s=elapsed_s)
+
+
+def _look(used: Sequence[GroupArms], cfg: CanaryConfig, *, elapsed_s: float) -> Verdict:
+    """One look at the first ``len(used)`` paired groups; at the bound, the trial's last."""
     n = len(used)
     at_bound = n >= cfg.max_groups or elapsed_s >= cfg.max_s
     bound = f"{n} paired groups" if n >= cfg.max_groups else f"{elapsed_s / 60:.0f} min"
