@@ -38,6 +38,10 @@ class Task:
     score_trajectory: Callable[[Trajectory], Scored]  # from what the proxy captured (the reward service)
     max_tokens: int  # per call
     minutes: float  # the demo's training minutes by default (docs/BENCHMARKS.md: the runs that sized them)
+    # Minutes between the demo's held-out measurements during training (0: before and after only). A tool task's
+    # measurement (200 attempts of 2+ calls) takes vLLM about as long as 3 minutes of its training rounds' sampling:
+    # measured every 3 minutes it halved the steps the lookup task made (docs/BENCHMARKS.md).
+    eval_every: float = 3.0
     serve_args: tuple[str, ...] = ()  # added to `tracetrain serve`'s command line
     sampler_correction: str = "auto"  # the trainer's default for this task (TrainConfig.sampler_correction)
     # What computes in bf16 on a CPU with bf16 units (None: nothing; float32 on both sides, as on any other CPU).
@@ -120,7 +124,8 @@ TASKS: dict[str, Task] = {
         _lookup_episode,
         _lookup_trajectory,
         max_tokens=48,
-        minutes=10.0,
+        minutes=9.0,
+        eval_every=0.0,
         serve_args=(f"--vllm-arg=--chat-template={lookup.TEMPLATE}",),
         # The first call is constrained (tool_choice "required"): vLLM's logprobs are over what the grammar
         # allowed, the learner's over everything, a gap of ~0.27 nats per token even in float32 on both sides.
