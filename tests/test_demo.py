@@ -235,7 +235,16 @@ def test_several_tasks_share_one_precision_and_train_for_the_longest_default(tmp
     assert _precision(chosen, bf16) == ("bfloat16", "bfloat16")  # the user's choice wins
     assert _minutes(_parse([])) == 4.5  # the city task's
     assert _minutes(both) == 10.0  # the longest task's
+    assert _minutes(_parse(["--task", "lookup"])) == 9.0
     assert _minutes(_parse(["--task", "city,lookup", "--minutes", "2"])) == 2.0
+
+
+def test_each_task_measures_held_out_success_during_training_at_its_own_pace() -> None:
+    from tracetrain_demo.run import _eval_every, _parse
+
+    assert (_eval_every(_parse([]), "city"), _eval_every(_parse([]), "agents-sdk")) == (3.0, 3.0)
+    assert _eval_every(_parse(["--task", "lookup"]), "lookup") == 0.0  # before and after only
+    assert _eval_every(_parse(["--task", "lookup", "--eval-every", "2"]), "lookup") == 2.0
 
 
 def test_held_out_evaluations_beside_training_keep_few_attempts_in_flight(

@@ -245,6 +245,11 @@ def _minutes(args: argparse.Namespace) -> float:
     return float(args.minutes or max(TASKS[task].minutes for task in args.tasks))
 
 
+def _eval_every(args: argparse.Namespace, task: str) -> float:
+    """Minutes between a task's held-out measurements during training: --eval-every, else the task's own."""
+    return float(TASKS[task].eval_every if args.eval_every is None else args.eval_every)
+
+
 def _precision(args: argparse.Namespace, cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, str]:
     """(vLLM's dtype, the trainer's): each task's (``tasks.precision``); where the tasks disagree, float32 (one vLLM
     and one trainer serve them all)."""
@@ -280,7 +285,7 @@ def _train(url: str, lanes: list[Lane], args: argparse.Namespace, children: list
     deadline = time.monotonic() + _minutes(args) * 60
     several = len(lanes) > 1
     for lane in lanes:
-        lane.eval_every = TASKS[lane.task].eval_every if args.eval_every is None else args.eval_every
+        lane.eval_every = _eval_every(args, lane.task)
         lane.next_eval = time.monotonic() + lane.eval_every * 60
         if args.eval_attempts:
             lane.evaluations.append(Evaluation(lane, 0, args.eval_attempts, args, children,
