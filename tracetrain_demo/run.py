@@ -133,8 +133,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "--eval-every",
         type=float,
         help="measure the version serving on the held-out requests every this many minutes, beside training "
-        "(0: only before and after; default: the task's, 3 for city and agents-sdk, 0 for lookup, whose "
-        "measurements would take half its sampling time)",
+        "(0: only before and after; default: the task's, 3 for city and agents-sdk, 0 for lookup, whose 200 "
+        "two-call attempts take vLLM about 3 minutes each time)",
     )
     p.add_argument(
         "--task",

@@ -39,8 +39,9 @@ class Task:
     max_tokens: int  # per call
     minutes: float  # the demo's training minutes by default (docs/BENCHMARKS.md: the runs that sized them)
     # Minutes between the demo's held-out measurements during training (0: before and after only). A tool task's
-    # measurement (200 attempts of 2+ calls) takes vLLM about as long as 3 minutes of its training rounds' sampling:
-    # measured every 3 minutes it halved the steps the lookup task made (docs/BENCHMARKS.md).
+    # measurement (200 attempts of 2+ calls) takes vLLM about 3 minutes beside the rounds: taken every 3 minutes
+    # they ran back to back, cost the lookup task about a fifth of its steps per minute, and the last one ran 2
+    # minutes past the training's end (docs/BENCHMARKS.md).
     eval_every: float = 3.0
     serve_args: tuple[str, ...] = ()  # added to `tracetrain serve`'s command line
     sampler_correction: str = "auto"  # the trainer's default for this task (TrainConfig.sampler_correction)
