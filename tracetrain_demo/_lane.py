@@ -83,7 +83,6 @@ class Lane:
         self.last = time.monotonic()
         self.evaluations: list[Evaluation] = []
         self.posted = 0  # held-out results told to the server (POST /admin/evaluations)
-        self.eval_every = 0.0  # minutes between held-out measurements during training (0: none)
         self.next_eval = 0.0
 
     def jobs(self, every: list[dict[str, Any]]) -> list[dict[str, Any]]:

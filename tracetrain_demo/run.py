@@ -285,8 +285,7 @@ def _train(url: str, lanes: list[Lane], args: argparse.Namespace, children: list
     deadline = time.monotonic() + _minutes(args) * 60
     several = len(lanes) > 1
     for lane in lanes:
-        lane.eval_every = _eval_every(args, lane.task)
-        lane.next_eval = time.monotonic() + lane.eval_every * 60
+        lane.next_eval = time.monotonic() + _eval_every(args, lane.task) * 60
         if args.eval_attempts:
             lane.evaluations.append(Evaluation(lane, 0, args.eval_attempts, args, children,
                                                concurrency=_BESIDE_TRAINING))  # fmt: skip
@@ -313,9 +312,10 @@ def _train(url: str, lanes: list[Lane], args: argparse.Namespace, children: list
                 for held in finished:
                     bar.write(f"held-out success of {lane.policy}@{held.version}: {held.success:.0%} "
                               f"({held.attempts} attempts)")  # fmt: skip
-                periodic = lane.eval_every > 0 and args.eval_attempts > 0
+                every = _eval_every(args, lane.task)
+                periodic = every > 0 and args.eval_attempts > 0
                 if periodic and time.monotonic() >= lane.next_eval and lane.report.steps and not lane.evaluations:
-                    lane.next_eval = time.monotonic() + lane.eval_every * 60
+                    lane.next_eval = time.monotonic() + every * 60
                     # The version serving now, not the newest trained: that one may not be published yet, or at all
                     # (the regression guard may have rolled it back).
                     version = serve_api.active_version(url, args.admin_token, lane.policy)
