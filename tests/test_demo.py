@@ -22,6 +22,7 @@ from fake_vllm import FakeVLLM, Reply
 from tracetrain import Client
 from tracetrain_demo import agent, reward_service
 from tracetrain_demo.task import by_prompt, json_city, scenarios, score
+from tracetrain_demo.tasks import TASKS, Task
 
 
 def test_the_split_is_fixed_and_held_out_requests_name_only_cities_never_trained_on() -> None:
@@ -237,6 +238,25 @@ def test_several_tasks_share_one_precision_and_train_for_the_longest_default(tmp
     assert _minutes(both) == 10.0  # the longest task's
     assert _minutes(_parse(["--task", "lookup"])) == 9.0
     assert _minutes(_parse(["--task", "city,lookup", "--minutes", "2"])) == 2.0
+
+
+def test_the_trainer_takes_each_tasks_correction_and_advantage_scale_and_the_flag_wins() -> None:
+    from tracetrain_demo.run import train_config
+    from trainer import TrainConfig
+
+    city, lookup, sdk = TASKS["city"], TASKS["lookup"], TASKS["agents-sdk"]
+
+    def config(*tasks: Task, correction: str | None = None) -> TrainConfig:
+        return TrainConfig.from_dict(train_config(tasks, 3e-4, "float32", correction))  # the trainer reads it
+
+    assert (config(city).sampler_correction, config(city).scale_advantages) == ("auto", True)
+    # The tool task: tis for its constrained first call, each group's rewards less their mean alone.
+    assert (config(lookup).sampler_correction, config(lookup).scale_advantages) == ("tis", False)
+    assert config(sdk).scale_advantages is True
+    # One trainer for several tasks: the strictest correction, advantages scaled unless no task wants them so.
+    assert (config(city, lookup).sampler_correction, config(city, lookup).scale_advantages) == ("tis", True)
+    assert config(lookup, correction="mis").sampler_correction == "mis"
+    assert config(lookup).learning_rate == 3e-4
 
 
 def test_each_task_measures_held_out_success_during_training_at_its_own_pace() -> None:

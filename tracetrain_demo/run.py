@@ -48,7 +48,7 @@ from tqdm import tqdm  # type: ignore[import-untyped]  # no stubs in the train e
 from tracetrain_demo import serve_api
 from tracetrain_demo._lane import Evaluation, Lane, env_for
 from tracetrain_demo.report import HEADER, busy_cpu_seconds, row, summary
-from tracetrain_demo.tasks import TASKS, precision
+from tracetrain_demo.tasks import TASKS, Task, precision
 from tracetrain_proc import ChildProcess
 
 # serve's line once the proxy answers (before its trainer has loaded: the first round samples meanwhile).
@@ -59,6 +59,18 @@ _BESIDE_TRAINING = 16
 # TrainConfig's defaults (docs/TRAINING.md says how they were chosen), except: on a CPU, packed rows
 # near the sample length keep attention cheap.
 _TRAIN_CONFIG = {"micro_batch_tokens": 1024}
+
+
+def train_config(tasks: Sequence[Task], learning_rate: float, dtype: str, correction: str | None) -> dict[str, object]:
+    """The trainer's settings for the run's tasks: TrainConfig's defaults but for ``_TRAIN_CONFIG`` and the flags.
+
+    One trainer trains every policy: the strictest task's sampler correction (lookup's tis) serves them all unless
+    ``correction`` (the flag) names one, and advantages are scaled by the group's std unless no task wants them so.
+    """
+    chosen = [task.sampler_correction for task in tasks if task.sampler_correction != "auto"]
+    return {**_TRAIN_CONFIG, "learning_rate": learning_rate, "dtype": dtype,
+            "sampler_correction": correction or (chosen[0] if chosen else "auto"),
+            "scale_rewards": any(task.scale_rewards for task in tasks)}  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -204,12 +216,8 @@ def _start_serve(args: argparse.Namespace, data_dir: Path, run_dir: Path, childr
     if "bfloat16" in (sampler, trainer) and "auto" in (args.sampler_dtype, args.trainer_dtype):
         _say(f"this CPU has bf16 units: vLLM samples in {sampler}, the trainer learns in {trainer} "
              "(--sampler-dtype/--trainer-dtype float32 for float32)")  # fmt: skip
-    # One trainer for every policy: the strictest task's correction (lookup's tis) serves them all.
-    chosen = [task.sampler_correction for task in tasks if task.sampler_correction != "auto"]
-    correction = args.sampler_correction or (chosen[0] if chosen else "auto")
     config = run_dir / "train-config.json"
-    config.write_text(json.dumps({**_TRAIN_CONFIG, "learning_rate": args.learning_rate, "dtype": trainer,
-                                  "sampler_correction": correction}))  # fmt: skip
+    config.write_text(json.dumps(train_config(tasks, args.learning_rate, trainer, args.sampler_correction)))
     policies = ["agent"] if len(tasks) == 1 else [task.name for task in tasks]
     command = [
         sys.executable, "-m", "tracetrain_cli", "serve", "--model", str(model_dir), "--data-dir", str(run_dir),
