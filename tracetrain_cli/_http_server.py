@@ -6,9 +6,10 @@ client likes: twenty such clients hold twenty connections forever (slowloris). S
 here gives each request a deadline for its headers, counted from the connection's start or its
 first byte (``header_timeout_s``), and one for its body, counted from the end of its headers
 (``body_timeout_s``); a request past either is cut off within a second (the connection closed),
-and a request line plus headers of more than 64 KiB is answered 431. ``max_connections`` bounds the connections and
-requests served at once: a request past it is answered 503 (uvicorn's ``limit_concurrency``). The body's size is
-the app's to bound (``--max-body-mb``, ``proxy.api._door``). All of them: docs/OPERATIONS.md.
+and a request line plus headers of more than 64 KiB is answered 431 (a lingering close). ``max_connections``
+bounds the connections and requests served at once: a request past it is answered 503 (uvicorn's
+``limit_concurrency``). The body's size is the app's to bound (``--max-body-mb``, ``proxy.api._door``). All of
+them: docs/OPERATIONS.md.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from uvicorn.server import ServerState
 from proxy import Settings
 
 MAX_HEADER_BYTES = 64 * 1024
+# After a 431, how long what the client still sends is read and dropped before the connection closes (a lingering
+# close, as Apache's: 2 s); the sweep closes it then, within a second.
+LINGER_S = 2.0
 _TOO_LARGE = (
     b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; charset=utf-8\r\n"
     b"content-length: 36\r\nconnection: close\r\n\r\nThe request's headers are too large."
@@ -44,6 +48,7 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._reading_headers = True
         self._header_bytes = 0
+        self._refused = False  # answered 431: the rest of the request is read and dropped
         super().connection_made(transport)
         # The loop's clock by which the request under way must have sent its headers (or body); None: no
         # request is under way (between requests, uvicorn's keep-alive timeout watches the connection).
@@ -53,14 +58,26 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
             _sweep(self.loop, self.connections, weakref.ref(self.server_state))
 
     def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
         if not self._reading_headers:
             super().data_received(data)
             return
         self._header_bytes += len(data)  # with a body's first bytes at times: judged once the headers are in
         super().data_received(data)
         if self._reading_headers and self._header_bytes > MAX_HEADER_BYTES and not self.transport.is_closing():
-            self.transport.write(_TOO_LARGE)
-            self.transport.close()
+            self._refuse()
+
+    def _refuse(self) -> None:
+        """Answer 431 and close as HTTP servers close on a request they refuse (a lingering close): the answer and
+        the end of the server's half (FIN), then what the client still sends is read and dropped until it closes
+        or ``LINGER_S`` pass. Closed at once with the client's bytes unread, the connection would be reset, and a
+        client still sending its headers would see the reset instead of the answer."""
+        self._refused = True
+        self.transport.write(_TOO_LARGE)
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.deadline = self.loop.time() + LINGER_S
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
