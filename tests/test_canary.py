@@ -95,9 +95,11 @@ def test_a_worse_version_is_rolled_back_after_serving_about_its_share(start_prox
     assert before == [0] * 8 and [call(proxy, f"before-{i}") for i in range(8)] == [0] * 8
     assert ended["state"] == "rolled_back" and ended["decided_by"] == "test" and ended["reason"].startswith("worse")
     # The share of the trajectories served while the trial ran (the trial's own count: a group played across
-    # its end, on a slow machine, has its later calls on the baseline) and of every call played.
+    # its end, on a slow machine, has its later calls on the baseline) and of every call played. The trial
+    # decides within 3-4 groups, 24-32 trajectories, and these ids draw few candidates (7 of g0-g2's 24;
+    # g3 adds 1 of 8 when the last look runs after its calls): "about its share" at that size is 0.2-0.75.
     share = ended["verdict"]["shares"]["candidate"]
-    assert 0.25 < share < 0.75 and 0 < ended["played"].count(1) / len(ended["played"]) < 0.75, ended
+    assert 0.2 < share < 0.75 and 0 < ended["played"].count(1) / len(ended["played"]) < 0.75, ended
     look = ended["verdict"]["look"]
     assert look["n"] <= 6 and look["difference"] < -0.3 and look["p_worse"] < 0.05 / 4
     assert ended["verdict"]["candidate"]["mean"] == 0.0 and ended["verdict"]["baseline"]["interval"] is not None
