@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import uvicorn
 from fake_vllm import FakeVLLM, Reply
 
@@ -20,9 +21,10 @@ from tracetrain_cli._http_server import server_config
 
 
 @contextmanager
-def served(settings: Settings) -> Iterator[tuple[str, int]]:
-    """The proxy as `tracetrain serve` serves it (its uvicorn configuration), on an ephemeral port."""
-    server = uvicorn.Server(server_config(create_app(settings), settings, log_level="warning", loop="asyncio"))
+def served(settings: Settings, loop: str = "asyncio") -> Iterator[tuple[str, int]]:
+    """The proxy as `tracetrain serve` serves it (its uvicorn configuration; `serve` runs uvloop), on an ephemeral
+    port."""
+    server = uvicorn.Server(server_config(create_app(settings), settings, log_level="warning", loop=loop))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -105,10 +107,13 @@ def test_a_slow_but_steady_call_within_the_deadlines_is_served(fake: FakeVLLM, t
         assert sock.recv(65536).startswith(b"HTTP/1.1 200")
 
 
-def test_headers_past_64_kib_are_refused_and_the_client_reads_the_answer(fake: FakeVLLM, tmp_path: Path) -> None:
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_headers_past_64_kib_are_refused_and_the_client_reads_the_answer(
+    fake: FakeVLLM, tmp_path: Path, loop: str
+) -> None:
     # A client that goes on sending its headers (a MB of them) after the server answered: the server reads and
     # drops the rest before it closes, so the client's sends succeed and it reads the 431, then the end.
-    with served(settings(fake, tmp_path)) as address, socket.create_connection(address) as sock:
+    with served(settings(fake, tmp_path), loop) as address, socket.create_connection(address) as sock:
         sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")
         for i in range(1000):
             sock.sendall(b"X-Filler-%d: %s\r\n" % (i, b"x" * 1000))
@@ -117,6 +122,38 @@ def test_headers_past_64_kib_are_refused_and_the_client_reads_the_answer(fake: F
         while chunk := sock.recv(4096):
             answer += chunk
         assert answer.startswith(b"HTTP/1.1 431") and answer.endswith(b"The request's headers are too large.")
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_body_past_the_cap_is_refused_and_the_client_reads_the_answer(
+    fake: FakeVLLM, tmp_path: Path, loop: str
+) -> None:
+    # The app answers 413 from the Content-Length before reading the body; a client that sends the whole body
+    # anyway (as most do before they read) must still read the answer, not a reset, on a fresh connection
+    # and on a kept-alive one.
+    body = b"x" * 48_000_000  # past the kernel's buffers on loopback (32 + 4 MB): sent whole if the server reads it
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: %d\r\n\r\n" % len(body)
+    with served(settings(fake, tmp_path, max_body_mb=1.0), loop) as address:
+        for kept_alive in (False, True):
+            with socket.create_connection(address) as sock:
+                if kept_alive:
+                    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+                    healthz = b""
+                    while not healthz.endswith(b"}"):  # its JSON, whole
+                        healthz += sock.recv(4096)
+                    assert healthz.startswith(b"HTTP/1.1 200")
+                sock.sendall(head)
+                for at in range(0, len(body), 65536):
+                    sock.sendall(body[at : at + 65536])
+                sock.settimeout(5)
+                answer = b""
+                while chunk := sock.recv(4096):
+                    answer += chunk
+                assert answer.startswith(b"HTTP/1.1 413") and b"request_too_large" in answer, answer[:200]
+        assert fake.requests == [] and chat(address).status_code == 200
+        # httpx, as an agent's SDK sends it: the whole body first, then the answer.
+        large = httpx.post(f"http://{address[0]}:{address[1]}/v1/chat/completions", content=body, timeout=10)
+        assert large.status_code == 413 and large.json()["error"]["code"] == "request_too_large"
 
 
 def test_past_the_connection_limit_a_request_is_answered_503(fake: FakeVLLM, tmp_path: Path) -> None:

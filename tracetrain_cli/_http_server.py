@@ -6,17 +6,24 @@ client likes: twenty such clients hold twenty connections forever (slowloris). S
 here gives each request a deadline for its headers, counted from the connection's start or its
 first byte (``header_timeout_s``), and one for its body, counted from the end of its headers
 (``body_timeout_s``); a request past either is cut off within a second (the connection closed),
-and a request line plus headers of more than 64 KiB is answered 431 (a lingering close). ``max_connections``
-bounds the connections and requests served at once: a request past it is answered 503 (uvicorn's
-``limit_concurrency``). The body's size is the app's to bound (``--max-body-mb``, ``proxy.api._door``). All of
-them: docs/OPERATIONS.md.
+and a request line plus headers of more than 64 KiB is answered 431. ``max_connections`` bounds the
+connections and requests served at once: a request past it is answered 503 (uvicorn's
+``limit_concurrency``). The body's size is the app's to bound (``--max-body-mb``, ``proxy.api._door``: 413
+from the ``Content-Length``, before the body is read). All of them: docs/OPERATIONS.md.
+
+A connection answered and closed before its request was read whole (the 431, the 413, a 503, any
+``Connection: close`` answer to a request still arriving) closes as HTTP servers close it, lingering:
+the server's half ends (FIN) after the answer, and what the client still sends is read and dropped
+until it closes, or ``LINGER_S`` pass with nothing arriving (``LINGER_MAX_S`` in all). Closed at once
+with the client's bytes unread, the kernel would reset the connection, and a client still sending (as
+an SDK sends a body whole before it reads) would see the reset instead of the answer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -25,9 +32,10 @@ from uvicorn.server import ServerState
 from proxy import Settings
 
 MAX_HEADER_BYTES = 64 * 1024
-# After a 431, how long what the client still sends is read and dropped before the connection closes (a lingering
-# close, as Apache's: 2 s); the sweep closes it then, within a second.
+# A lingering close (the module's docstring), as Apache's: it ends once the client sends nothing for LINGER_S, or
+# LINGER_MAX_S after it began; the sweep closes it then, within a second.
 LINGER_S = 2.0
+LINGER_MAX_S = 30.0
 _TOO_LARGE = (
     b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; charset=utf-8\r\n"
     b"content-length: 36\r\nconnection: close\r\n\r\nThe request's headers are too large."
@@ -48,8 +56,11 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._reading_headers = True
         self._header_bytes = 0
-        self._refused = False  # answered 431: the rest of the request is read and dropped
+        self._lingering_since: float | None = None  # the loop's clock when a lingering close began
         super().connection_made(transport)
+        # uvicorn's closes (its request cycles' and its own) go through ``close_connection``.
+        self._socket = transport
+        self.transport = cast(asyncio.Transport, _ClosedByProtocol(transport, self))
         # The loop's clock by which the request under way must have sent its headers (or body); None: no
         # request is under way (between requests, uvicorn's keep-alive timeout watches the connection).
         self.deadline: float | None = self.loop.time() + self.header_timeout_s
@@ -58,7 +69,8 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
             _sweep(self.loop, self.connections, weakref.ref(self.server_state))
 
     def data_received(self, data: bytes) -> None:
-        if self._refused:
+        if self._lingering_since is not None:  # dropped; the client has LINGER_S more to send the rest
+            self.deadline = min(self.loop.time() + LINGER_S, self._lingering_since + LINGER_MAX_S)
             return
         if not self._reading_headers:
             super().data_received(data)
@@ -66,18 +78,34 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         self._header_bytes += len(data)  # with a body's first bytes at times: judged once the headers are in
         super().data_received(data)
         if self._reading_headers and self._header_bytes > MAX_HEADER_BYTES and not self.transport.is_closing():
-            self._refuse()
+            self.transport.write(_TOO_LARGE)
+            self._linger()
 
-    def _refuse(self) -> None:
-        """Answer 431 and close as HTTP servers close on a request they refuse (a lingering close): the answer and
-        the end of the server's half (FIN), then what the client still sends is read and dropped until it closes
-        or ``LINGER_S`` pass. Closed at once with the client's bytes unread, the connection would be reset, and a
-        client still sending its headers would see the reset instead of the answer."""
-        self._refused = True
-        self.transport.write(_TOO_LARGE)
-        if self.transport.can_write_eof():
-            self.transport.write_eof()
-        self.deadline = self.loop.time() + LINGER_S
+    @property
+    def lingering(self) -> bool:
+        return self._lingering_since is not None
+
+    def close_connection(self) -> None:
+        """uvicorn closes the connection: lingering if the request's answer is out and its body still arriving."""
+        if self.lingering or self._socket.is_closing():
+            return
+        if not self._reading_headers and self.cycle is not None and self.cycle.response_complete:
+            self._linger()
+        else:
+            self._socket.close()
+
+    def _linger(self) -> None:
+        """A lingering close (the module's docstring): the server's half ends, what arrives is read and dropped."""
+        self._lingering_since = self.loop.time()
+        self.deadline = self._lingering_since + LINGER_S
+        self.flow.resume_reading()  # paused while the body waited for the app, which will not read it now
+        if self._socket.can_write_eof():
+            self._socket.write_eof()
+
+    def close_now(self) -> None:
+        """Close the socket, lingering or not (the sweep, past a deadline)."""
+        if not self._socket.is_closing():
+            self._socket.close()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -94,6 +122,24 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         super().on_message_complete()
 
 
+class _ClosedByProtocol:
+    """A connection's transport as uvicorn sees it: closing it is the protocol's ``close_connection``; lingering,
+    it is closing already."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: TimedHttpToolsProtocol) -> None:
+        self._transport = transport
+        self._protocol = protocol
+
+    def close(self) -> None:
+        self._protocol.close_connection()
+
+    def is_closing(self) -> bool:
+        return self._protocol.lingering or self._transport.is_closing()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 # The servers whose connections are swept (each has one sweep a second while it lives).
 _swept: weakref.WeakSet[ServerState] = weakref.WeakSet()
 
@@ -105,8 +151,7 @@ def _sweep(loop: asyncio.AbstractEventLoop, connections: set[Any], server: weakr
             and c.deadline < now]  # fmt: skip
     for connection in late:
         connection.deadline = None
-        if not connection.transport.is_closing():
-            connection.transport.close()
+        connection.close_now()
     if server() is not None and not loop.is_closed():
         loop.call_later(1.0, _sweep, loop, connections, server)
 
