@@ -3,7 +3,10 @@ headers refused, connections bounded, and ordinary calls answered meanwhile."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -154,6 +157,30 @@ def test_a_body_past_the_cap_is_refused_and_the_client_reads_the_answer(
         # httpx, as an agent's SDK sends it: the whole body first, then the answer.
         large = httpx.post(f"http://{address[0]}:{address[1]}/v1/chat/completions", content=body, timeout=10)
         assert large.status_code == 413 and large.json()["error"]["code"] == "request_too_large"
+
+
+_NODE_POSTS = """
+const body = JSON.stringify({model: "agent", messages: [{role: "user", content: "x".repeat(40_000_000)}]});
+(async () => {
+  const seen = [];
+  for (let i = 0; i < 5; i++) {
+    try { const r = await fetch(process.argv[1], {method: "POST", body}); seen.push(String(r.status)); await r.text(); }
+    catch (e) { seen.push(e.cause ? String(e.cause.code || e.cause.message) : e.message); }
+  }
+  console.log(JSON.stringify(seen));
+})();
+"""
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs Node.js (.ci/run installs it with npm)")
+def test_nodes_fetch_reads_the_413_for_a_body_past_the_cap(fake: FakeVLLM, tmp_path: Path) -> None:
+    # Node's fetch (undici: the TypeScript SDKs' and Claude Code's HTTP client) fails the request when its write
+    # is reset, where httpx goes on to read the answer: on `serve`'s loop it saw ECONNRESET in 9 posts of 10
+    # before the lingering close.
+    with served(settings(fake, tmp_path, max_body_mb=1.0), "uvloop") as (host, port):
+        node = subprocess.run(["node", "-e", _NODE_POSTS, f"http://{host}:{port}/v1/chat/completions"],
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert json.loads(node.stdout) == ["413"] * 5, node.stdout + node.stderr
 
 
 def test_past_the_connection_limit_a_request_is_answered_503(fake: FakeVLLM, tmp_path: Path) -> None:
