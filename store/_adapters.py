@@ -19,11 +19,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import exists, func, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from store._adapter_files import AdapterFile, write_files
-from store._lifecycle import AdapterState, JobState, TrialState, move
+from store._lifecycle import AdapterState, JobState, TrainingState, TrialState, move
 from store._tables import adapters as A
 from store._tables import policies as P
 from store._tables import training_jobs as J
@@ -95,8 +95,18 @@ class Adapters:
         self, policy: str, owner: str, lease_s: float, *, newest_only: bool = False
     ) -> list[tuple[int, str]]:
         """Claim every trained adapter of ``policy`` for publishing (``newest_only``: the newest, as a canary
-        trial takes one version at a time); (version, path) of those this call won."""
-        query = select(A.c.version, A.c.path).where(A.c.policy == policy, A.c.state == AdapterState.TRAINED.value)
+        trial takes one version at a time); (version, path) of those this call won.
+
+        Never one that ``Guards.discard_stale`` would discard (training paused, or its step began before the
+        policy's last rollback): it may have been recorded after the publisher's discard and before this claim.
+        """
+        began = func.coalesce(select(J.c.started_at).where(J.c.id == A.c.job_id).scalar_subquery(), A.c.created_at)
+        stale = exists().where(
+            P.c.name == A.c.policy, (P.c.training == TrainingState.PAUSED.value) | (began < P.c.rolled_back_at)
+        )
+        query = select(A.c.version, A.c.path).where(
+            A.c.policy == policy, A.c.state == AdapterState.TRAINED.value, ~stale
+        )
         query = query.order_by(A.c.version.desc()).limit(1) if newest_only else query.order_by(A.c.version)
         async with self._engine.begin() as conn:
             # Postgres: rows another replica is claiming are skipped.

@@ -92,6 +92,25 @@ async def test_the_trainer_goes_on_from_the_version_on_trial_and_after_a_rollbac
     assert [v for v, _ in await store.guards.discard_stale("agent")] == [3]
 
 
+async def test_a_step_begun_before_a_rollback_is_never_claimed_even_before_the_publisher_discards_it(
+    replicas: tuple[Store, Store],
+) -> None:
+    # The publisher discards such steps, then claims what is trained: two statements. A step recorded between
+    # them must not be claimed (published) by the second; it stays trained until the next discard.
+    store, other = replicas
+    await trained(store, 1)
+    trial = await store.trials.start("agent", await claimed(store, "a"), "a", 0.5)
+    assert isinstance(trial, dict)
+    assert await store.trials.roll_back(trial["id"], by="test", reason="worse", verdict=None)
+    await store.adapters.record("agent", 2, "/adapters/agent/2", None, {})  # began before the rollback, from @1
+    async with store.engine.begin() as conn:
+        await conn.execute(update(A).where(A.c.version == 2).values(created_at=time.time() - 60))
+    await store.adapters.record("agent", 3, "/adapters/agent/3", None, {})  # began after it
+
+    assert [v for v, _ in await other.adapters.claim_trained("agent", "b", 60)] == [3]
+    assert [v for v, _ in await store.guards.discard_stale("agent")] == [2]
+
+
 @pytest.mark.parametrize("fraction", [0.1, 0.5])
 async def test_a_trial_keeps_its_fraction_and_baseline(replicas: tuple[Store, Store], fraction: float) -> None:
     store, other = replicas
