@@ -100,7 +100,9 @@ class Adapters:
         Never one that ``Guards.discard_stale`` would discard (training paused, or its step began before the
         policy's last rollback): it may have been recorded after the publisher's discard and before this claim.
         """
-        began = func.coalesce(select(J.c.started_at).where(J.c.id == A.c.job_id).scalar_subquery(), A.c.created_at)
+        # correlate(A): the step's job, two levels down (auto-correlation reaches only the enclosing EXISTS)
+        job_began = select(J.c.started_at).where(J.c.id == A.c.job_id).correlate(A).scalar_subquery()
+        began = func.coalesce(job_began, A.c.created_at)
         stale = exists().where(
             P.c.name == A.c.policy, (P.c.training == TrainingState.PAUSED.value) | (began < P.c.rolled_back_at)
         )
