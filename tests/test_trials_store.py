@@ -24,6 +24,13 @@ async def trained(store: Store, version: int) -> None:
     await store.adapters.record("agent", version, f"/adapters/agent/{version}", None, {})
 
 
+async def recorded_as_begun_a_minute_ago(store: Store, version: int) -> None:
+    """A step that began a minute ago (before a rollback just made) records its adapter now."""
+    await store.adapters.record("agent", version, f"/adapters/agent/{version}", None, {})
+    async with store.engine.begin() as conn:
+        await conn.execute(update(A).where(A.c.version == version).values(created_at=time.time() - 60))
+
+
 async def claimed(store: Store, owner: str) -> int:
     (version, _), *_ = await store.adapters.claim_trained("agent", owner, 60, newest_only=True)
     return version
@@ -86,9 +93,7 @@ async def test_the_trainer_goes_on_from_the_version_on_trial_and_after_a_rollbac
     waiting = await store.adapters.get("agent", 2)
     assert waiting is not None and waiting["state"] == AdapterState.DISCARDED and "agent@1" in waiting["error"]
     # A step that began before the rollback, from @1, records after it: discarded when the publisher looks.
-    await store.adapters.record("agent", 3, "/adapters/agent/3", None, {})
-    async with store.engine.begin() as conn:
-        await conn.execute(update(A).where(A.c.version == 3).values(created_at=time.time() - 60))
+    await recorded_as_begun_a_minute_ago(store, 3)
     assert [v for v, _ in await store.guards.discard_stale("agent")] == [3]
 
 
@@ -102,9 +107,7 @@ async def test_a_step_begun_before_a_rollback_is_never_claimed_even_before_the_p
     trial = await store.trials.start("agent", await claimed(store, "a"), "a", 0.5)
     assert isinstance(trial, dict)
     assert await store.trials.roll_back(trial["id"], by="test", reason="worse", verdict=None)
-    await store.adapters.record("agent", 2, "/adapters/agent/2", None, {})  # began before the rollback, from @1
-    async with store.engine.begin() as conn:
-        await conn.execute(update(A).where(A.c.version == 2).values(created_at=time.time() - 60))
+    await recorded_as_begun_a_minute_ago(store, 2)  # began before the rollback, from @1
     await store.adapters.record("agent", 3, "/adapters/agent/3", None, {})  # began after it
 
     assert [v for v, _ in await other.adapters.claim_trained("agent", "b", 60)] == [3]
