@@ -78,8 +78,9 @@ class PolicyOverrides(BaseModel):
     # Rewards and the judge.
     reward_source: RewardSource | None = None
     reward_timeout_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    # One of the judges the operator configured (``Settings.judge_endpoints``): where it is served and with which
+    # key is the operator's to say (flags and environment), never a policy's.
     judge_model: str | None = Field(default=None, min_length=1, max_length=200)
-    judge_api_base: str | None = Field(default=None, pattern=r"^https?://", max_length=2000)
     judge_rubric: str | None = Field(default=None, min_length=1, max_length=_MAX_RUBRIC)
     judge_quiet_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     judge_idle_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
@@ -132,6 +133,16 @@ class PolicyOverrides(BaseModel):
         return dataclasses.replace(defaults, name=name, **given, sampling=self.sampling or defaults.sampling)
 
 
+def unconfigured_judge(model: str | None, endpoints: dict[str, str | None]) -> str | None:
+    """Why a policy may not choose ``model`` as its judge (None: it may): it must be one the operator configured
+    (``Settings.judge_endpoints``), so that an admin picks a judge but never where its requests and keys go."""
+    if model is None or model in endpoints:
+        return None
+    offered = ", ".join(sorted(endpoints)) or "none: the server's default judge only"
+    return (f"the judge model {model[:200]!r} is not one this server is configured with (tracetrain serve "
+            f"--judge-model, --judge); configured: {offered}")  # fmt: skip
+
+
 def _read_rubric(path: Path) -> str:
     try:
         text = path.expanduser().read_text(encoding="utf-8").strip()
@@ -163,7 +174,6 @@ class PolicySettings:
     reward_source: RewardSource
     reward_timeout_s: float | None
     judge_model: str | None
-    judge_api_base: str | None
     judge_rubric: str | None
     judge_quiet_s: float
     judge_idle_s: float

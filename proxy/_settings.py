@@ -18,7 +18,7 @@ from pydantic import AliasChoices, Field, SecretStr, field_validator, model_vali
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from proxy._otel_env import endpoint_from_env, traces_url
-from proxy._policy_config import PolicyOverrides, PolicySettings, SamplingDefaults
+from proxy._policy_config import PolicyOverrides, PolicySettings, SamplingDefaults, unconfigured_judge
 from store import POLICY_NAME_PATTERN, redact
 
 _PLACEHOLDER_SECRETS = frozenset(
@@ -152,7 +152,12 @@ class Settings(BaseSettings):
     # base model served by `upstream`, with no external key (see proxy.judge._service).
     judge_model: str | None = None
     # Where judge_model is served, when not at its provider's usual URL (an OpenAI-compatible gateway).
-    judge_api_base: str | None = None
+    judge_api_base: str | None = Field(default=None, pattern=r"^https?://", max_length=2000)
+    # Further judges a policy may choose as its judge_model (--policy-config, the admin API), beside judge_model:
+    # each `MODEL` (its provider's usual URL and key variable) or `MODEL=BASE_URL` (`--judge`, repeatable; env
+    # TRACETRAIN_JUDGES, comma-separated). Where a judge is served, and with which key, is only ever the operator's
+    # to say: the admin API names one of these models, never a URL (docs/OPERATIONS.md, "The judge").
+    judges: Annotated[tuple[tuple[str, str | None], ...], NoDecode] = ()
     # What makes a trajectory better than another; "@path" reads a file. Unset: a generic rubric.
     judge_rubric: str | None = None
     # A group is judged once it has group_size trajectories and none changed for judge_quiet_s,
@@ -288,6 +293,34 @@ class Settings(BaseSettings):
                 raise ValueError(f"--policy-key {name}=...: {name!r} is not a policy name")
         return values
 
+    @field_validator("judges", mode="before")
+    @classmethod
+    def _judge_pairs(cls, values: object) -> object:
+        """Each judge as ``MODEL`` or ``MODEL=BASE_URL`` (flags; the variable: comma-separated), or as a pair."""
+        if isinstance(values, str):
+            values = [part.strip() for part in values.split(",") if part.strip()]
+        if not isinstance(values, tuple | list):
+            return values
+        pairs = []
+        for item in values:
+            if isinstance(item, str):
+                model, sep, url = item.partition("=")
+                if not model.strip() or (sep and not url.strip()):
+                    raise ValueError("a judge is MODEL or MODEL=BASE_URL (a litellm model name, then its server's URL)")
+                item = (model.strip(), url.strip() or None)
+            pairs.append(item)
+        return tuple(pairs)
+
+    @field_validator("judges")
+    @classmethod
+    def _judge_urls(cls, values: tuple[tuple[str, str | None], ...]) -> tuple[tuple[str, str | None], ...]:
+        for model, url in values:
+            if url is not None and not url.startswith(("http://", "https://")):
+                raise ValueError(f"--judge {model}=...: the base URL must be http(s), got {redact(url)!r}")
+        if len({model for model, _ in values}) != len(values):
+            raise ValueError("a judge model is named twice in --judge")
+        return values
+
     @field_validator("judge_rubric")
     @classmethod
     def _rubric_from_file(cls, value: str | None) -> str | None:
@@ -320,6 +353,8 @@ class Settings(BaseSettings):
         for name, value in super().__repr_args__():
             if name in _URL_FIELDS and value is not None:
                 value = tuple(map(redact, value)) if isinstance(value, tuple) else redact(str(value))
+            elif name == "judges":
+                value = tuple((model, url and redact(url)) for model, url in value)
             yield name, value
 
     @property
@@ -357,6 +392,9 @@ class Settings(BaseSettings):
         unnamed = [name for name in self.policy_configs if name not in self.policies]
         if unnamed:
             raise ValueError(f"settings are given for {', '.join(unnamed)}, which --policy does not name")
+        for name, overrides in self.policy_configs.items():
+            if problem := unconfigured_judge(overrides.judge_model, self.judge_endpoints):
+                raise ValueError(f"--policy-config {name}: {problem}")
         return self
 
     @model_validator(mode="after")
@@ -381,6 +419,15 @@ class Settings(BaseSettings):
     def policy(self) -> str:
         """The first policy named: what a single-policy set-up calls *the* policy."""
         return self.policies[0]
+
+    @property
+    def judge_endpoints(self) -> dict[str, str | None]:
+        """The judges a policy may choose, model to base URL (None: its provider's usual one): ``judges`` and
+        ``judge_model`` at ``judge_api_base``. The default judge (no judge_model) is the base model upstream."""
+        endpoints = dict(self.judges)
+        if self.judge_model is not None:
+            endpoints[self.judge_model] = self.judge_api_base
+        return endpoints
 
     @property
     def judge_configured(self) -> bool:

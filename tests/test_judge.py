@@ -175,7 +175,7 @@ def test_a_valid_answer_is_returned_in_label_order() -> None:
         ('{"ratings": []}', "scores: Field required"),
         (answer(("t1", 1.0)), "no score for t2"),
         (answer(("t1", 1.0), ("t1", 0.5), ("t2", 0.0)), "t1 was scored more than once"),
-        (answer(("t1", 1.0), ("t2", 0.0), ("t3", 0.5)), "unknown id t3"),
+        (answer(("t1", 1.0), ("t2", 0.0), ("t3", 0.5)), "1 unknown id: score only t1, t2"),
         (answer(("t1", 1.5), ("t2", 0.0)), "less than or equal to 1"),
         (answer(("t1", -0.1), ("t2", 0.0)), "greater than or equal to 0"),
         ('{"scores": [{"id": "t1", "score": "high"}, {"id": "t2", "score": 0}]}', "valid number"),

@@ -57,6 +57,8 @@ def settings_from(args: argparse.Namespace) -> Any:
         "adapter_delivery": args.adapter_delivery,
         "reward_source": args.reward_source,
         "judge_model": args.judge_model,
+        "judge_api_base": args.judge_api_base,
+        "judges": tuple(args.judge) or None,
         "judge_rubric": args.judge_rubric,
         "langfuse": args.langfuse or None,  # unset: TRACETRAIN_LANGFUSE decides
         "otlp_endpoint": args.otlp_endpoint,

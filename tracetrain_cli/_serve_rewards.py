@@ -28,6 +28,21 @@ def add_reward_flags(p: argparse.ArgumentParser) -> None:
         "hosted_vllm/NAME (default: the base model vLLM serves, no key needed)",
     )
     p.add_argument(
+        "--judge-api-base",
+        metavar="URL",
+        help="where --judge-model is served, when not at its provider's usual URL (an OpenAI-compatible gateway); "
+        "env TRACETRAIN_JUDGE_API_BASE",
+    )
+    p.add_argument(
+        "--judge",
+        action="append",
+        default=[],
+        metavar="MODEL[=BASE_URL]",
+        help="a further judge a policy may choose as its judge_model (--policy-config, the admin API), at its "
+        "provider's usual URL with its usual key variable, or at BASE_URL; repeatable (env TRACETRAIN_JUDGES, "
+        "comma-separated). A policy names one of these or --judge-model, never a URL (docs/OPERATIONS.md)",
+    )
+    p.add_argument(
         "--judge-rubric",
         metavar="TEXT_OR_@FILE",
         help="what makes one trajectory better than another, as text or @path/to/rubric.md "

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from typing import Any, Protocol
 
-from proxy._policy_config import PolicyOverrides, policy_settings
+from proxy._policy_config import PolicyOverrides, policy_settings, unconfigured_judge
 from proxy._settings import Settings
 from proxy.errors import Conflict, InvalidRequest, NotFound
 from proxy.gateway import PolicyRegistry
@@ -104,6 +104,7 @@ async def add_policy(services: PolicySources, name: str, config: PolicyOverrides
     if row is not None and row["state"] == PolicyState.SERVING:
         raise Conflict(f"The policy '{name}' is served already; change its settings with PATCH /admin/policies/{name}.",
                        param="name", code="policy_exists")  # fmt: skip
+    _check_judge(services.settings, config)
     stored = config.stored() if config is not None else None
     added = await services.store.policies.add(name, services.registry.base_model or "", stored)
     await services.publisher.sync_once()  # served here before the answer; the other replicas within a second
@@ -113,10 +114,17 @@ async def add_policy(services: PolicySources, name: str, config: PolicyOverrides
 
 async def configure_policy(services: PolicySources, name: str, config: PolicyOverrides) -> dict[str, Any]:
     """Replace the settings ``name`` overrides (the server's apply to everything ``config`` leaves out)."""
+    _check_judge(services.settings, config)
     if not await services.store.policies.configure(name, config.stored()):
         raise _not_found(name)
     await services.publisher.sync_once()
     return await get_policy(services, name)
+
+
+def _check_judge(settings: Settings, config: PolicyOverrides | None) -> None:
+    """A policy's judge is one the operator configured: the admin API picks among them, never names a URL."""
+    if config is not None and (problem := unconfigured_judge(config.judge_model, settings.judge_endpoints)):
+        raise InvalidRequest(f"Invalid value for 'config.judge_model': {problem}.", param="config.judge_model")
 
 
 async def retire_policy(services: PolicySources, name: str) -> dict[str, Any]:

@@ -6,8 +6,9 @@ dropped connection or a 5xx is retried after an exponential backoff (``Retry-Aft
 honoured, capped); an invalid answer is retried at once with the error shown to the
 model; a provider refusing ``response_format`` is asked again without it; any other error
 (a bad key, an unknown model, a prompt too long) fails at once. After ``max_attempts``
-requests ``JudgeFailed`` says why. Nothing here writes to the store: that is
-``proxy.judge._service``.
+requests ``JudgeFailed`` says why, in a classified reason (the exception's kind, an HTTP status, a
+timeout, a refused connection, an answer that was not JSON): never the far end's body. Nothing here
+writes to the store: that is ``proxy.judge._service``.
 
 litellm is imported on first use only, in a worker thread: it takes seconds, which must
 not stall the proxy's event loop, and most proxies never judge.
@@ -16,16 +17,16 @@ not stall the proxy's event loop, and most proxies never judge.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
-import re
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from proxy.judge._prompt import InvalidJudgement, JudgePrompt, Score, parse_scores
-from store import redact
 
 _MAX_BACKOFF_S = 30.0
 
@@ -121,7 +122,7 @@ class Judge:
         # Providers raise litellm's exception types, but also httpx's, aiohttp's and their
         # SDK's: each is classified, none is swallowed silently (the reason is kept).
         except Exception as exc:
-            reason = _describe(exc)
+            reason = _describe(litellm, exc)
             if asking.use_format and _rejects_format(litellm, exc):
                 asking.use_format = False  # asked again at once, without response_format
                 raise _TryAgain(reason, back_off=False) from exc
@@ -244,14 +245,36 @@ def _add_usage(total: dict[str, int], response: Any) -> None:
             total[key] += value
 
 
-# Values of these environment variables never appear in a recorded error.
-_SECRET_ENV = re.compile(r"(API_KEY|_TOKEN|_SECRET|_PASSWORD)$")
+_NOT_JSON = "Empty or invalid response from LLM endpoint"
 
 
-def _describe(exc: Exception) -> str:
-    """A short, key-free reason for the record: ``RateLimitError: ...`` (a URL's password redacted too)."""
-    text = redact(f"{type(exc).__name__}: {exc}".replace("litellm.", ""))
-    for name, value in os.environ.items():
-        if len(value) >= 8 and _SECRET_ENV.search(name):
-            text = text.replace(value, "***")
-    return text[:1000]
+def _describe(litellm: Any, exc: Exception) -> str:
+    """A short reason for the record, classified (``RateLimitError: HTTP 429``, ``APIConnectionError: connection
+    refused``): never the exception's text, which carries the far end's body, and the far end may be any server."""
+    kind = type(exc).__name__
+    causes = _chain(exc)
+    if isinstance(exc, litellm.ContextWindowExceededError):
+        return f"{kind}: the prompt is longer than the judge model's context"
+    if isinstance(exc, litellm.Timeout | TimeoutError) or any(isinstance(c, TimeoutError) for c in causes):
+        return f"{kind}: timed out"
+    # litellm reports a body that is not JSON as a 500 of its own, saying so in its text (read, not repeated).
+    if any(isinstance(c, json.JSONDecodeError) for c in causes) or _NOT_JSON in str(exc):
+        return f"{kind}: the answer was not valid JSON"
+    if any(isinstance(c, ConnectionRefusedError) for c in causes):
+        return f"{kind}: connection refused"
+    if any(isinstance(c, socket.gaierror) for c in causes):
+        return f"{kind}: the host name did not resolve"
+    if isinstance(exc, litellm.APIConnectionError) or any(isinstance(c, OSError) for c in causes):
+        return f"{kind}: the connection failed"
+    status = _status(exc)
+    return f"{kind}: HTTP {status}" if status is not None else kind
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and what caused it, as far back as the chain goes (bounded: a cycle ends it)."""
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in chain and len(chain) < 20:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain

@@ -17,7 +17,9 @@ Each group is judged with its policy's settings (its reward source, judge model 
 The default judge is the base model vLLM serves (``hosted_vllm/<base model>`` at the
 proxy's upstream, no key needed): weak but free. Its requests go to vLLM directly, so
 they are never captured as the policy's trajectories. A stronger judge is one setting
-away: ``--judge-model openai/gpt-4o-mini`` with ``OPENAI_API_KEY`` in the environment.
+away: ``--judge-model openai/gpt-4o-mini`` with ``OPENAI_API_KEY`` in the environment. A policy may choose
+another judge only among those the operator configured (``--judge-model``, ``--judge``): the URL a judge's
+requests go to, and the key they carry, are never the admin API's to set.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from proxy._policy_config import PolicySettings, policy_settings
+from proxy._policy_config import PolicySettings, policy_settings, unconfigured_judge
 from proxy._settings import Settings
 from proxy.errors import Conflict, GroupNotFound
 from proxy.gateway import PolicyRegistry
@@ -99,8 +101,13 @@ class GroupJudge:
                 f"Group '{group_id}' is {group.state}: its rewards are fixed once a training job took it.",
                 param="group_id",
             )
-        model, api_base = self._model(policy)
         prompt = build_prompt(group.trajectories, policy.judge_rubric or DEFAULT_RUBRIC)
+        try:
+            model, api_base = self._model(policy)
+        except _Unconfigured as exc:
+            row = _new_row(group.policy, group, "judge" if as_rewards else source, trigger, policy.judge_model or "",
+                           "", started)  # fmt: skip
+            return await self._record_failure(row, str(exc), attempts=0)
         row = _new_row(group.policy, group, "judge" if as_rewards else source, trigger, model,
                        prompt.cache_key(model) if model else "", started)  # fmt: skip
         if not model:
@@ -144,13 +151,19 @@ class GroupJudge:
         return _Group(group_id, stored.state, texts, stored.policy)
 
     def _model(self, policy: PolicySettings) -> tuple[str, str | None]:
-        """The litellm model name and its api_base; ("", None) while the default judge is unknown."""
+        """The litellm model name and its api_base; ("", None) while the default judge is unknown.
+
+        Raises ``_Unconfigured`` for a model the operator did not configure (a policy's stored settings from before
+        it was taken off the server's list): no request leaves for a URL or with a key nobody chose."""
         model = policy.judge_model
-        if model is None:
+        if model is None:  # the default judge: the base model, at the proxy's upstream
             if self._registry.base_model is None:
                 return "", None
-            model = f"hosted_vllm/{self._registry.base_model}"
-        api_base = policy.judge_api_base
+            return f"hosted_vllm/{self._registry.base_model}", self._settings.upstream
+        endpoints = self._settings.judge_endpoints
+        if problem := unconfigured_judge(model, endpoints):
+            raise _Unconfigured(problem)
+        api_base = endpoints[model]
         if api_base is None and model.startswith("hosted_vllm/"):
             api_base = self._settings.upstream
         return model, api_base
@@ -177,6 +190,10 @@ class GroupJudge:
             row["usage"] = usage
         row["id"] = await self._store.judgements.record(row)
         return judgement_view(row)
+
+
+class _Unconfigured(Exception):
+    """The policy's judge is not one the operator configured; the message says which are."""
 
 
 def _new_row(

@@ -267,14 +267,15 @@ def parse_scores(content: str | None, labels: Sequence[str]) -> list[Score]:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "the answer"
         raise InvalidJudgement(f"{where}: {first['msg']}") from exc
+    # The ids named back are ours only: whatever else the answer holds is never repeated (it is recorded).
+    unknown = len({score.id for score in answer.scores} - set(labels))
+    if unknown:
+        raise InvalidJudgement(f"{unknown} unknown id{'s' if unknown > 1 else ''}: score only {', '.join(labels)}")
     by_id: dict[str, Score] = {}
     for score in answer.scores:
         if score.id in by_id:
             raise InvalidJudgement(f"the id {score.id} was scored more than once")
         by_id[score.id] = score
-    unknown = sorted(by_id.keys() - set(labels))
-    if unknown:
-        raise InvalidJudgement(f"unknown id {', '.join(unknown)}")
     missing = [label for label in labels if label not in by_id]
     if missing:
         raise InvalidJudgement(f"no score for {', '.join(missing)}")
