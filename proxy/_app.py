@@ -11,6 +11,7 @@ from starlette.types import Receive, Scope, Send
 
 from proxy._services import build_services
 from proxy._settings import Settings
+from proxy._throttle import LoginThrottle
 from proxy.api import GENERATION_PATHS, ROUTERS, Door, add_error_handlers, serve_generation
 from proxy.observability import Metrics
 
@@ -27,11 +28,12 @@ def create_app(
     (``--share-gpu``), with the reason: ``tracetrain serve`` restarts its vLLM child then.
     """
     metrics = Metrics()  # the app's own registry, alive as long as the app
+    throttle = LoginThrottle()  # wrong admin tokens per address, counted alike by the door and the routes
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with build_services(
-            settings, metrics, transport=transport, on_upstream_stuck=on_upstream_stuck
+            settings, metrics, transport=transport, on_upstream_stuck=on_upstream_stuck, throttle=throttle
         ) as services:
             app.state.services = services
             yield
@@ -42,7 +44,7 @@ def create_app(
         version="0.1.0",
         lifespan=lifespan,
     )
-    app.door = Door(settings, metrics)
+    app.door = Door(settings, metrics, throttle)
     for router in ROUTERS:
         app.include_router(router)
     add_error_handlers(app)

@@ -24,8 +24,10 @@ The dashboard and the admin API (``AdminAuth``) have two ways in, both checked i
 
 Logging out ends the session on the server too: its nonce is written to the store
 (``store.Sessions``), which every replica asks before it accepts a session, and ``revoke_all``
-ends every session issued so far. A wrong admin token costs its sender one of a few attempts
-(``proxy._throttle``); past them it is answered 429 with ``Retry-After``, right token or wrong.
+ends every session issued so far. A wrong credential wherever the admin token is accepted (the admin
+API, the login form, the adapter files, a protected ``/metrics``) costs its sender one of a few
+attempts (``proxy._throttle``); past them a wrong one is answered 429 with ``Retry-After``, and the
+right token is still admitted (one address may be every client behind a reverse proxy).
 Credentials that are not ASCII (a cookie or header a browser or script mangled) are compared as
 bytes: they fail like any wrong credential, never as a server error.
 
@@ -86,11 +88,15 @@ def presented_token(request: Request) -> str | None:
 class Credentials:
     """The keys and the admin token of one app; raises ``AuthenticationFailed`` (401) or ``PermissionDenied`` (403)."""
 
-    def __init__(self, settings: Settings, sessions: Sessions | None = None) -> None:
+    def __init__(
+        self, settings: Settings, sessions: Sessions | None = None, *, throttle: LoginThrottle | None = None
+    ) -> None:
         self._inference = settings.api_keys
         self._reward = settings.reward_keys
         self._adapter = settings.adapter_keys
-        self.admin = AdminAuth(settings.admin_token, loopback=is_loopback(settings.host), sessions=sessions)
+        self.admin = AdminAuth(
+            settings.admin_token, loopback=is_loopback(settings.host), sessions=sessions, throttle=throttle
+        )
 
     def inference(self, request: Request) -> None:
         _check_key(request, self._inference, "inference key")
@@ -110,7 +116,12 @@ class Credentials:
         presented = presented_token(request)
         if presented is not None and self.admin.token_matches(presented):
             return
-        _check_key(request, self._adapter, "adapter key")
+        try:
+            _check_key(request, self._adapter, "adapter key")
+        except AuthenticationFailed:
+            if presented is not None or request.headers.get("x-api-key") is not None:
+                self.admin.failed(request)  # a guess at the admin token too: throttled as one (429 past the burst)
+            raise
 
     def metadata_reader(self, request: Request) -> None:
         """``--protect-metrics-and-docs``: the admin token, or a reward key, as a bearer token."""
@@ -119,6 +130,8 @@ class Credentials:
             return
         if presented is not None and any(_same(presented, key.get_secret_value()) for key in self._reward):
             return
+        if presented is not None:
+            self.admin.failed(request)  # a guess at the admin token: throttled as one (429 past the burst)
         raise AuthenticationFailed(
             "This server's metrics and API docs need 'Authorization: Bearer <admin token or reward key>'."
         )
@@ -146,11 +159,19 @@ def _same(presented: str, expected: str) -> bool:
 class AdminAuth:
     """Checks admin credentials; one per app (its key outlives no token change)."""
 
-    def __init__(self, admin_token: SecretStr | None, *, loopback: bool, sessions: Sessions | None = None) -> None:
+    def __init__(
+        self,
+        admin_token: SecretStr | None,
+        *,
+        loopback: bool,
+        sessions: Sessions | None = None,
+        throttle: LoginThrottle | None = None,
+    ) -> None:
         self._token = admin_token.get_secret_value() if admin_token else None
         self._loopback = loopback
         self._sessions = sessions  # the store's revoked sessions (None: no store, as the front door's checks)
-        self.throttle = LoginThrottle()
+        # One per app, shared with the front door (its protected /metrics): a guess counts wherever it is made.
+        self.throttle = throttle if throttle is not None else LoginThrottle()
         # Open mode signs CSRF tokens with a key that lives as long as the process.
         base = self._token.encode() if self._token else secrets.token_bytes(32)
         self._key = hmac.new(base, b"tracetrain admin session v1", hashlib.sha256).digest()
@@ -164,17 +185,23 @@ class AdminAuth:
         return self._token is not None and _same(presented, self._token)
 
     def log_in(self, request: Request, presented: str) -> bool:
-        """Whether ``presented`` is the admin token; ``TooManyRequests`` once this address failed too often."""
+        """Whether ``presented`` is the admin token (the right one is always admitted); a wrong one is
+        ``TooManyRequests`` once this address sent too many (``failed``)."""
+        if self.token_matches(presented):
+            return True
+        self.failed(request)
+        return False
+
+    def failed(self, request: Request) -> None:
+        """The request's address sent a wrong credential: one attempt fewer, or ``TooManyRequests`` when it has
+        none left (the attempt is not counted then: waiting out ``Retry-After`` is enough)."""
         address = request.client.host if request.client else ""
         wait_s = self.throttle.wait_s(address)
         if wait_s:
             raise TooManyRequests(
                 f"Too many wrong admin tokens from this address: try again in {wait_s} s.", retry_after_s=wait_s
             )
-        if self.token_matches(presented):
-            return True
         self.throttle.failed(address)
-        return False
 
     def new_session(self, now: float | None = None) -> str:
         """A cookie value for a successful login: ``expires_ms.nonce.signature``."""

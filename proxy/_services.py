@@ -26,6 +26,7 @@ from proxy._credentials import Credentials
 from proxy._periodic import every
 from proxy._policy_keys import PolicyKeys
 from proxy._settings import Settings
+from proxy._throttle import LoginThrottle
 from proxy.admin import TokenTexts
 from proxy.errors import UpstreamError
 from proxy.gateway import Forwarder, Gate, Keyer, PolicyRegistry, Served, Signer, Upstream
@@ -74,6 +75,7 @@ async def build_services(
     *,
     transport: httpx.AsyncBaseTransport | None = None,
     on_upstream_stuck: Callable[[str], None] | None = None,
+    throttle: LoginThrottle | None = None,
 ) -> AsyncIterator[Services]:
     """Every service of one app, running until the block ends (see the module's docstring)."""
     async with AsyncExitStack() as stack:
@@ -113,7 +115,8 @@ async def build_services(
                         signer=Signer.for_server(settings.data_dir, admin_token))  # fmt: skip
         forwarder = Forwarder(router, store, keyer, registry, metrics, exporters, gate, served)
         yield Services(
-            settings, Credentials(settings, store.sessions), PolicyKeys(settings), store, router.upstreams[0], router,
+            settings, Credentials(settings, store.sessions, throttle=throttle), PolicyKeys(settings), store,
+            router.upstreams[0], router,
             registry, keyer, forwarder, scheduler, publisher, canary, metrics, TokenTexts(router.upstreams[0]),
             judging, exporters=exporters, handover=handover, disk=disk,
         )  # fmt: skip

@@ -178,6 +178,10 @@ class Settings(BaseSettings):
     max_connections: int = Field(default=1024, ge=1)
     header_timeout_s: float = Field(default=15.0, gt=0, allow_inf_nan=False)
     body_timeout_s: float = Field(default=60.0, gt=0, allow_inf_nan=False)
+    # The reverse proxies (addresses or networks) whose X-Forwarded-For / -Proto name the client: the log-in
+    # throttle counts per client address (proxy._throttle). Empty: the connection's peer is the client, whatever
+    # a header says (uvicorn alone would believe any loopback sender). `--forwarded-allow-ips`, comma-separated.
+    forwarded_allow_ips: Annotated[tuple[str, ...], NoDecode] = ()
 
     # Credentials. Inference keys authorize /v1 generation calls, reward keys /v1/rewards; both for every policy.
     api_keys: Secrets = ()
@@ -248,12 +252,24 @@ class Settings(BaseSettings):
     def _otlp_traces_url(cls, value: str | None) -> str | None:
         return traces_url(value)
 
-    @field_validator("api_keys", "reward_keys", "adapter_keys", "upstreams", "policies", mode="before")
+    @field_validator("api_keys", "reward_keys", "adapter_keys", "upstreams", "policies", "forwarded_allow_ips",
+                     mode="before")  # fmt: skip
     @classmethod
     def _split_keys(cls, value: object) -> object:
         if isinstance(value, str):
             return tuple(part.strip() for part in value.split(",") if part.strip())
         return value
+
+    @field_validator("forwarded_allow_ips")
+    @classmethod
+    def _proxy_addresses(cls, values: tuple[str, ...]) -> tuple[str, ...]:
+        for value in values:
+            if value != "*":
+                try:
+                    ipaddress.ip_network(value, strict=False)
+                except ValueError:
+                    raise ValueError(f"--forwarded-allow-ips: {value[:100]!r} is not an address or a network") from None
+        return values
 
     @field_validator("policies")
     @classmethod

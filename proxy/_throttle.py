@@ -1,13 +1,23 @@
-"""Failed log-ins, throttled per client address: guessing the admin token costs time.
+"""Failed log-ins, throttled per client address: guessing the admin token costs time, never its owner access.
 
 Each address holds a bucket of ``burst`` attempts that refills one every ``refill_s`` seconds.
-A wrong admin token (a login form, an ``Authorization: Bearer`` on the admin API) takes one; an
-address whose bucket is empty is refused, right token or wrong, until one is back (429 with
-``Retry-After``, ``proxy._credentials``). Five attempts, then one every twelve seconds: a person
-who mistyped waits seconds, a guesser gets five tries a minute. The buckets live in this process
-(a replica throttles what reaches it) and are bounded: full ones are forgotten, and past
-``max_addresses`` the longest-quiet address goes first. Behind a reverse proxy every client has
-the proxy's address, so one guesser slows every log-in there; that is the safe side.
+A wrong credential where the admin token is one of the answers (a login form, an ``Authorization:
+Bearer`` on the admin API, the adapter files, a protected ``/metrics``) takes one; once an address's
+bucket is empty its wrong ones are refused (429 with ``Retry-After``, ``proxy._credentials``) until one
+is back. Five attempts, then one every twelve seconds.
+
+The right token is always admitted, throttled address or not: behind a reverse proxy or a load balancer
+every client has one address, and a throttle that refused the right token there would let anyone who
+reaches the admin API lock its owner out. So the throttle cannot stop a guesser that reads 200 from
+429 (nothing can, without refusing the owner); the token's length does (16 characters at least, 43 when
+``serve`` makes it: no online guessing gets near). What the throttle does is keep a guesser's wrong
+attempts answered cheaply and slowly to anyone that waits for each answer (the login form, a script),
+and show up in the answers as 429s.
+
+The address is the connection's peer, or the client a reverse proxy names in ``X-Forwarded-For`` when
+that proxy is one ``--forwarded-allow-ips`` names (``tracetrain_cli._http_server``); no other sender can
+rotate it. The buckets live in this process (a replica throttles what reaches it) and are bounded: full
+ones are forgotten, and past ``max_addresses`` the longest-quiet address goes first.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ first byte (``header_timeout_s``), and one for its body, counted from the end of
 and a request line plus headers of more than 64 KiB is answered 431. ``max_connections`` bounds the
 connections and requests served at once: a request past it is answered 503 (uvicorn's
 ``limit_concurrency``). The body's size is the app's to bound (``--max-body-mb``, ``proxy.api._door``: 413
-from the ``Content-Length``, before the body is read). All of them: docs/OPERATIONS.md.
+from the ``Content-Length``, before the body is read). ``X-Forwarded-For`` is believed only from the proxies
+``forwarded_allow_ips`` names (none by default). All of them: docs/OPERATIONS.md.
 
 A connection answered and closed before its request was read whole (the 431, the 413, a 503, any
 ``Connection: close`` answer to a request still arriving) closes as HTTP servers close it, lingering:
@@ -179,4 +180,8 @@ def server_config(app: Any, settings: Settings, *, log_level: str = "info", loop
         log_level=log_level,
         access_log=False,
         timeout_graceful_shutdown=30,
+        # X-Forwarded-For names the client only when the operator named the proxy that sent it: uvicorn's default
+        # believes any loopback sender, which would let a local process pick its address (and dodge the throttle).
+        proxy_headers=bool(settings.forwarded_allow_ips),
+        forwarded_allow_ips=list(settings.forwarded_allow_ips) or None,
     )

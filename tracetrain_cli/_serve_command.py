@@ -83,6 +83,7 @@ def settings_from(args: argparse.Namespace) -> Any:
         "header_timeout_s": args.header_timeout,
         "body_timeout_s": args.body_timeout,
         "seat_timeout_s": args.seat_timeout,
+        "forwarded_allow_ips": args.forwarded_allow_ips,
         "protect_metrics_and_docs": args.protect_metrics_and_docs,  # unset: TRACETRAIN_PROTECT_METRICS_AND_DOCS
     }
     try:

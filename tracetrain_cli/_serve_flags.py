@@ -304,6 +304,14 @@ def _add_door_flags(p: argparse.ArgumentParser) -> None:
         help="/metrics, /docs, /redoc and /openapi.json then need 'Authorization: Bearer' with the admin token or a "
         "reward key (default: open, like /healthz)",
     )
+    p.add_argument(
+        "--forwarded-allow-ips",
+        metavar="IPS",
+        help="the reverse proxies (addresses or networks, comma-separated, e.g. 172.28.0.0/16) whose "
+        "X-Forwarded-For and X-Forwarded-Proto are believed: a request from one of them counts as its client's "
+        "(the admin log-in throttle, the Secure cookie). Default: none, not even loopback; env "
+        "TRACETRAIN_FORWARDED_ALLOW_IPS (docs/OPERATIONS.md)",
+    )
 
 
 def _add_retention_flags(p: argparse.ArgumentParser) -> None:

@@ -32,6 +32,7 @@ from starlette.types import Message, Receive, Scope
 
 from proxy._credentials import Credentials
 from proxy._settings import Settings
+from proxy._throttle import LoginThrottle
 from proxy.errors import BodyTooLarge, PermissionDenied, ProxyError, error_response
 from proxy.gateway.dialects import MESSAGES
 from proxy.observability import Metrics
@@ -44,12 +45,12 @@ _FOREIGN_SITES = frozenset({b"cross-site", b"same-site"})
 class Door:
     """The checks of the module's docstring, built once per app from its settings."""
 
-    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics, throttle: LoginThrottle | None = None) -> None:
         self._max_body = settings.max_body_bytes
         self._browsers_refused = not settings.api_keys
         self._bound = settings.host.lower().encode()
         self._protected = _PROTECTED if settings.protect_metrics_and_docs else frozenset()
-        self._credentials = Credentials(settings)
+        self._credentials = Credentials(settings, throttle=throttle)  # the app's throttle: one count per address
         self._metrics = metrics
 
     def check(self, scope: Scope, receive: Receive) -> tuple[Response | None, Receive]:
