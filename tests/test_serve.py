@@ -152,3 +152,40 @@ async def test_serve_starts_vllm_trains_publishes_and_survives_a_vllm_crash(tmp_
     assert code == 0, log
     assert "Traceback" not in log
     assert gone_soon(restarted, 30), "serve left vLLM running"
+
+
+def modes_under(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_mode & 0o777 for p in [root, *root.rglob("*")]}
+
+
+async def test_serve_keeps_the_store_and_everything_it_writes_to_its_user(tmp_path: Path, fake: FakeVLLM) -> None:
+    port = free_port()
+    serve = start_serve(tmp_path, port, "--upstream", f"{fake.url}/v1", "--no-train")
+    try:
+        await serve.wait_for_output(READY, timeout_s=120)
+        assert ask(port, "t-private").choices[0].message.content == "echo: ping"  # a record: the WAL holds it
+        data = tmp_path / "data"
+        modes = modes_under(data)
+        assert {"tracetrain.db", "tracetrain.db-wal", "tracetrain.db-shm", "admin-token"} <= modes.keys(), modes
+    finally:
+        assert serve.stop(grace_s=30) == 0, serve.log_path.read_text()
+    opened = {name: oct(mode) for name, mode in modes.items() if mode & 0o077}
+    assert modes["."] == 0o700 and not opened, opened
+
+
+async def test_serve_leaves_an_existing_data_directory_as_it_is_and_warns_when_others_can_read_it(
+    tmp_path: Path, fake: FakeVLLM
+) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    data.chmod(0o755)
+    port = free_port()
+    serve = start_serve(tmp_path, port, "--upstream", f"{fake.url}/v1", "--no-train")
+    try:
+        await serve.wait_for_output(READY, timeout_s=120)
+    finally:
+        assert serve.stop(grace_s=30) == 0
+    log = serve.log_path.read_text()
+    assert f"{data} is open to other users (mode 755)" in log, log
+    assert data.stat().st_mode & 0o777 == 0o755
+    assert (data / "tracetrain.db").stat().st_mode & 0o777 == 0o600

@@ -138,9 +138,10 @@ def run_serve(args: argparse.Namespace) -> int:
         model_dir = _model_dir(args, settings.data_dir)
         print(render_plan(device_plan(args, pick_device(args.device), model_dir, kept_loaded(settings))))
         return 0
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    keep_private(settings.data_dir)
     if settings.admin_token is None:
         settings = settings.model_copy(update={"admin_token": _admin_token(settings.data_dir)})
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check otherwise
     device = pick_device(args.device)
     _refuse_missing_extras(args, device)
@@ -277,6 +278,29 @@ def _with_adapter_resolver(settings: Any, launch: Any) -> tuple[Any, Any]:
 def _model_dir(args: argparse.Namespace, data_dir: Path) -> Path | None:
     """The base model's directory (pulled on first use), unless nothing here needs it."""
     return resolve_model_dir(args.model, data_dir) if args.upstream is None or not args.no_train else None
+
+
+def keep_private(data_dir: Path) -> None:
+    """What ``serve`` and the children it starts (vLLM, the trainer) write is their user's alone.
+
+    The store holds every captured prompt and reply, rewards and reviewers' notes; adapters and logs say as much.
+    So the file mode creation mask is 077 from here on (inherited by the children): the SQLite database with its
+    -wal and -shm, adapters, logs, every directory made, owner-only. The data directory is made 0700; one that
+    exists keeps its mode (the operator may share it on purpose), with a warning when others can reach it, as
+    for its adapters and logs directories.
+    """
+    os.umask(0o077)
+    for path in (data_dir, data_dir / "adapters", data_dir / "logs"):
+        try:
+            mode = path.stat().st_mode & 0o777
+        except FileNotFoundError:
+            continue
+        if mode & 0o077:
+            logging.getLogger("tracetrain.serve").warning(
+                "%s is open to other users (mode %o): what it holds (captured calls, rewards, adapters, logs) may be "
+                "read by them; chmod 700 %s unless that is meant", path, mode, path,
+            )  # fmt: skip
+    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
 
 
 def _admin_token(data_dir: Path) -> SecretStr:
