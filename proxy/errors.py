@@ -310,6 +310,15 @@ def from_store_error(exc: store.StoreError) -> ProxyError:
     return StoreUnavailable(f"the store failed: {store.redact(str(exc))}")
 
 
+def database_failure(exc: BaseException, doing: str) -> ProxyError:
+    """A database failure no store method translated, as a 503: a full disk told once in the log (``store.FULL_DISK``),
+    anything else a line each time (never a traceback and a 500, which would end the client's connection)."""
+    error = store.store_error_of(exc, doing)
+    if not isinstance(error, store.StoreFull):
+        log.warning("%s: %s", error, store.redact(str(exc)).splitlines()[0] if str(exc) else "")
+    return from_store_error(error)
+
+
 class _StoreErrors:
     """A class, not a generator: it is entered on every call's path (keying, recording)."""
 
@@ -343,9 +352,14 @@ def error_response(
 
 
 def server_error_response() -> Response:
-    """What the client gets for an error the proxy did not expect (its detail goes to the log)."""
+    """What the client gets for an error the proxy did not expect (its detail goes to the log).
+
+    The server closes the connection after it (an unexpected error ends it, ``proxy.api._handlers``): the
+    answer says so, or a client that keeps connections alive would send its next call down a closed one and
+    see it reset, a call lost for another's error."""
     body = error_body("The proxy failed unexpectedly; the error is in its log.", "server_error")
-    return Response(orjson.dumps(body), status_code=500, media_type="application/json")
+    return Response(orjson.dumps(body), status_code=500, media_type="application/json",
+                    headers={"Connection": "close"})  # fmt: skip
 
 
 def response_for(exc: Exception, method: str, path: str) -> Response:

@@ -11,6 +11,7 @@ from store._batch import CallWrite
 from store._compact import COMPACT_COLUMNS
 from store._engine import connect
 from store._errors import (
+    DRIVER_ERRORS,
     RecordRefused,
     SchemaTooNew,
     StoreError,
@@ -19,9 +20,11 @@ from store._errors import (
     TransitionRefused,
     UnknownTrajectories,
     is_disk_full,
+    store_error_of,
 )
 from store._evaluations import EVALUATION_FIELDS, Evaluations
 from store._export import ExportFilter, ExportPage, ExportReads, RewardSummary
+from store._full_disk import FULL_DISK
 from store._guard import TRAINING_FIELDS, Guards
 from store._jobs import JOB_FIELDS, Jobs, RewardedTrajectory, StoredCall
 from store._judgements import JUDGEMENT_STATES, DueRule, GroupCalls, GroupChanged, Judgements
@@ -50,8 +53,10 @@ from store._trials import TRIAL_FIELDS, ArmTotals, GroupArms, Trials
 __all__ = [
     "ADAPTER_FIELDS",
     "COMPACT_COLUMNS",
+    "DRIVER_ERRORS",
     "EVALUATION_FIELDS",
     "FILE_NAME_PATTERN",
+    "FULL_DISK",
     "GROUP_VIEW_STATES",
     "JOB_FIELDS",
     "JUDGEMENT_STATES",
@@ -113,5 +118,6 @@ __all__ = [
     "connect",
     "is_disk_full",
     "redact",
+    "store_error_of",
     "without_userinfo",
 ]

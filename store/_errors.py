@@ -18,6 +18,8 @@ from contextlib import contextmanager
 
 from sqlalchemy.exc import InterfaceError, OperationalError
 
+from store._full_disk import FULL_DISK
+
 
 class StoreError(Exception):
     """Base of the store's errors."""
@@ -58,6 +60,11 @@ class RecordRefused(StoreError):
     """One call's record cannot be written, however often it is tried; the calls beside it are written."""
 
 
+# What the database drivers raise when the database itself fails (gone, locked, its disk full).
+DRIVER_ERRORS: tuple[type[Exception], ...] = (OperationalError, InterfaceError, sqlite3.OperationalError)
+_FAILURES: tuple[type[Exception], ...] = (*DRIVER_ERRORS, OSError)
+
+
 @contextmanager
 def database_errors(doing: str) -> Iterator[None]:
     """The database's own failures inside the block as the store's: ``StoreFull`` for a full disk, else
@@ -66,10 +73,17 @@ def database_errors(doing: str) -> Iterator[None]:
         yield
     except StoreError:
         raise
-    except (OperationalError, InterfaceError, sqlite3.OperationalError, OSError) as exc:
-        if is_disk_full(exc):
-            raise StoreFull(f"could not {doing}, the store's disk is full") from exc
-        raise StoreUnavailable(f"could not {doing}: {type(exc).__name__}") from exc
+    except _FAILURES as exc:
+        raise store_error_of(exc, doing) from exc
+
+
+def store_error_of(exc: BaseException, doing: str) -> StoreUnavailable:
+    """A database failure as the store's error: ``StoreFull`` for a full disk (told once in the log: ``FULL_DISK``),
+    else ``StoreUnavailable``; ``doing`` says what failed."""
+    if is_disk_full(exc):
+        FULL_DISK.failed(doing, exc)
+        return StoreFull(f"could not {doing}, the store's disk is full")
+    return StoreUnavailable(f"could not {doing}: {type(exc).__name__}")
 
 
 class UnknownTrajectories(StoreError):

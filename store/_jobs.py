@@ -28,6 +28,7 @@ from sqlalchemy import and_, case, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from store._compact import expand
+from store._errors import database_errors
 from store._gpu_handover import GpuHandovers
 from store._lifecycle import GpuHandover, GroupState, JobState, PolicyState, move
 from store._tables import adapters as A
@@ -98,14 +99,15 @@ class Jobs(GpuHandovers):
     async def create(self, policy: str, group_ids: Sequence[str]) -> int | None:
         """A queued job over ``group_ids``, which move to ``training``; None if another replica took one first."""
         try:
-            async with self._engine.begin() as conn:
-                job = insert(J).values(policy=policy, state=JobState.QUEUED.value, group_ids=list(group_ids),
-                                       metrics={}, progress=0.0, created_at=time.time())  # fmt: skip
-                job_id = int((await conn.execute(job.returning(J.c.id))).scalar_one())
-                taken = await move(conn, G, G.c.id.in_(list(group_ids)), GroupState.OPEN, GroupState.TRAINING,
-                                   job_id=job_id)  # fmt: skip
-                if taken != len(group_ids):
-                    raise _TakenMeanwhile  # rolls the job back with the groups it did take
+            with database_errors("create a training job"):
+                async with self._engine.begin() as conn:
+                    job = insert(J).values(policy=policy, state=JobState.QUEUED.value, group_ids=list(group_ids),
+                                           metrics={}, progress=0.0, created_at=time.time())  # fmt: skip
+                    job_id = int((await conn.execute(job.returning(J.c.id))).scalar_one())
+                    taken = await move(conn, G, G.c.id.in_(list(group_ids)), GroupState.OPEN, GroupState.TRAINING,
+                                       job_id=job_id)  # fmt: skip
+                    if taken != len(group_ids):
+                        raise _TakenMeanwhile  # rolls the job back with the groups it did take
         except _TakenMeanwhile:
             return None
         return job_id

@@ -37,7 +37,7 @@ from store._batch import CallWrite
 from store._compact import Chains
 from store._derived import Seat, join_task_group, release_seats, release_stale_seats
 from store._engine import connect, sqlite_sync_engine
-from store._errors import RecordRefused, StoreUnavailable, database_errors
+from store._errors import RecordRefused, StoreFull, StoreUnavailable, database_errors
 from store._evaluations import Evaluations
 from store._export import ExportReads
 from store._guard import Guards
@@ -198,6 +198,8 @@ class Store:
         try:
             with database_errors("give back stale seats"):
                 return await release_stale_seats(self.engine, older_than_s)
+        except StoreFull:  # the log tells a full disk once (store._full_disk); the next sweep tries again
+            return 0
         except StoreUnavailable as exc:
             log.warning("%s; the next sweep tries again", exc)
             return 0

@@ -41,6 +41,7 @@ from tenacity import Retrying, before_sleep_log, retry_if_exception, stop_after_
 from store._batch import CallWrite, write_batch, write_batch_sqlite
 from store._derived import Seat, release_seats, release_seats_sqlite, seat_all_sqlite
 from store._errors import RecordRefused, StoreFull, StoreUnavailable, is_disk_full
+from store._full_disk import FULL_DISK
 from store._redact import redact
 
 log = logging.getLogger("tracetrain.store")
@@ -66,6 +67,14 @@ def _database_down(error: BaseException) -> bool:
     if isinstance(error, OperationalError | InterfaceError) or getattr(error, "connection_invalidated", False):
         return True
     return isinstance(error, sqlite3.OperationalError | OSError | ConnectionError)
+
+
+def _write_failed(doing: str, error: BaseException) -> None:
+    """A failed write in the log: a full disk once per episode (``store._full_disk``), anything else each time."""
+    if is_disk_full(error):
+        FULL_DISK.failed(doing, error)
+    else:
+        log.error("could not write to the store (%s): %s", doing, redact(str(error)))
 
 
 def _settle(done: asyncio.Future[Any], result: Any, error: Exception | None) -> None:
@@ -132,9 +141,11 @@ class GroupCommitWriter:
         if self._here_conn is None or self._busy or not self._pending.empty():
             return _QUEUE
         try:
-            return commit(self._here_conn.driver_connection, [item])
+            result = commit(self._here_conn.driver_connection, [item])
         except sqlite3.Error:  # locked, or worse: the thread's way retries and reports it
             return _QUEUE
+        FULL_DISK.succeeded()
+        return result
 
     def record_nowait(self, write: CallWrite) -> None:
         """Queue a call without waiting (its client is gone; nobody waits for the answer)."""
@@ -201,12 +212,13 @@ class GroupCommitWriter:
                 with attempt:
                     results = commit(items)
             outcomes = [(results[i] if results else None, None) for i in range(len(batch))]
+            FULL_DISK.succeeded()
         except Exception as exc:
             if len(batch) > 1 and not _database_down(exc):
                 log.warning("a batch of %d items failed (%s); writing them one by one", len(batch), redact(str(exc)))
                 outcomes = self._one_by_one(commit, items)
             else:
-                log.error("could not write %d items to the store: %s", len(batch), redact(str(exc)))
+                _write_failed(f"writing {len(batch)} items", exc)
                 outcomes = [(None, exc)] * len(batch)
         self._release_failed_seats(items, outcomes)
         if last:
@@ -224,7 +236,7 @@ class GroupCommitWriter:
             try:
                 results = commit([item])
             except Exception as exc:
-                log.error("could not write an item to the store: %s", redact(str(exc)))
+                _write_failed("writing an item", exc)
                 if _database_down(exc):
                     return outcomes + [(None, exc)] * (len(items) - i)
                 outcomes.append((None, exc))
@@ -250,7 +262,8 @@ class GroupCommitWriter:
             else:
                 released = asyncio.run_coroutine_threadsafe(release_seats(self._engine, seated), self._loop).result()
         except Exception as exc:
-            log.warning("could not give back %d seats now (the sweep will): %s", len(seated), redact(str(exc)))
+            if not is_disk_full(exc):  # a full disk is already told (FULL_DISK); the sweep gives them back later
+                log.warning("could not give back %d seats now (the sweep will): %s", len(seated), redact(str(exc)))
             return
         if released:
             log.info("gave back %d seats of calls that could not be recorded", released)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import os
 import sqlite3
 import subprocess
@@ -20,7 +21,7 @@ from sqlalchemy import insert, select, update
 from sqlalchemy.exc import OperationalError
 from test_trainer_worker import A, G, J, fetch, run_worker, seed_store, settings_for
 
-from store import connect, is_disk_full
+from store import FULL_DISK, connect, is_disk_full
 
 
 @contextmanager
@@ -76,8 +77,10 @@ def ask(proxy: RunningProxy, headers: dict[str, str], *, stream: bool = False) -
 
 
 def test_a_full_disk_stops_capture_not_serving_and_capture_resumes_when_space_is_freed(
-    small_disk: Path, start_proxy: Callable[..., RunningProxy]
+    small_disk: Path, start_proxy: Callable[..., RunningProxy], caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO)
+    FULL_DISK.succeeded()  # no episode of another test under way
     proxy = start_proxy(data_dir=small_disk)
     assert ask(proxy, {"X-Trajectory-Id": "before"})
     filler = fill(small_disk)
@@ -99,6 +102,11 @@ def test_a_full_disk_stops_capture_not_serving_and_capture_resumes_when_space_is
     assert "after" in recorded and not any(t.startswith("during") for t in recorded)
     assert len(proxy.rows("SELECT * FROM calls")) == 1 + 2  # before, after and the stream after
     assert metric(proxy, 'tracetrain_capture_failures_total{reason="disk_full"}') == 6
+    # The log tells the episode once, its start and its end, not each of the 6 writes that failed.
+    told = [r.getMessage() for r in caplog.records if r.name == "tracetrain.store" and "disk" in r.getMessage()]
+    assert [m.split(" (")[0].split(":")[0] for m in told] == [
+        "the store's disk is full", "the store's disk takes writes again"]  # fmt: skip
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
 
 
 def test_a_training_step_on_a_full_disk_fails_without_a_version_and_the_next_one_trains(

@@ -1,7 +1,10 @@
 """The app's exception handlers: every error answered in OpenAI's shape, made by ``proxy.errors``.
 
 A ``ProxyError`` has its own handler: Starlette's handler for ``Exception`` runs in its outermost
-middleware, which re-raises after answering (the server then logs it as a crash).
+middleware, which re-raises after answering (the server then logs it as a crash, and closes the
+connection: the 500 says ``Connection: close``, so that no client sends its next call down it).
+So do the store's errors and the database's own (a query no store method translated): a full disk or a
+database gone is a 503, told once in the log (a full disk: ``store.FULL_DISK``), never a crash.
 """
 
 from __future__ import annotations
@@ -12,7 +15,17 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
 from proxy.api._pages import PageResponse, bad_page_request
-from proxy.errors import InvalidRequest, NotFound, ProxyError, error_response, http_error_response, response_for
+from proxy.errors import (
+    InvalidRequest,
+    NotFound,
+    ProxyError,
+    database_failure,
+    error_response,
+    from_store_error,
+    http_error_response,
+    response_for,
+)
+from store import DRIVER_ERRORS, StoreError
 
 
 def add_error_handlers(app: FastAPI) -> None:
@@ -20,6 +33,9 @@ def add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(PageResponse, _page_response)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StoreError, _store_error)  # type: ignore[arg-type]
+    for driver_error in DRIVER_ERRORS:
+        app.add_exception_handler(driver_error, _database_error)
     app.add_exception_handler(Exception, _any_error)
 
 
@@ -40,6 +56,14 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     if exc.status_code == 404:
         return error_response(NotFound(f"Unknown request URL: {request.method} {request.url.path}."))
     return http_error_response(exc.status_code, str(exc.detail), exc.headers)
+
+
+async def _store_error(_request: Request, exc: StoreError) -> Response:
+    return error_response(from_store_error(exc))
+
+
+async def _database_error(request: Request, exc: Exception) -> Response:
+    return error_response(database_failure(exc, f"answer {request.method} {request.url.path}"))
 
 
 async def _any_error(request: Request, exc: Exception) -> Response:

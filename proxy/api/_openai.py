@@ -33,7 +33,7 @@ from starlette.types import Receive, Scope, Send
 from proxy._params import ID_PATTERN, json_body
 from proxy._services import Services
 from proxy.api._deps import InferenceScope, ServicesDep, inference_scope
-from proxy.errors import InvalidRequest, ProxyError, UpstreamError, response_for
+from proxy.errors import InvalidRequest, ProxyError, UpstreamError, database_failure, response_for
 from proxy.gateway import KeyHints
 from proxy.gateway.dialects import (
     DIALECTS,
@@ -45,6 +45,7 @@ from proxy.gateway.dialects import (
     MessagesRequest,
     ResponsesRequest,
 )
+from store import DRIVER_ERRORS
 
 router = APIRouter(dependencies=[Depends(inference_scope)], tags=["openai"])
 
@@ -83,6 +84,8 @@ def _forwarding(name: DialectName) -> Serve:
             return await services.forwarder.handle(name, await request.body(), key_hints(request), scope)
         except ProxyError as exc:
             return dialect.error(exc)
+        except DRIVER_ERRORS as exc:  # a database failure no store method translated: a 503, in the API's shape
+            return dialect.error(database_failure(exc, f"serve {request.url.path}"))
 
     return forward
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -24,7 +25,9 @@ from typing import Any
 from proxy.gateway import PolicyRegistry
 from proxy.observability._exporters import Exporters
 from proxy.observability._metrics import Metrics
-from store import JobState, RewardRecord, Store, TrainingState
+from store import JobState, RewardRecord, Store, StoreFull, StoreUnavailable, TrainingState
+
+log = logging.getLogger("tracetrain.scheduler")
 
 
 class JobScheduler:
@@ -91,4 +94,15 @@ class JobScheduler:
             self._exporters.rewards_recorded([dataclasses.asdict(r) for r in rewards])
         if may_train:
             for policy in sorted(set(policy_of.values())):
-                await self.maybe_create_job(policy)
+                await self._job_if_due(policy)
+
+    async def _job_if_due(self, policy: str) -> None:
+        """``maybe_create_job`` after rewards were written: a job the store cannot take now (its disk full, the
+        database gone) is not the rewards' failure, as they are recorded. Their groups stay ready, and the next
+        reward of the policy (or an admin's train-now) makes the job."""
+        try:
+            await self.maybe_create_job(policy)
+        except StoreFull:
+            pass  # the log tells a full disk once (store._full_disk)
+        except StoreUnavailable as exc:
+            log.warning("no training job of %s made now (%s); the next reward tries again", policy, exc)
