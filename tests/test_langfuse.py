@@ -325,7 +325,7 @@ async def test_a_full_batch_of_scores_leaves_at_once_and_the_rest_at_shutdown(la
     scores = LangfuseScores(config(langfuse.url, batch_size=10, flush_interval_s=60))
     scores.start()
     scores.rewards_recorded([reward(f"traj-{i}") for i in range(25)])
-    await eventually(lambda: scores.sent == 20, timeout_s=2)  # two full batches, no 60 s wait
+    await eventually(lambda: scores.sent == 20, timeout_s=20)  # two full batches, not after the 60 s interval
     assert scores.queued == 5
     await scores.aclose()  # flushes the partial batch
     assert [len(got.json()) for got in langfuse.requests_to(SCORES_PATH)] == [10, 10, 5]
