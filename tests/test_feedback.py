@@ -58,7 +58,8 @@ def test_a_persons_score_is_the_reward_over_a_services_with_its_source_and_note(
 
 def test_a_persons_score_overrides_the_judges_before_and_after_it_judged(start_proxy, fake: FakeVLLM) -> None:
     fake_judge(fake)
-    proxy = start_proxy(reward_source="judge", group_size=2, min_group_size=2, batch_groups=1000, judge_quiet_s=0.5)
+    # The quiet time is the window for the first score to come before the judge: 0.5 s was one slow post away.
+    proxy = start_proxy(reward_source="judge", group_size=2, min_group_size=2, batch_groups=1000, judge_quiet_s=3.0)
     fake.script(Reply("Paris."), Reply("Lyon."))
     attempt(proxy, "right")
     attempt(proxy, "wrong")

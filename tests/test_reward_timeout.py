@@ -30,7 +30,8 @@ def group_state(proxy: RunningProxy, group: str) -> str:
 def test_without_a_judge_a_group_missing_rewards_is_closed_unrewarded_and_never_blocks_the_batch(
     start_proxy,
 ) -> None:
-    proxy = start_proxy(reward_timeout_s=0.6, min_group_size=2, batch_groups=1)
+    # Long enough that "prompt" below, rewarded right after each call, is never overdue on a loaded machine.
+    proxy = start_proxy(reward_timeout_s=2.0, min_group_size=2, batch_groups=1)
     attempt(proxy, "late", "late-a", reward=1.0)
     attempt(proxy, "late", "late-b")  # its reward never comes
     attempt(proxy, "young", "young-a")  # too small to be complete: it waits
@@ -39,7 +40,7 @@ def test_without_a_judge_a_group_missing_rewards_is_closed_unrewarded_and_never_
 
     assert group_state(proxy, "young") == "open"
     overview = httpx.get(f"{proxy.url}/admin/overview").json()
-    assert overview["groups_unrewarded"] == 1 and overview["training"]["reward_timeout_s"] == 0.6
+    assert overview["groups_unrewarded"] == 1 and overview["training"]["reward_timeout_s"] == 2.0
     metrics = httpx.get(f"{proxy.url}/metrics").text
     assert 'tracetrain_groups_unrewarded{policy="agent"} 1.0' in metrics
     assert 'tracetrain_reward_timeouts_total{outcome="unrewarded",policy="agent"} 1.0' in metrics

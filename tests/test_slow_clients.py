@@ -184,13 +184,16 @@ def test_nodes_fetch_reads_the_413_for_a_body_past_the_cap(fake: FakeVLLM, tmp_p
 
 
 def test_past_the_connection_limit_a_request_is_answered_503(fake: FakeVLLM, tmp_path: Path) -> None:
-    fake.script(*[Reply("slow", delay_s=1.0)] * 2)
+    fake.script(*[Reply("slow", delay_s=3.0)] * 2)
     with served(settings(fake, tmp_path, max_connections=2)) as address:
         answers: list[int] = []
         threads = [threading.Thread(target=lambda: answers.append(chat(address).status_code)) for _ in range(2)]
         for thread in threads:
             thread.start()
-        time.sleep(0.3)
+        # Both calls reached vLLM, so both connections are open (they hold them for 3 s): not a guess by sleeping.
+        deadline = time.monotonic() + 30
+        while len(fake.requests) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert chat(address).status_code == 503
         for thread in threads:
             thread.join()
