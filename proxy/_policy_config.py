@@ -41,6 +41,16 @@ log = logging.getLogger("tracetrain.proxy")
 RewardSource = Literal["external", "judge", "both", "human"]
 _MAX_RUBRIC = 20_000
 
+# The bounds of the settings a policy may override, declared once here for them and for the server's (Settings).
+# Each fits what reads it: a group or a batch is read whole into one training step, every kept version is loaded
+# in vLLM at once (--max-loras is their sum), a margin is in reward units (posted rewards are within 1e6), and a
+# wait longer than a year is a typo.
+MAX_GROUP = 1024  # trajectories in a group (group_size, min_group_size); groups in a step (batch_groups)
+MAX_KEEP_VERSIONS = 100
+MAX_MARGIN = 1e6
+MAX_SECONDS = 31_536_000  # a year
+MAX_MINUTES = 525_600  # a year
+
 
 class SamplingDefaults(BaseModel):
     """What a call for the policy samples with when it does not say: added to its body (and its record, so
@@ -59,31 +69,31 @@ class PolicyOverrides(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     # Groups and training: how groups fill and when a step is due.
-    group_size: int | None = Field(default=None, ge=1)
-    min_group_size: int | None = Field(default=None, ge=1)
-    batch_groups: int | None = Field(default=None, ge=1)
+    group_size: int | None = Field(default=None, ge=1, le=MAX_GROUP)
+    min_group_size: int | None = Field(default=None, ge=1, le=MAX_GROUP)
+    batch_groups: int | None = Field(default=None, ge=1, le=MAX_GROUP)
     # Retention: the versions kept loaded in vLLM and on disk.
-    keep_versions: int | None = Field(default=None, ge=1)
+    keep_versions: int | None = Field(default=None, ge=1, le=MAX_KEEP_VERSIONS)
     # The regression guard.
     regression_guard: bool | None = None
-    regression_margin: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    regression_margin: float | None = Field(default=None, ge=0, le=MAX_MARGIN, allow_inf_nan=False)
     regression_alpha: float | None = Field(default=None, gt=0, lt=1)
     regression_groups: int | None = Field(default=None, ge=3, le=64)
     # Canary trials of its new versions (0: none, where the server's --canary would try them).
     canary: float | None = Field(default=None, ge=0, lt=1)
-    canary_margin: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    canary_margin: float | None = Field(default=None, ge=0, le=MAX_MARGIN, allow_inf_nan=False)
     canary_alpha: float | None = Field(default=None, gt=0, lt=1)
     canary_groups: int | None = Field(default=None, ge=3, le=256)
-    canary_minutes: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    canary_minutes: float | None = Field(default=None, gt=0, le=MAX_MINUTES, allow_inf_nan=False)
     # Rewards and the judge.
     reward_source: RewardSource | None = None
-    reward_timeout_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    reward_timeout_s: float | None = Field(default=None, gt=0, le=MAX_SECONDS, allow_inf_nan=False)
     # One of the judges the operator configured (``Settings.judge_endpoints``): where it is served and with which
     # key is the operator's to say (flags and environment), never a policy's.
     judge_model: str | None = Field(default=None, min_length=1, max_length=200)
     judge_rubric: str | None = Field(default=None, min_length=1, max_length=_MAX_RUBRIC)
-    judge_quiet_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
-    judge_idle_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    judge_quiet_s: float | None = Field(default=None, gt=0, le=MAX_SECONDS, allow_inf_nan=False)
+    judge_idle_s: float | None = Field(default=None, gt=0, le=MAX_SECONDS, allow_inf_nan=False)
     # Sampling defaults of its calls.
     sampling: SamplingDefaults | None = None
 

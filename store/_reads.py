@@ -25,6 +25,7 @@ from store._tables import rewards as R
 from store._tables import trajectories as T
 from tracetrain_core import call_reply
 
+_REWARD_SHOWN = 1e6  # the bound on posted rewards (proxy.data._wire.SCORE_LIMIT): what group statistics read
 # What a group's ``state`` filter may say: the stored states plus "ready", derived.
 GROUP_VIEW_STATES = ("open", "ready", *(s.value for s in GroupState if s is not GroupState.OPEN))
 
@@ -114,6 +115,10 @@ class Reads:
         """
         size = func.count(T.c.pk)
         n_rewarded = func.count(T.c.reward)
+        # Read clipped to the bound posted rewards have (the proxy's SCORE_LIMIT): a row written before it
+        # existed may hold any double, and summed or squared that overflows (Postgres raises, SQLite gives inf).
+        reward = case((T.c.reward > _REWARD_SHOWN, _REWARD_SHOWN), (T.c.reward < -_REWARD_SHOWN, -_REWARD_SHOWN),
+                      else_=T.c.reward)  # fmt: skip
         ready = ready_condition(min_group_size, min_group_sizes)
         query = (
             select(
@@ -123,8 +128,8 @@ class Reads:
                 G.c.state,
                 size.label("size"),
                 n_rewarded.label("n_rewarded"),
-                func.avg(T.c.reward).label("reward_mean"),
-                func.avg(T.c.reward * T.c.reward).label("reward_sq_mean"),
+                func.avg(reward).label("reward_mean"),
+                func.avg(reward * reward).label("reward_sq_mean"),
                 case((ready, "ready"), else_=G.c.state).label("view_state"),
             )
             .select_from(G.outerjoin(T, T.c.group_id == G.c.id))

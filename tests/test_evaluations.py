@@ -84,6 +84,8 @@ def test_a_version_never_trained_is_a_404(start_proxy: Callable[..., Any]) -> No
         {"version": 0, "scores": {"": 0.5}},
         {"version": 0, "scores": {"x" * 65: 0.5}},
         {"version": 0, "scores": {f"m{i}": 0.5 for i in range(33)}},
+        {"version": 0, "scores": {"x": 1e6 + 1}},  # beyond the documented range, |x| <= 1e6
+        {"version": 0, "scores": {"x": -1e308}},
         {"version": -1, "scores": {"x": 0.5}},
         {"version": 2**40, "scores": {"x": 0.5}},
         {"version": 0, "scores": {"x": 0.5}, "samples": 0},

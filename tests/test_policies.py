@@ -233,6 +233,41 @@ def test_the_admin_api_refuses_bad_names_bad_settings_and_unnamed_policies(
     assert httpx.get(f"{admin}/training", params={"policy": "sql"}).json()["policy"] == "sql"
 
 
+HUGE = 79717771397495269223366349815808  # an integer past every column and loop that reads a setting
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "bound"),
+    [("group_size", HUGE, "1024"), ("min_group_size", 2**63, "1024"), ("batch_groups", 10**6, "1024"),
+     ("keep_versions", HUGE, "100"), ("regression_margin", 1e308, "1000000"), ("canary_minutes", 1e300, "525600"),
+     ("reward_timeout_s", 1e200, "31536000"), ("judge_quiet_s", 1e300, "31536000"),
+     ("judge_idle_s", 1e300, "31536000"), ("canary_margin", 1e7, "1000000")],
+)  # fmt: skip
+def test_a_setting_beyond_its_declared_bound_is_a_400_naming_the_field_and_the_bound(
+    start_proxy: Callable[..., RunningProxy], field: str, value: float, bound: str
+) -> None:
+    proxy = start_proxy(policies=("agent", "sql"))
+    for method, url, body in (("PATCH", "/admin/policies/sql", {"config": {field: value}}),
+                              ("POST", "/admin/policies", {"name": "new", "config": {field: value}})):  # fmt: skip
+        response = httpx.request(method, f"{proxy.url}{url}", json=body)
+        assert response.status_code == 400, (method, response.text)
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and field in error["param"], error
+        assert bound in error["message"], error
+    assert httpx.get(f"{proxy.url}/admin/policies/sql").json()["config"] == {}
+
+
+def test_a_policy_config_file_beyond_a_bound_names_the_field_and_the_bound(tmp_path: Path) -> None:
+    from proxy import PolicyOverrides, Settings
+
+    path = tmp_path / "sql.toml"
+    path.write_text(f"group_size = {HUGE}\n")
+    with pytest.raises(ValueError, match=r"group_size: .*1024"):
+        PolicyOverrides.from_file(path)
+    with pytest.raises(ValueError, match=r"group_size"):
+        Settings(group_size=HUGE)
+
+
 @pytest.mark.parametrize("database", ["sqlite", "postgresql"], indirect=True)
 def test_a_policy_added_on_one_replica_is_served_by_the_other_and_retired_from_either(
     start_proxy: Callable[..., RunningProxy], database: str, tmp_path: Path

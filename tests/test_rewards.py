@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import sqlite3
+
 import httpx
 import pytest
 from conftest import RunningProxy
@@ -139,3 +142,80 @@ def test_unknown_group_state_filter_is_a_400(proxy: RunningProxy) -> None:
 def test_unknown_trajectory_is_a_404(proxy: RunningProxy) -> None:
     response = httpx.get(f"{proxy.v1}/trajectories/nope")
     assert response.status_code == 404 and response.json()["error"]["code"] == "trajectory_not_found"
+
+
+# -- bounds: every number a client posts has one that fits what reads it -----------------------------------------------
+
+
+@pytest.mark.parametrize("reward", [1e6 + 1, -1e6 - 1, 1e200, -1e308, 1.7976931348623157e308])
+def test_a_reward_beyond_the_documented_range_is_a_400_naming_it(proxy: RunningProxy, reward: float) -> None:
+    run(proxy, "t", "g")
+    for body in ({"trajectory_id": "t", "reward": reward},
+                 {"trajectory_id": "t", "reward": 1, "metrics": {"m": reward}},
+                 {"rewards": [{"trajectory_id": "t", "reward": reward}]}):  # fmt: skip
+        response = rewards(proxy, body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and "1000000" in error["message"], error
+    assert proxy.rows("SELECT reward FROM trajectories")[0]["reward"] is None
+
+
+def test_rewards_at_the_ends_of_the_range_are_recorded(proxy: RunningProxy) -> None:
+    run(proxy, "lo", "g")
+    run(proxy, "hi", "g")
+    response = rewards(proxy, {"rewards": [{"trajectory_id": "lo", "reward": -1e6, "metrics": {"m": 1e6}},
+                                           {"trajectory_id": "hi", "reward": 1e6}]})  # fmt: skip
+    assert response.status_code == 200, response.text
+    group = httpx.get(f"{proxy.v1}/groups").json()["data"][0]
+    assert group["reward_mean"] == 0.0 and group["reward_std"] == pytest.approx(1e6)
+
+
+@pytest.mark.parametrize(
+    "metrics",
+    [
+        {f"m{i}": 1.0 for i in range(33)},  # more names than the cap
+        {"x" * 65: 1.0},  # a name longer than the cap
+        {"": 1.0},
+        {"has space": 1.0},
+    ],
+    ids=["too-many", "too-long", "empty", "not-a-metric-name"],
+)
+def test_reward_metrics_are_capped_in_count_and_name(proxy: RunningProxy, metrics: dict[str, float]) -> None:
+    run(proxy, "t", "g")
+    response = rewards(proxy, {"trajectory_id": "t", "reward": 1.0, "metrics": metrics})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"].startswith("metrics"), response.json()
+    assert proxy.rows("SELECT count(*) AS n FROM rewards")[0]["n"] == 0
+
+
+def test_reward_metrics_up_to_the_cap_are_recorded(proxy: RunningProxy) -> None:
+    run(proxy, "t", "g")
+    metrics = {f"{'m' * 60}.{i:02d}": float(i) for i in range(32)}  # 32 names of 63 characters: "/" "." "-" "_" too
+    metrics["eval/pass-rate_1"] = metrics.pop(f"{'m' * 60}.00")
+    assert rewards(proxy, {"trajectory_id": "t", "reward": 1.0, "metrics": metrics}).status_code == 200
+    assert httpx.get(f"{proxy.v1}/trajectories/t").json()["metrics"] == metrics
+
+
+def test_rewards_stored_before_the_bound_existed_do_not_break_the_reads(start_proxy) -> None:
+    """Rows written by an earlier version (no bound then) are shown, never a 500 on any page that reads them."""
+    admin = "admin-" + "b" * 30
+    proxy = start_proxy(admin_token=admin)
+    for t in ("huge", "huger", "zero"):
+        run(proxy, t, "old-group")
+    rewards(proxy, {"rewards": [{"trajectory_id": t, "reward": 0.0} for t in ("huge", "huger", "zero")]})
+    with sqlite3.connect(proxy.db_path) as conn:  # as an earlier version wrote them
+        for t, r in (("huge", 1e308), ("huger", 1e308), ("zero", 0.0)):
+            conn.execute("UPDATE trajectories SET reward = ?, metrics = ? WHERE id = ?", (r, '{"m": 1e308}', t))
+            conn.execute("UPDATE rewards SET value = ? WHERE trajectory_id = ?", (r, t))
+    bearer = {"Authorization": f"Bearer {admin}"}
+    for url in (f"{proxy.v1}/groups", f"{proxy.url}/admin/groups", f"{proxy.url}/admin/groups/old-group",
+                f"{proxy.v1}/trajectories", f"{proxy.v1}/trajectories/huge", f"{proxy.url}/admin/ui/groups",
+                f"{proxy.url}/admin/ui/groups/old-group", f"{proxy.url}/admin/ui/trajectories/huge"):  # fmt: skip
+        response = httpx.get(url, headers=bearer)
+        assert response.status_code == 200, (url, response.text[:300])
+    group = httpx.get(f"{proxy.v1}/groups").json()["data"][0]
+    assert group["reward_mean"] is not None and math.isfinite(group["reward_mean"])
+    assert group["reward_std"] is not None and math.isfinite(group["reward_std"])
+    members = httpx.get(f"{proxy.url}/admin/groups/old-group", headers=bearer).json()
+    text = str(members)
+    assert "nan" not in text.lower() and "inf" not in text.lower().replace("info", ""), text[:500]

@@ -15,6 +15,9 @@ Where this departs from the papers:
   members ``keep=False`` and count them, so the caller can say how much was dropped.
   A group of one sample has no baseline and is dropped the same way.
 - With ``scale=False`` (Dr. GRPO) advantages are the centered rewards, unscaled.
+- Rewards anywhere in the doubles' range are centred and scaled without overflow (each group is
+  computed at unit size, then scaled back); a centred reward past the largest double, possible only
+  unscaled, drops its group: a non-finite advantage is never kept.
 """
 
 from __future__ import annotations
@@ -62,14 +65,23 @@ def group_advantages(
     keep = [False] * len(values)
     dropped_groups = 0
     for indices in members.values():
-        mean = sum(values[i] for i in indices) / len(indices)
-        centered = [values[i] - mean for i in indices]
-        std = math.sqrt(sum(c * c for c in centered) / len(indices))  # population std
-        if len(indices) < 2 or std <= eps:
+        # Sums of rewards near the largest double overflow (1e308 + 1e308 is inf, inf - inf NaN). So each
+        # group is brought to unit size by a power of two (exact: the same bits as unscaled sums wherever
+        # those do not overflow), and only the results go back to reward units.
+        unit = math.ldexp(1.0, -max(0, math.frexp(max(abs(values[i]) for i in indices))[1]))
+        small = [values[i] * unit for i in indices]  # each in [-1, 1]; unit is 1 for rewards below 1
+        mean = sum(small) / len(small)
+        centered = [v - mean for v in small]
+        std = math.sqrt(sum(c * c for c in centered) / len(small))  # population std, in units of 1/unit
+        if len(indices) < 2 or std <= eps * unit:
             dropped_groups += 1
             continue
-        for i, c in zip(indices, centered, strict=True):
-            advantages[i] = c / std if scale else c
+        out = [c / std if scale else c / unit for c in centered]
+        if not all(math.isfinite(a) for a in out):  # centered beyond the largest double: no usable signal
+            dropped_groups += 1
+            continue
+        for i, a in zip(indices, out, strict=True):
+            advantages[i] = a
             keep[i] = True
     return GroupAdvantages(
         advantages=advantages,

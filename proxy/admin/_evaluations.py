@@ -12,12 +12,9 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from proxy._params import MAX_INT, Version
-from proxy.data._wire import Finite
+from proxy.data._wire import MAX_METRICS, MetricName, Score
 from proxy.errors import NotFound, store_errors
 from store import Store
-
-# A metric's name as every logger takes it: letters, digits and _ . - /, at most 64 characters.
-MetricName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-/]{0,63}$")]
 
 
 class EvaluationPost(BaseModel):
@@ -26,7 +23,7 @@ class EvaluationPost(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     version: Version
-    scores: dict[MetricName, Finite] = Field(min_length=1, max_length=32)
+    scores: dict[MetricName, Score] = Field(min_length=1, max_length=MAX_METRICS)
     samples: Annotated[int, Field(ge=1, le=MAX_INT)] | None = None  # how many attempts the scores stand for
 
 

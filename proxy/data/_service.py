@@ -15,7 +15,16 @@ from pydantic import ValidationError
 
 from proxy._params import MAX_INT
 from proxy._policy_keys import EVERY, Scope
-from proxy.data._wire import RewardBatch, RewardPost, call_view, group_view, reward_view, trajectory_view
+from proxy.data._wire import (
+    MAX_METRICS,
+    SCORE_LIMIT,
+    RewardBatch,
+    RewardPost,
+    call_view,
+    group_view,
+    reward_view,
+    trajectory_view,
+)
 from proxy.errors import Conflict, InvalidRequest, TrajectoryNotFound, store_errors
 from store import GROUP_VIEW_STATES, RewardIn, RewardRecord, Store, TrajectoryFilter
 
@@ -66,7 +75,9 @@ async def post_rewards(
         else:
             items = [RewardPost.model_validate(body)]
     except ValidationError as exc:
-        hint = "A reward is a finite JSON number; metrics map names to finite numbers. Nothing was recorded."
+        hint = (f"A reward is a JSON number from -{SCORE_LIMIT:.0f} to {SCORE_LIMIT:.0f}; metrics map at most "
+                f"{MAX_METRICS} names (letters, digits and _ . - /, up to 64 characters) to such numbers. "
+                "Nothing was recorded.")  # fmt: skip
         raise InvalidRequest.from_validation(exc.errors(), hint) from exc
     with store_errors():
         rewards = await store.add_rewards(

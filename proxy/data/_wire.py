@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Annotated, Any
 
@@ -10,16 +11,23 @@ from pydantic import BaseModel, ConfigDict, Field, StrictFloat
 from proxy._params import Id
 from store import COMPACT_COLUMNS, Call, RewardRecord
 
-# A JSON number that is finite and not a boolean or a string.
-Finite = Annotated[StrictFloat, Field(allow_inf_nan=False)]
+# Every number a client posts as a measurement (a reward, a reward's metric, an evaluation's score) is at most
+# this far from 0: the group statistics, the advantages, the regression guard's and the canary's tests square
+# and sum them in doubles, and 1e200 squared is past the largest one. A reward scale needs far less.
+SCORE_LIMIT = 1e6
+# A JSON number within that range, not a boolean or a string.
+Score = Annotated[StrictFloat, Field(ge=-SCORE_LIMIT, le=SCORE_LIMIT, allow_inf_nan=False)]
+# A metric's name as every logger takes it: letters, digits and _ . - /, at most 64 characters.
+MetricName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-/]{0,63}$")]
+MAX_METRICS = 32  # names per reward, as per evaluation: each trajectory read carries them all
 
 
 class RewardPost(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     trajectory_id: Id
-    reward: Finite
-    metrics: dict[str, Finite] = Field(default_factory=dict)
+    reward: Score
+    metrics: dict[MetricName, Score] = Field(default_factory=dict, max_length=MAX_METRICS)
 
 
 class RewardBatch(BaseModel):
@@ -72,8 +80,9 @@ def call_view(m: Mapping[str, Any]) -> dict[str, Any]:
 def group_view(m: Mapping[str, Any], state: str) -> dict[str, Any]:
     mean = m["reward_mean"]
     std = None
-    if mean is not None:
-        std = max(0.0, float(m["reward_sq_mean"]) - float(mean) ** 2) ** 0.5
+    if mean is not None:  # the store reads rewards clipped to SCORE_LIMIT, so neither square overflows
+        mean = float(mean)
+        std = math.sqrt(max(0.0, float(m["reward_sq_mean"]) - mean * mean))
     return {
         "object": "group",
         **{name: m[name] for name in _GROUP_FIELDS},
