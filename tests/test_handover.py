@@ -506,10 +506,11 @@ async def test_on_real_vllm_a_hand_over_finishes_the_call_in_flight_and_serves_t
 ) -> None:
     from tiny_model import build_tiny_lora
 
+    # Built first: importing peft and torch has taken over a minute on a loaded machine, past a claim's lease.
+    adapter = build_tiny_lora(tiny_model_dir, tmp_path / "adapters" / "agent" / "1", r=8, seed=1)
     proxy = start_proxy(upstream=sleepy_vllm.base_url, share_gpu=True)
     trainer = await store(proxy)
-    job_id = await claimed_job(trainer)
-    adapter = build_tiny_lora(tiny_model_dir, tmp_path / "adapters" / "agent" / "1", r=8, seed=1)
+    job_id = await claimed_job(trainer, lease_s=600)  # nobody renews it: the whole test runs within it
     long = {"max_tokens": 200, "extra_body": {"min_tokens": 200}, "temperature": 1.0, "seed": 0}
     root = sleepy_vllm.base_url.removesuffix("/v1")
     async with proxy.async_client(timeout=120) as client, httpx.AsyncClient(base_url=root) as vllm:

@@ -20,6 +20,7 @@ import httpx
 import pytest
 from conftest import RunningProxy
 from fake_vllm import serve_in_thread
+from vllm_servers import START_TIMEOUT_S
 
 from proxy import Settings, create_app
 from tracetrain_cli._vllm_process import VLLMLaunch, VLLMProcess
@@ -63,7 +64,7 @@ def test_a_vllm_that_cannot_see_the_trainers_disk_loads_the_adapter_through_the_
     )  # fmt: skip
     admin = {"authorization": f"Bearer {ADMIN_TOKEN}"}
     with VLLMProcess(launch) as vllm, ExitStack() as stack:
-        vllm.wait_ready(timeout_s=240)
+        vllm.wait_ready(timeout_s=START_TIMEOUT_S)  # not 240: a loaded machine has taken over 4 minutes
         proxy = start(stack, settings, proxy_port)
         client = proxy.client(default_headers={"X-Group-Id": "capital-of-france"})
         ids = [
@@ -97,7 +98,7 @@ def test_a_vllm_that_cannot_see_the_trainers_disk_loads_the_adapter_through_the_
         shutil.rmtree(trainer_disk)
 
         proxy = start(stack, settings, proxy_port)  # the proxy again, at the URL vLLM was given
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 300  # vLLM compiles kernels (g++) at its first LoRA: minutes when loaded
         while (state := httpx.get(f"{proxy.url}/admin/adapters", headers=admin).json())["active_version"] != 1:
             assert time.monotonic() < deadline, state
             assert all(a["state"] != "failed" for a in state["data"]), (state, vllm.log_tail())
