@@ -19,12 +19,19 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from trainer._samples import Sample
+
+# Per sample, its constrained spans: (start, end, (end - start, W) int32 bitmask), from ``GrammarMasks.spans``.
+SpanMasks = Sequence[tuple[int, int, Tensor]]
 
 log = logging.getLogger("tracetrain.trainer")
 
@@ -128,3 +135,20 @@ class GrammarMasks:
                 log.warning("a constrained call trains unmasked: its grammar rejects sampled token %d at %d", token, i)
                 return None
         return out
+
+    def spans(self, samples: Sequence[Sample]) -> tuple[list[SpanMasks], int, float]:
+        """Each sample's constrained spans with their bitmasks; how many spans could not be rebuilt (those train
+        unmasked); the milliseconds the walk took."""
+        start = time.perf_counter()
+        masks: list[SpanMasks] = []
+        fallbacks = 0
+        for sample in samples:
+            spans: list[tuple[int, int, Tensor]] = []
+            for begin, end, spec in sample.grammars:
+                bitmask = self.bitmasks(spec, sample.token_ids[begin:end])
+                if bitmask is None:
+                    fallbacks += 1
+                else:
+                    spans.append((begin, end, bitmask))
+            masks.append(spans)
+        return masks, fallbacks, (time.perf_counter() - start) * 1000

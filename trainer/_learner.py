@@ -42,8 +42,8 @@ from trainer._adapters import load_optimizer_state, write_adapter_dir
 from trainer._attention import choose_attention
 from trainer._config import TrainConfig
 from trainer._distributed import all_or_none, max_over_ranks, rank_and_world, sum_over_ranks, sum_totals
-from trainer._grammar import GrammarMasks
-from trainer._logprobs import PackedRow, SpanMasks, pack_row
+from trainer._grammar import GrammarMasks, SpanMasks
+from trainer._logprobs import PackedRow, pack_row
 from trainer._lora import load_lora_model, load_lora_weights, precision
 from trainer._losses import logprob_mismatch, policy_loss
 from trainer._prefix_tree import pack_tree
@@ -171,7 +171,7 @@ class Learner:
             torch.cuda.reset_peak_memory_stats(self.device)
         samples = [item.sample for item in items]
         loss_tokens = sum(s.loss_tokens for s in samples)
-        masks, fallbacks, mask_ms = self._masks(samples)
+        masks, fallbacks, mask_ms = self._grammars.spans(samples)
         micro_batches = self._pack(samples)
         rank, world = rank_and_world()  # (0, 1) in a single process
         mine = micro_batches[rank::world]  # this rank's share; every rank packed the same list
@@ -220,23 +220,6 @@ class Learner:
             grammar_fallbacks=fallbacks,
             mask_ms=mask_ms,
         )
-
-    def _masks(self, samples: Sequence[Sample]) -> tuple[list[SpanMasks], int, float]:
-        """Each sample's constrained spans with their allowed-token bitmasks (``trainer._grammar``); how many
-        spans could not be rebuilt (scored unmasked); the milliseconds the walk took."""
-        start = time.perf_counter()
-        masks: list[SpanMasks] = []
-        fallbacks = 0
-        for sample in samples:
-            spans: list[tuple[int, int, Tensor]] = []
-            for begin, end, spec in sample.grammars:
-                bitmask = self._grammars.bitmasks(spec, sample.token_ids[begin:end])
-                if bitmask is None:
-                    fallbacks += 1
-                else:
-                    spans.append((begin, end, bitmask))
-            masks.append(spans)
-        return masks, fallbacks, (time.perf_counter() - start) * 1000
 
     def _gather_for_save(self, rank: int) -> None:
         """Sharded: every rank gathers the adapter and AdamW's state; rank 0 keeps them for ``save``."""
@@ -327,10 +310,11 @@ class Learner:
         gap = logprob_mismatch(logp[on_policy], old_logp[on_policy])
         totals["on_policy_mismatch"] += gap.mean * gap.tokens
         totals["on_policy_tokens"] += gap.tokens
-        constrained = on_policy & self._constrained(samples, members, row)  # (L,) bool
-        gap = logprob_mismatch(logp[constrained], old_logp[constrained])
-        totals["constrained_mismatch"] += gap.mean * gap.tokens
-        totals["constrained_tokens"] += gap.tokens
+        if row.constrained is not None:
+            constrained = on_policy & row.constrained  # (L,) bool
+            gap = logprob_mismatch(logp[constrained], old_logp[constrained])
+            totals["constrained_mismatch"] += gap.mean * gap.tokens
+            totals["constrained_tokens"] += gap.tokens
         totals["over_cap"] += m["sampler_over_cap"] * m["tokens"]
         return float(m["logprob_mismatch_max"])
 
@@ -346,7 +330,7 @@ class Learner:
         self.model.eval()
         try:
             out = [torch.zeros(len(s.token_ids)) for s in samples]
-            masks, _, _ = self._masks(samples)
+            masks, _, _ = self._grammars.spans(samples)
             for members in self._pack(samples):
                 row = self._row(samples, members, loss_only=False, masks=masks)
                 if row.targets.numel() == 0 and not self.sharded:  # only one-token samples: nothing to score
@@ -388,16 +372,6 @@ class Learner:
              masks: Sequence[SpanMasks]) -> PackedRow:  # fmt: skip
         return pack_row(samples, members, loss_only=loss_only, device=self.device,
                         share_prefix=self.cfg.share_prefix, varlen=self.attention.varlen, masks=masks)  # fmt: skip
-
-    def _constrained(self, samples: Sequence[Sample], members: Sequence[int], row: PackedRow) -> Tensor:
-        """(L,) bool: the row's scored tokens that vLLM sampled under a grammar (masked or not)."""
-        flags = [[False] * len(samples[i].token_ids) for i in members]
-        for k, i in enumerate(members):
-            for begin, end, _ in samples[i].grammars:
-                flags[k][begin:end] = [True] * (end - begin)
-        flat = torch.tensor([f for sample_flags in flags for f in sample_flags], dtype=torch.bool)  # (T,)
-        starts = torch.tensor([0, *(len(f) for f in flags)]).cumsum(0)[:-1]  # (S,)
-        return flat[starts[row.seq.cpu()] + row.offset.cpu()].to(self.device)  # (L,)
 
     def _score(self, row: PackedRow) -> tuple[Tensor, Tensor]:
         logp, entropy = self._scorer(row)  # (P,), (P,)

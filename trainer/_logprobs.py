@@ -40,12 +40,9 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
-from trainer._grammar import unpack_bitmask
+from trainer._grammar import SpanMasks, unpack_bitmask
 from trainer._prefix_tree import TreeLayout, lay_out
 from trainer._samples import Sample
-
-# Per sample, its constrained spans: (start, end, bitmask (end - start, W) int32) as ``trainer._grammar`` walked them.
-SpanMasks = Sequence[tuple[int, int, Tensor]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +82,8 @@ class PackedRow:
     # allowed-token bitmasks (M, ceil(V / 32)) int32. None: no scored token of the row is constrained.
     mask_rows: Tensor | None = None
     bitmask: Tensor | None = None
+    # (P,) bool: the scored tokens vLLM sampled under a grammar (``Sample.grammars``), masked or not. None: none.
+    constrained: Tensor | None = None
 
     @property
     def tokens(self) -> int:
@@ -120,11 +119,15 @@ def pack_row(
     temperature: list[float] = []
     mask_rows: list[int] = []
     bitmasks: list[Tensor] = []
+    constrained: list[bool] = []
     for k, i in enumerate(members):
         sample = samples[i]
         temperatures = sample.temperatures or [1.0] * len(sample.token_ids)
         where = layout.where[k]
         row_of = [-1] * len(sample.token_ids)
+        under = [False] * len(sample.token_ids)
+        for start, end, _ in sample.grammars:
+            under[start:end] = [True] * (end - start)
         for start, end, bitmask in masks[i] if masks is not None else ():
             first = sum(len(b) for b in bitmasks)
             row_of[start:end] = range(first, first + end - start)
@@ -137,6 +140,7 @@ def pack_row(
                 offset.append(t)
                 temperature.append(temperatures[t])
                 mask_rows.append(row_of[t])
+                constrained.append(under[t])
 
     def longs(values: list[int]) -> Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
@@ -155,6 +159,7 @@ def pack_row(
         temperature=torch.tensor(temperature, dtype=torch.float32, device=device),  # (P,)
         mask_rows=longs(mask_rows) if bitmasks else None,  # (P,)
         bitmask=torch.cat(bitmasks).to(device) if bitmasks else None,  # (M, W)
+        constrained=torch.tensor(constrained, dtype=torch.bool, device=device) if any(constrained) else None,  # (P,)
     )
 
 
