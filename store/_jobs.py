@@ -19,6 +19,7 @@ limit (``revoke_gpu``). The store is the only channel: the proxy and the worker 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -59,6 +60,8 @@ class StoredCall:
     top_p: float | None = None
     top_k: float | None = None
     min_p: float | None = None
+    # The structured-output specification vLLM sampled it under (tracetrain_core.structured_outputs); None: none.
+    structured_outputs: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,7 +270,7 @@ class Jobs(GpuHandovers):
                 await conn.execute(
                     select(C.c.trajectory_id, C.c.prompt_token_ids, C.c.completion_token_ids, C.c.logprobs,
                            C.c.status_code, C.c.version, *(C.c.request[name].label(name) for name in _SAMPLING),
-                           C.c.id, C.c.prefix_of, C.c.prefix_tokens)
+                           C.c.id, C.c.prefix_of, C.c.prefix_tokens, C.c.structured_outputs)
                     .where(C.c.trajectory_id.in_(ids))
                     .order_by(C.c.started_at, C.c.pk)
                 )
@@ -276,7 +279,11 @@ class Jobs(GpuHandovers):
         for row in expand([dict(call._mapping) for call in calls]):  # compact prompts rebuilt (store._compact)
             del row["id"]
             sampling = [_number(row.pop(name)) for name in _SAMPLING]
-            by_trajectory[row["trajectory_id"]].append(StoredCall(*row.values(), *sampling))
+            spec = row.pop("structured_outputs")
+            call = StoredCall(*row.values(), *sampling)
+            if isinstance(spec, dict):
+                call = dataclasses.replace(call, structured_outputs=spec)
+            by_trajectory[row["trajectory_id"]].append(call)
         return [RewardedTrajectory(t.id, t.group_id, float(t.reward), by_trajectory[t.id]) for t in trajectories]
 
     async def sampling_window(self, trajectory_ids: Sequence[str]) -> tuple[float, float] | None:

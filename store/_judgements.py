@@ -162,8 +162,13 @@ class Judgements:
                 await conn.execute(
                     update(T)
                     .where(T.c.id == bindparam("b_id"), not_by_a_person())  # a person's score stays
-                    .values(reward=bindparam("b_r"), reward_source="judge", reward_note=bindparam("b_note"),
-                            rewarded_at=now, tail_hash=None),
+                    .values(
+                        reward=bindparam("b_r"),
+                        reward_source="judge",
+                        reward_note=bindparam("b_note"),
+                        rewarded_at=now,
+                        tail_hash=None,
+                    ),
                     # In key order, as every writer of trajectories (no deadlock between replicas).
                     [
                         {"b_id": s["trajectory_id"], "b_r": s["score"], "b_note": s["explanation"]}

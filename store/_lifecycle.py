@@ -87,6 +87,8 @@ class PolicyState(enum.StrEnum):
 
     SERVING = "serving"
     RETIRED = "retired"
+
+
 class TrialState(enum.StrEnum):
     """A canary trial (``trials.state``): a new version serves a share of new trajectories until it is decided."""
 

@@ -137,6 +137,9 @@ class Call(SQLModel, table=True):
     prefix_of: str | None = None
     prefix_tokens: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
     prefix_messages: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
+    # The structured-output specification vLLM sampled the completion under (tracetrain_core.structured_outputs):
+    # the grammar the trainer masks its logits with. NULL: unconstrained (and every row before revision 0013).
+    structured_outputs: dict[str, Any] | None = _json(None)
 
 
 class Reward(SQLModel, table=True):

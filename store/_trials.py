@@ -132,8 +132,14 @@ class Trials:
                 except IntegrityError:
                     raise _AnotherTrialRuns from None  # rolls back the adapter's move too
                 older = (A.c.policy == policy) & (A.c.version < candidate)
-                await move(conn, A, older, AdapterState.TRAINED, AdapterState.DISCARDED,
-                           error=f"passed over: {policy}@{candidate}, trained after it from it, went on trial")
+                await move(
+                    conn,
+                    A,
+                    older,
+                    AdapterState.TRAINED,
+                    AdapterState.DISCARDED,
+                    error=f"passed over: {policy}@{candidate}, trained after it from it, went on trial",
+                )
         except _AnotherTrialRuns:
             return "another trial runs"
         return {"id": int(trial_id), **row, "ended_at": None, "decided_by": None, "reason": None, "verdict": None}
@@ -234,8 +240,11 @@ class Trials:
                 if not flipped.rowcount:
                     raise _AliasMoved  # rolls the trial's end back too
                 if guard is not None:
-                    await conn.execute(update(A).where(A.c.policy == trial["policy"],
-                                                       A.c.version == trial["candidate"]).values(guard=guard))
+                    await conn.execute(
+                        update(A)
+                        .where(A.c.policy == trial["policy"], A.c.version == trial["candidate"])
+                        .values(guard=guard)
+                    )
         except _AliasMoved:
             return False
         return True
@@ -252,8 +261,14 @@ class Trials:
             await move(conn, A, (A.c.policy == policy) & (A.c.version == candidate), AdapterState.PUBLISHED,
                        AdapterState.ROLLED_BACK, error=f"rolled back by its canary trial: {reason}")  # fmt: skip
             newer = (A.c.policy == policy) & (A.c.version > candidate)
-            await move(conn, A, newer, AdapterState.TRAINED, AdapterState.DISCARDED,
-                       error=f"not published: trained from {policy}@{candidate}, which its trial rolled back")
+            await move(
+                conn,
+                A,
+                newer,
+                AdapterState.TRAINED,
+                AdapterState.DISCARDED,
+                error=f"not published: trained from {policy}@{candidate}, which its trial rolled back",
+            )
             await conn.execute(update(P).where(P.c.name == policy).values(rolled_back_at=now))
         return True
 

@@ -121,6 +121,27 @@ def test_the_agent_reads_only_the_environment_and_reports_each_attempt(
     sdk.close()
 
 
+def test_the_structured_city_agent_asks_for_its_json_with_a_schema_and_the_call_records_its_grammar(
+    proxy: RunningProxy, fake: FakeVLLM, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tracetrain_demo.city_agent import CITY_FORMAT
+    from tracetrain_demo.run import _parse
+
+    monkeypatch.setenv("OPENAI_BASE_URL", proxy.v1)
+    monkeypatch.setenv("OPENAI_API_KEY", "unused")
+    assert agent.main(["--questions", "1", "--attempts", "2", "--tag", "s", "--structured"]) == 0
+    schema = CITY_FORMAT["json_schema"]["schema"]
+    assert [r["structured_outputs"] for r in fake.requests] == [{"json": schema}] * 2
+    sdk = Client(proxy.url)
+    [trajectory, _] = sdk.list_trajectories(limit=50).data
+    call = httpx.get(f"{proxy.v1}/trajectories/{trajectory.id}").json()["calls"][0]
+    assert call["structured_outputs"] == {"json": schema}
+    sdk.close()
+    assert _parse(["--structured"]).structured
+    with pytest.raises(SystemExit):
+        _parse(["--task", "lookup", "--structured"])  # the tool tasks constrain their first call already
+
+
 def test_the_demo_uses_the_admin_token_serve_uses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from tracetrain_demo.serve_api import admin_token
 

@@ -83,7 +83,7 @@ def test_the_pure_core_public_names() -> None:
     assert sorted(tracetrain_core.__all__) == [
         "ADVANTAGE_EPS", "GroupAdvantages", "anthropic_chat_messages", "anthropic_reply", "call_messages",
         "call_reply", "call_tools", "canonical_message", "common_prefix", "first_choice", "group_advantages",
-        "reply_message", "responses_chat_messages", "responses_reply", "same_message",
+        "reply_message", "responses_chat_messages", "responses_reply", "same_message", "structured_outputs",
     ]  # fmt: skip
 
 

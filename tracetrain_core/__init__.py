@@ -7,6 +7,8 @@ SFT and the trainer can never disagree:
 - a captured call of any API as chat messages (``call_messages``, ``call_reply``, ``call_tools``),
   a message's canonical form for threading (``canonical_message``), the common prefix of sequences;
 - the Responses API's and Anthropic's Messages API's conversations as chat messages, and back;
+- the structured-output specification vLLM samples a chat request under (``structured_outputs``): what the
+  proxy records with a constrained call and the trainer rebuilds its grammar from;
 - group-relative advantages (``group_advantages``): what the trainer trains on and the dashboard shows.
 """
 
@@ -23,6 +25,7 @@ from tracetrain_core._conversation import (
     same_message,
 )
 from tracetrain_core._responses_api import responses_chat_messages, responses_reply
+from tracetrain_core._structured import structured_outputs
 
 __all__ = [
     "ADVANTAGE_EPS",
@@ -40,4 +43,5 @@ __all__ = [
     "responses_chat_messages",
     "responses_reply",
     "same_message",
+    "structured_outputs",
 ]

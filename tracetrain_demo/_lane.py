@@ -50,7 +50,8 @@ class Evaluation:
         tag = f"eval-{lane.policy}-v{version}"
         command = [sys.executable, "-m", "tracetrain_demo.agent", "--task", lane.task, "--split", "held-out",
                    "--model", self.model, "--attempts", str(attempts), "--temperature", str(args.temperature),
-                   "--tag", tag, "--concurrency", str(concurrency)]  # fmt: skip
+                   "--tag", tag, "--concurrency", str(concurrency),
+                   *(["--structured"] if getattr(args, "structured", False) else [])]  # fmt: skip
         self._agent = ChildProcess("held-out agent", command, env_for(lane.url), lane.run_dir / "logs" / f"{tag}.jsonl")
         self._children, self._task = children, lane.task
         self._agent.start()
@@ -104,7 +105,8 @@ class Lane:
                        "--split", "train", "--rounds", "1", "--seed", str(number), "--questions", str(args.questions),
                        "--attempts", str(args.attempts), "--temperature", str(args.temperature),
                        "--tag", f"{self.policy}-round{number}",
-                       "--done-url", f"http://127.0.0.1:{self.rewards_port}/finished"]  # fmt: skip
+                       "--done-url", f"http://127.0.0.1:{self.rewards_port}/finished",
+                       *(["--structured"] if getattr(args, "structured", False) else [])]  # fmt: skip
             self.agent, self.round_started = ChildProcess("agent", command, env_for(self.url), self.log), time.time()
             self.agent.start()
             children.append(self.agent)

@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 import openai
 
-from tracetrain_demo.city_agent import attempt
+from tracetrain_demo.city_agent import CITY_FORMAT, attempt
 from tracetrain_demo.tasks import TASKS
 
 __all__ = ["attempt", "main"]  # attempt: the city task's (tracetrain_demo.city_agent)
@@ -48,6 +48,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7)")
     p.add_argument("--max-tokens", type=int, help="most tokens per reply (default: the task's, 24 for city)")
     p.add_argument("--tag", default="demo", help="prefix of trajectory and group ids (default demo)")
+    p.add_argument("--structured", action="store_true",
+                   help="ask for the JSON answer with response_format json_schema (the city task)")  # fmt: skip
     p.add_argument("--done-url", help="POST {trajectory_id} here when an attempt ends (the reward service)")
     p.add_argument("--seed", type=int, default=0, help="order of the training questions (default 0)")
     p.add_argument("--concurrency", type=int, default=64,
@@ -68,7 +70,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.done_url:
                 reporter.post(args.done_url, json={"trajectory_id": episode["trajectory_id"]}).raise_for_status()
 
-        sampling = {"temperature": args.temperature, "max_tokens": max_tokens}
+        sampling: dict[str, Any] = {"temperature": args.temperature, "max_tokens": max_tokens}
+        if args.structured:
+            sampling["response_format"] = CITY_FORMAT
         concurrency = max(1, args.concurrency)
         while args.rounds == 0 or round_number < args.rounds:
             round_number += 1

@@ -34,6 +34,12 @@ class Step:
     captured_tokens: int = 0  # prompt + completion tokens of every call
     mismatch: float | None = None  # mean |learner - sampler| log-prob per token, nats
     mismatch_on_policy: float | None = None  # ...over the tokens the trained version sampled itself
+    # ...split by kind: on-policy tokens sampled under a grammar (structured outputs) and the others
+    mismatch_constrained: float | None = None
+    mismatch_unconstrained: float | None = None
+    constrained_tokens: int = 0
+    grammar_fallbacks: int = 0  # constrained calls scored unmasked (their grammar could not be rebuilt)
+    mask_ms: float = 0.0
     correction: str = "none"
 
     @classmethod
@@ -48,7 +54,11 @@ class Step:
                    trained_tokens=m.get("trained_tokens", 0), completion_tokens=m.get("samples_completion_tokens", 0),
                    forwarded_tokens=m.get("samples_tokens", 0), captured_tokens=m.get("samples_call_tokens", 0),
                    mismatch=m.get("logprob_mismatch_mean"), mismatch_on_policy=m.get("logprob_mismatch_on_policy"),
-                   correction=m.get("sampler_correction", "none"))  # fmt: skip
+                   correction=m.get("sampler_correction", "none"),
+                   mismatch_constrained=m.get("logprob_mismatch_constrained"),
+                   mismatch_unconstrained=m.get("logprob_mismatch_unconstrained"),
+                   constrained_tokens=m.get("constrained_tokens", 0), grammar_fallbacks=m.get("grammar_fallbacks", 0),
+                   mask_ms=m.get("mask_ms", 0.0))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -178,7 +188,27 @@ def turns(steps: list[Step]) -> list[str]:
             + (f" ({sum(on_policy) / len(on_policy):.4f} on-policy)" if on_policy else "")
             + f"; correction: {', '.join(sorted({s.correction for s in steps}))}"
         )
+    if any(s.constrained_tokens for s in steps):
+        lines.append(_structured_line(steps))
     return lines
+
+
+def _structured_line(steps: list[Step]) -> str:
+    """Structured outputs: the gap on the tokens sampled under a grammar against the others, and the masks' cost."""
+
+    def mean(values: list[float | None]) -> str:
+        known = [v for v in values if v is not None]
+        return f"{sum(known) / len(known):.4f}" if known else "-"
+
+    constrained = sum(s.constrained_tokens for s in steps)
+    fallbacks = sum(s.grammar_fallbacks for s in steps)
+    return (
+        f"structured outputs: {constrained} tokens sampled under a grammar; on-policy gap "
+        f"{mean([s.mismatch_constrained for s in steps])} nats per token on them, "
+        f"{mean([s.mismatch_unconstrained for s in steps])} on the others; masks "
+        f"{sum(s.mask_ms for s in steps) / len(steps):.0f} ms per step"
+        + (f"; {fallbacks} constrained calls scored unmasked (grammar not rebuilt)" if fallbacks else "")
+    )
 
 
 def success_axes() -> tuple[Any, Any]:

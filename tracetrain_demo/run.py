@@ -165,6 +165,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "default: a new version serves everything at once)",
     )
     p.add_argument("--temperature", type=float, default=0.7, help="the agent's sampling temperature (default 0.7)")
+    p.add_argument(
+        "--structured",
+        action="store_true",
+        help="the city task's agent asks for its JSON answer with response_format json_schema: vLLM samples it "
+        "under the schema's grammar, and the trainer scores it under the same one (docs/TRAINING.md)",
+    )
     p.add_argument("--learning-rate", type=float, default=3e-4, help="the LoRA's AdamW learning rate (default 3e-4)")
     p.add_argument(
         "--sampler-dtype",
@@ -199,6 +205,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     unknown = [task for task in args.tasks if task not in TASKS]
     if not args.tasks or unknown or len(set(args.tasks)) != len(args.tasks):
         p.error(f"--task {args.task}: name each of {', '.join(sorted(TASKS))} at most once, comma-separated")
+    if args.structured and args.tasks != ["city"]:
+        p.error("--structured is the city task's (--task city): the tool tasks constrain their first call already")
     return args
 
 

@@ -10,6 +10,7 @@ at: the request's, else the server's default (``trainer._sampling``).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -43,6 +44,8 @@ class TrajectoryData:
                 c.version,
                 temperature=defaults.temperature_of(c.temperature),
                 truncated=defaults.truncates(c.top_p, c.top_k, c.min_p),
+                # key order kept: a JSON schema's properties are generated in the order written
+                structured_outputs=json.dumps(c.structured_outputs) if c.structured_outputs is not None else None,
             )
             for c in stored.calls
         ]

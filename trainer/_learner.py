@@ -23,6 +23,7 @@ The attention kernel is ``trainer._attention``'s choice.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import sys
@@ -41,6 +42,7 @@ from trainer._adapters import load_optimizer_state, write_adapter_dir
 from trainer._attention import choose_attention
 from trainer._config import TrainConfig
 from trainer._distributed import all_or_none, max_over_ranks, rank_and_world, sum_over_ranks, sum_totals
+from trainer._grammar import GrammarMasks, SpanMasks
 from trainer._logprobs import PackedRow, pack_row
 from trainer._lora import load_lora_model, load_lora_weights, precision
 from trainer._losses import logprob_mismatch, policy_loss
@@ -111,6 +113,7 @@ class Learner:
         if not isinstance(lm_head, torch.nn.Linear):
             raise NotImplementedError(f"expected a causal LM with a linear lm_head, got {type(lm_head).__name__}")
         self._vocab = int(lm_head.weight.shape[0])
+        self._grammars = GrammarMasks(base_model, self._vocab)  # built on the first constrained sample
         self._scorer = _sharded.Scorer(causal_lm, cfg.logprob_chunk_tokens)
         if self.sharded:
             _sharded.shard(self._scorer, self.device)  # each rank keeps its shard, on its device
@@ -168,6 +171,7 @@ class Learner:
             torch.cuda.reset_peak_memory_stats(self.device)
         samples = [item.sample for item in items]
         loss_tokens = sum(s.loss_tokens for s in samples)
+        masks, fallbacks, mask_ms = self._grammars.spans(samples)
         micro_batches = self._pack(samples)
         rank, world = rank_and_world()  # (0, 1) in a single process
         mine = micro_batches[rank::world]  # this rank's share; every rank packed the same list
@@ -176,14 +180,17 @@ class Learner:
 
         self.model.train()
         totals = dict.fromkeys(("loss", "clipped", "ratio", "kl", "entropy", "mismatch", "clamped", "weight",
-                                "over_cap", "on_policy_mismatch", "on_policy_tokens", "forwarded"), 0.0)  # fmt: skip
+                                "over_cap", "on_policy_mismatch", "on_policy_tokens", "forwarded",
+                                "constrained_mismatch", "constrained_tokens"), 0.0)  # fmt: skip
         mismatch_max = 0.0
         try:
             with all_or_none():  # several ranks: one failing rank fails the step on all of them
                 for members in mine:
-                    mismatch_max = max(mismatch_max, self._accumulate(items, samples, members, loss_tokens, totals))
+                    mismatch_max = max(
+                        mismatch_max, self._accumulate(items, samples, members, loss_tokens, totals, masks)
+                    )
                 for _ in range(padding):
-                    self._accumulate(items, samples, micro_batches[0], loss_tokens, None)
+                    self._accumulate(items, samples, micro_batches[0], loss_tokens, None, masks)
             if world > 1:
                 # Each rank's loss is its share: SUM is the batch's. Sharded, FSDP's reduce-scatter summed the grads.
                 totals = sum_totals(totals) if self.sharded else sum_over_ranks(self._params, totals)
@@ -199,7 +206,20 @@ class Learner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
-        return self._result(totals, mismatch_max, grad_norm, samples, micro_batches=len(micro_batches), seconds=seconds)
+        result = self._result(totals, mismatch_max, grad_norm, samples, micro_batches=len(micro_batches),
+                              seconds=seconds)  # fmt: skip
+        constrained, others = totals["constrained_tokens"], totals["on_policy_tokens"] - totals["constrained_tokens"]
+        return dataclasses.replace(
+            result,
+            constrained_tokens=sum(s.constrained_tokens for s in samples),
+            constrained_samples=sum(bool(s.grammars) for s in samples),
+            logprob_mismatch_constrained=totals["constrained_mismatch"] / constrained if constrained else None,
+            logprob_mismatch_unconstrained=(
+                (totals["on_policy_mismatch"] - totals["constrained_mismatch"]) / others if others else None
+            ),
+            grammar_fallbacks=fallbacks,
+            mask_ms=mask_ms,
+        )
 
     def _gather_for_save(self, rank: int) -> None:
         """Sharded: every rank gathers the adapter and AdamW's state; rank 0 keeps them for ``save``."""
@@ -243,13 +263,14 @@ class Learner:
         )
 
     def _accumulate(self, items: Sequence[TrainItem], samples: Sequence[Sample], members: list[int],
-                    loss_tokens: int, totals: dict[str, float] | None) -> float:  # fmt: skip
+                    loss_tokens: int, totals: dict[str, float] | None,
+                    masks: Sequence[SpanMasks]) -> float:  # fmt: skip
         """Forward and backward one micro-batch (``members`` index ``samples``); adds its metrics to ``totals``.
 
         Returns the micro-batch's largest |trainer - sampler| log-prob. ``totals`` None: a sharded
         rank's padding round, whose forward and backward join the collectives with a loss weight of 0.
         """
-        row = self._row(samples, members, loss_only=True)
+        row = self._row(samples, members, loss_only=True, masks=masks)
         ref_logp = None
         if self.cfg.kl_coef > 0:
             with torch.no_grad(), self.model.disable_adapter(), self._precision_context():
@@ -289,6 +310,11 @@ class Learner:
         gap = logprob_mismatch(logp[on_policy], old_logp[on_policy])
         totals["on_policy_mismatch"] += gap.mean * gap.tokens
         totals["on_policy_tokens"] += gap.tokens
+        if row.constrained is not None:
+            constrained = on_policy & row.constrained  # (L,) bool
+            gap = logprob_mismatch(logp[constrained], old_logp[constrained])
+            totals["constrained_mismatch"] += gap.mean * gap.tokens
+            totals["constrained_tokens"] += gap.tokens
         totals["over_cap"] += m["sampler_over_cap"] * m["tokens"]
         return float(m["logprob_mismatch_max"])
 
@@ -304,8 +330,9 @@ class Learner:
         self.model.eval()
         try:
             out = [torch.zeros(len(s.token_ids)) for s in samples]
+            masks, _, _ = self._grammars.spans(samples)
             for members in self._pack(samples):
-                row = self._row(samples, members, loss_only=False)
+                row = self._row(samples, members, loss_only=False, masks=masks)
                 if row.targets.numel() == 0 and not self.sharded:  # only one-token samples: nothing to score
                     continue
                 with self._precision_context():
@@ -341,9 +368,10 @@ class Learner:
             return pack_tree([s.token_ids for s in samples], self.cfg.micro_batch_tokens)
         return pack(samples, self.cfg.micro_batch_tokens)
 
-    def _row(self, samples: Sequence[Sample], members: Sequence[int], *, loss_only: bool) -> PackedRow:
+    def _row(self, samples: Sequence[Sample], members: Sequence[int], *, loss_only: bool,
+             masks: Sequence[SpanMasks]) -> PackedRow:  # fmt: skip
         return pack_row(samples, members, loss_only=loss_only, device=self.device,
-                        share_prefix=self.cfg.share_prefix, varlen=self.attention.varlen)  # fmt: skip
+                        share_prefix=self.cfg.share_prefix, varlen=self.attention.varlen, masks=masks)  # fmt: skip
 
     def _score(self, row: PackedRow) -> tuple[Tensor, Tensor]:
         logp, entropy = self._scorer(row)  # (P,), (P,)

@@ -22,7 +22,10 @@ rebuilt in the backward, so neither pass holds more than one chunk's logits.
 The logits are taken to be ``lm_head(hidden)``; models that scale or soft-cap them
 (Gemma 2's ``final_logit_softcapping``, Cohere's ``logit_scale``) are refused by the learner.
 Each scored token is scored at the temperature it was sampled at: ``log_softmax(logits / T)``
-is the distribution vLLM sampled from, and the one its processed logprobs describe.
+is the distribution vLLM sampled from, and the one its processed logprobs describe. A token vLLM sampled
+under a grammar (structured outputs, ``trainer._grammar``) is scored with the tokens that grammar forbade
+there at -inf, as vLLM masked them: its log-softmax is over the allowed tokens only. A chunk with no such
+token takes the plain path.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
+from trainer._grammar import SpanMasks, unpack_bitmask
 from trainer._prefix_tree import TreeLayout, lay_out
 from trainer._samples import Sample
 
@@ -74,6 +78,12 @@ class PackedRow:
     offset: Tensor  # (P,) long: each scored token's index within its own sample
     members: tuple[int, ...]  # indices into the caller's samples, in row order
     temperature: Tensor  # (P,) float32: the temperature each scored token was sampled at (1.0 if not sampled)
+    # Constrained tokens: each scored token's row in ``bitmask`` (-1: unconstrained), and the packed
+    # allowed-token bitmasks (M, ceil(V / 32)) int32. None: no scored token of the row is constrained.
+    mask_rows: Tensor | None = None
+    bitmask: Tensor | None = None
+    # (P,) bool: the scored tokens vLLM sampled under a grammar (``Sample.grammars``), masked or not. None: none.
+    constrained: Tensor | None = None
 
     @property
     def tokens(self) -> int:
@@ -89,10 +99,12 @@ def pack_row(
     device: torch.device,
     share_prefix: bool = True,
     varlen: bool = False,
+    masks: Sequence[SpanMasks] | None = None,
 ) -> PackedRow:
     """Lay ``samples[i] for i in members`` in one row: as their prefix tree (``share_prefix``), else each whole.
 
     ``varlen``: describe the paths as flash attention's variable-length sequences instead of a mask.
+    ``masks``: per sample (indexed like ``samples``), its constrained spans and their bitmasks.
 
     Scored tokens: the sampled ones (``loss_mask``) when ``loss_only``, else every token
     but each sample's first, which has no prefix to predict it from. A scored token's
@@ -105,10 +117,21 @@ def pack_row(
     seq: list[int] = []
     offset: list[int] = []
     temperature: list[float] = []
+    mask_rows: list[int] = []
+    bitmasks: list[Tensor] = []
+    constrained: list[bool] = []
     for k, i in enumerate(members):
         sample = samples[i]
         temperatures = sample.temperatures or [1.0] * len(sample.token_ids)
         where = layout.where[k]
+        row_of = [-1] * len(sample.token_ids)
+        under = [False] * len(sample.token_ids)
+        for start, end, _ in sample.grammars:
+            under[start:end] = [True] * (end - start)
+        for start, end, bitmask in masks[i] if masks is not None else ():
+            first = sum(len(b) for b in bitmasks)
+            row_of[start:end] = range(first, first + end - start)
+            bitmasks.append(bitmask)
         for t in range(1, len(sample.token_ids)):
             if sample.loss_mask[t] or not loss_only:
                 score_at.append(where[t - 1])
@@ -116,6 +139,8 @@ def pack_row(
                 seq.append(k)
                 offset.append(t)
                 temperature.append(temperatures[t])
+                mask_rows.append(row_of[t])
+                constrained.append(under[t])
 
     def longs(values: list[int]) -> Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
@@ -132,6 +157,9 @@ def pack_row(
         offset=longs(offset),  # (P,)
         members=tuple(members),
         temperature=torch.tensor(temperature, dtype=torch.float32, device=device),  # (P,)
+        mask_rows=longs(mask_rows) if bitmasks else None,  # (P,)
+        bitmask=torch.cat(bitmasks).to(device) if bitmasks else None,  # (M, W)
+        constrained=torch.tensor(constrained, dtype=torch.bool, device=device) if any(constrained) else None,  # (P,)
     )
 
 
@@ -178,23 +206,44 @@ def hidden_states(model: PreTrainedModel, row: PackedRow) -> Tensor:
     return hidden[row.score_at]  # (P, H)
 
 
-def _score_chunk(lm_head: nn.Module, hidden: Tensor, targets: Tensor, temperature: Tensor) -> tuple[Tensor, Tensor]:
+def _score_chunk(lm_head: nn.Module, hidden: Tensor, targets: Tensor, temperature: Tensor,
+                 allowed: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
     logits = lm_head(hidden).float() / temperature[:, None]  # (C, V) as vLLM samples: logits / T, in float32
+    if allowed is not None:  # (C, V) bool: what the grammar let vLLM sample, the rest at -inf as vLLM sets it
+        logits = logits.masked_fill(~allowed, float("-inf"))  # (C, V)
     logp_all = logits.log_softmax(-1)  # (C, V)
     logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)  # (C,)
     # Computed after everything the backward needs, so checkpoint's recompute (which stops
     # early once it has rebuilt the saved tensors) does not redo it.
     with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(-1)  # (C,) nats, of the full next-token distribution at T
+        # of the next-token distribution at T (masked where constrained); a forbidden token adds 0, not 0 * -inf
+        entropy = -(logp_all.exp() * logp_all.clamp(min=torch.finfo(torch.float32).min)).sum(-1)  # (C,) nats
     return logp, entropy
 
 
+def _allowed(mask_rows: Tensor, bitmask: Tensor, vocab: int) -> Tensor | None:
+    """(C, V) bool of a chunk whose scored tokens index ``bitmask`` by ``mask_rows`` (C,); None: none constrained."""
+    constrained = mask_rows >= 0  # (C,)
+    if not bool(constrained.any()):
+        return None
+    allowed = torch.ones(mask_rows.shape[0], vocab, dtype=torch.bool, device=bitmask.device)  # (C, V)
+    allowed[constrained] = unpack_bitmask(bitmask[mask_rows[constrained]], vocab)  # (K, V)
+    return allowed
+
+
 def chunked_logprobs(
-    hidden: Tensor, targets: Tensor, lm_head: nn.Module, chunk_tokens: int, temperature: Tensor | None = None
+    hidden: Tensor,
+    targets: Tensor,
+    lm_head: nn.Module,
+    chunk_tokens: int,
+    temperature: Tensor | None = None,
+    mask_rows: Tensor | None = None,
+    bitmask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Log-prob of each target under ``log_softmax(lm_head(hidden) / temperature)`` and that distribution's entropy.
 
-    ``hidden`` (P, H), ``targets`` (P,), ``temperature`` (P,) positive (None: all 1.0) ->
+    ``hidden`` (P, H), ``targets`` (P,), ``temperature`` (P,) positive (None: all 1.0), ``mask_rows`` (P,)
+    and ``bitmask`` (M, W) as ``PackedRow`` holds them (None: no grammar; the forbidden logits at -inf) ->
     ``logp`` (P,) float32 (with grad when ``hidden`` has one) and ``entropy`` (P,) float32
     (never with grad).
     """
@@ -207,13 +256,22 @@ def chunked_logprobs(
         h = hidden[lo : lo + chunk_tokens]  # (C, H)
         t = targets[lo : lo + chunk_tokens]  # (C,)
         temp = temperature[lo : lo + chunk_tokens]  # (C,)
+        allowed = None
+        if mask_rows is not None and bitmask is not None:
+            allowed = _allowed(mask_rows[lo : lo + chunk_tokens], bitmask, _vocab(lm_head))  # (C, V) or None
         if with_grad:
-            logp, entropy = checkpoint(_score_chunk, lm_head, h, t, temp, use_reentrant=False)
+            logp, entropy = checkpoint(_score_chunk, lm_head, h, t, temp, allowed, use_reentrant=False)
         else:
-            logp, entropy = _score_chunk(lm_head, h, t, temp)
+            logp, entropy = _score_chunk(lm_head, h, t, temp, allowed)
         logps.append(logp)
         entropies.append(entropy)
     if not logps:
         empty = hidden.new_zeros(0, dtype=torch.float32)  # (0,)
         return empty, empty
     return torch.cat(logps), torch.cat(entropies)
+
+
+def _vocab(lm_head: nn.Module) -> int:
+    weight = lm_head.weight
+    assert isinstance(weight, Tensor)
+    return int(weight.shape[0])

@@ -71,6 +71,8 @@ class CapturedCall:
     version: int = 0  # the policy version that served the call
     temperature: float = 1.0  # the sampling temperature vLLM applied (the request's, else the server default)
     truncated: bool = False  # sampled with top-p < 1, top-k > 0 or min-p > 0
+    # The structured-output specification vLLM sampled the completion under (JSON; trainer._grammar), or None.
+    structured_outputs: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,10 +86,17 @@ class Sample:
     oldest_version: int  # the oldest policy version that sampled any of its tokens (for staleness)
     # The sampling temperature of each token; 1.0 where loss_mask is False. Empty: every token at 1.0.
     temperatures: list[float] = field(default_factory=list)
+    # The constrained completions in it: (start, end, specification), tokens [start, end) sampled under that
+    # grammar (trainer._grammar); the learner masks their logits as vLLM did. Empty: nothing constrained.
+    grammars: list[tuple[int, int, str]] = field(default_factory=list)
 
     @property
     def loss_tokens(self) -> int:
         return sum(self.loss_mask)
+
+    @property
+    def constrained_tokens(self) -> int:
+        return sum(end - start for start, end, _ in self.grammars)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +120,7 @@ class SampleStats:
     skipped_empty: int = 0  # no completion tokens
     skipped_greedy: int = 0  # temperature 0: the completion is context, not loss (its logprobs are not a sampler's)
     truncated: int = 0  # trained calls sampled with top-p/top-k/min-p (their ratio is biased below 1)
+    constrained: int = 0  # trained calls sampled under a grammar (structured outputs): scored under it
 
     def __add__(self, other: SampleStats) -> SampleStats:
         return SampleStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
@@ -124,6 +134,7 @@ class _Open:
     loss_mask: list[bool] = field(default_factory=list)
     old_logprobs: list[float] = field(default_factory=list)
     temperatures: list[float] = field(default_factory=list)
+    grammars: list[tuple[int, int, str]] = field(default_factory=list)
     n_calls: int = 0
     n_trained: int = 0  # calls whose completion carries loss
     oldest_version: int = 0
@@ -170,6 +181,8 @@ class _Open:
         self.temperatures += [1.0] * len(new_prompt)
         self.context_len = len(self.token_ids)
         n = len(call.completion_token_ids)
+        if sampled and call.structured_outputs is not None:
+            self.grammars.append((len(self.token_ids), len(self.token_ids) + n, call.structured_outputs))
         self.token_ids += call.completion_token_ids
         self.loss_mask += [sampled] * n
         self.old_logprobs += [float(x) for x in call.logprobs] if sampled else [0.0] * n
@@ -184,7 +197,7 @@ class _Open:
         if self.n_trained == 0:
             return None
         return Sample(self.token_ids, self.loss_mask, self.old_logprobs, self.n_calls, self.oldest_version,
-                      self.temperatures)  # fmt: skip
+                      self.temperatures, self.grammars)  # fmt: skip
 
 
 def build_samples(calls: Sequence[CapturedCall], decode: Decode | None = None) -> tuple[list[Sample], SampleStats]:
@@ -198,6 +211,7 @@ def build_samples(calls: Sequence[CapturedCall], decode: Decode | None = None) -
     """
     samples: list[Sample] = []
     failed = inconsistent = empty = greedy = truncated = merged = retokenized = rerendered = not_extended = 0
+    constrained = 0
     current: _Open | None = None
 
     def close(sample: _Open | None) -> None:
@@ -218,6 +232,7 @@ def build_samples(calls: Sequence[CapturedCall], decode: Decode | None = None) -
         sampled = call.temperature >= GREEDY_BELOW
         greedy += not sampled
         truncated += sampled and call.truncated
+        constrained += sampled and call.structured_outputs is not None
         prompt = list(call.prompt_token_ids)
         if current is not None and current.extends(prompt):
             current.append(call, prompt[len(current.token_ids) :], sampled=sampled)
@@ -255,6 +270,7 @@ def build_samples(calls: Sequence[CapturedCall], decode: Decode | None = None) -
         skipped_empty=empty,
         skipped_greedy=greedy,
         truncated=truncated,
+        constrained=constrained,
     )
     return samples, stats
 

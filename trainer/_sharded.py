@@ -56,7 +56,8 @@ class Scorer(nn.Module):
     def forward(self, row: PackedRow) -> tuple[Tensor, Tensor]:
         hidden = hidden_states(self.lm, row)  # (P, H)
         lm_head = self.lm.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated upstream
-        return chunked_logprobs(hidden, row.targets, lm_head, self.chunk_tokens, row.temperature)
+        return chunked_logprobs(hidden, row.targets, lm_head, self.chunk_tokens, row.temperature, row.mask_rows,
+                                row.bitmask)  # fmt: skip
 
 
 def decoder_layers(causal_lm: PreTrainedModel) -> list[nn.Module]:

@@ -62,6 +62,16 @@ class StepResult:
     # resident set size since it started (getrusage), an upper bound, not this step's own.
     peak_memory_bytes: int | None
     peak_memory_kind: PeakMemoryKind | None
+    # Structured outputs (trainer._grammar): the sampled tokens vLLM drew under a grammar, and the samples
+    # holding any; the on-policy |trainer - sampler| log-prob gap of those tokens and of the others (None:
+    # no such on-policy token); the constrained calls whose grammar could not be rebuilt, scored unmasked;
+    # the milliseconds spent walking the sampled tokens through their grammars.
+    constrained_tokens: int = 0
+    constrained_samples: int = 0
+    logprob_mismatch_constrained: float | None = None
+    logprob_mismatch_unconstrained: float | None = None
+    grammar_fallbacks: int = 0
+    mask_ms: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

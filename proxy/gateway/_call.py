@@ -29,6 +29,8 @@ class Call:
     # The API the client spoke when the proxy translated it to chat ("responses", "messages"): the endpoint recorded.
     api: str | None = None
     served: Served = field(default_factory=Served)  # what the model and its vLLM take (the app's)
+    # The grammar vLLM samples this call under (tracetrain_core.structured_outputs); None: unconstrained.
+    structured_outputs: dict[str, Any] | None = None
 
     def headers(self) -> dict[str, str]:
         return {
@@ -84,6 +86,7 @@ def call_write(
         "latency_ms": (time.perf_counter() - call.t0) * 1000,
         "ttft_ms": ttft_ms,
         "started_at": call.started_at,
+        "structured_outputs": call.structured_outputs,
     }
     return CallWrite(
         row,

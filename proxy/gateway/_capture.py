@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from tracetrain_core import structured_outputs
+
 Endpoint = Literal["chat.completions", "completions"]
 
 
@@ -96,6 +98,18 @@ class Capture:
             "choices": choices,
             "usage": self.usage,
         }
+
+
+def constrain(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The grammar vLLM will sample the chat request ``body`` under (``tracetrain_core.structured_outputs``), or
+    None. A ``response_format`` is sent as that very specification (vLLM's ``structured_outputs``, in place of
+    the ``response_format`` it would derive it from), so what the call records is what vLLM compiles; a forced
+    tool choice's grammar is vLLM's tool parser's to build, and recorded as that parser builds it."""
+    spec = structured_outputs(body)
+    if spec is not None and ("json" in spec or "json_object" in spec) and "structured_outputs" not in body:
+        body["structured_outputs"] = spec
+        body.pop("response_format", None)
+    return spec
 
 
 def prepare_upstream_body(body: dict[str, Any], endpoint: Endpoint, served_model: str) -> tuple[dict[str, Any], Asked]:

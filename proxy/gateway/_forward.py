@@ -30,7 +30,7 @@ from proxy._policy_config import SamplingDefaults
 from proxy._policy_keys import EVERY, Scope
 from proxy.errors import ProxyError, store_errors, upstream_http_error
 from proxy.gateway._call import Call, call_write
-from proxy.gateway._capture import Endpoint, capture_response, prepare_upstream_body
+from proxy.gateway._capture import Endpoint, capture_response, constrain, prepare_upstream_body
 from proxy.gateway._gate import Gate
 from proxy.gateway._keying import Conversation, Key, Keyer, KeyHints, new_trajectory_id
 from proxy.gateway._policies import PolicyRegistry, Route
@@ -155,7 +155,19 @@ class Forwarder:
             upstream_body, asked = prepare_upstream_body(sent, api.upstream, route.served_model)
             if api.asked is not None:
                 asked = api.asked
-            call = Call(api.upstream, body, route, key, conversation, asked, started_at, t0, api.endpoint, self._served)
+            call = Call(
+                api.upstream,
+                body,
+                route,
+                key,
+                conversation,
+                asked,
+                started_at,
+                t0,
+                api.endpoint,
+                self._served,
+                structured_outputs=constrain(upstream_body) if api.upstream == "chat.completions" else None,
+            )
             payload = orjson.dumps(upstream_body)
             if sent.get("stream"):
                 return await self._stream(api, call, payload)

@@ -29,7 +29,8 @@ LAST_STEP_METRICS = (
     "logprob_mismatch_mean", "logprob_mismatch_max", "logprob_mismatch_on_policy", "sampler_weight_mean",
     "calls_per_trajectory", "samples_per_trajectory", "samples_merged_retokenized", "samples_split_rerendered",
     "samples_split_not_extended", "trained_tokens", "trained_token_share", "forwarded_tokens",
-    "forwarded_per_sampled_token",
+    "forwarded_per_sampled_token", "constrained_tokens", "logprob_mismatch_constrained",
+    "logprob_mismatch_unconstrained", "grammar_fallbacks", "mask_ms",
 )  # fmt: skip
 _HANDOVER_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
@@ -110,8 +111,11 @@ class Metrics:
             "(over the tokens its own version sampled), sampler_weight_mean, calls_per_trajectory, "
             "samples_per_trajectory, samples_merged_retokenized (calls merged across a turn re-rendered in other "
             "token ids), samples_split_rerendered, samples_split_not_extended, trained_tokens, "
-            "trained_token_share, forwarded_tokens (what the step's rows forwarded, each shared prefix once) and "
-            "forwarded_per_sampled_token.", ["policy", "metric"], registry=r,
+            "trained_token_share, forwarded_tokens (what the step's rows forwarded, each shared prefix once), "
+            "forwarded_per_sampled_token; structured outputs: constrained_tokens (sampled under a grammar), "
+            "logprob_mismatch_constrained and _unconstrained (the on-policy gap of those tokens and of the others), "
+            "grammar_fallbacks (constrained calls whose grammar could not be rebuilt, scored unmasked) and mask_ms "
+            "(building the masks).", ["policy", "metric"], registry=r,
         )  # fmt: skip
         self.loaded = Gauge("tracetrain_versions_loaded", "Versions this proxy has loaded in vLLM, by policy.",
                             ["policy"], registry=r)  # fmt: skip
