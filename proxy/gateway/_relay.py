@@ -99,6 +99,7 @@ class Relay:
         feed = translator.feed  # looked up once: the loop below runs per chunk
         finished = False
         decoder = SSEDecoder()
+        out: list[bytes] = []  # the client's events for what one read of the upstream brought
         try:
             while not finished and (received := await self._upstream.next_chunk()):
                 for event in decoder.feed(received):
@@ -111,13 +112,19 @@ class Relay:
                     if "error" in data and not data.get("choices"):  # vLLM's failure event; [DONE] follows
                         raise UpstreamStreamError.from_event(event.data, data["error"])
                     chunk = self._assembler.add(data)
-                    if chunk is not None and (out := b"".join(feed(chunk))):
-                        yield out
+                    if chunk is not None:
+                        out += feed(chunk)
+                if out:
+                    # Events that arrived together leave together: one write to the client per read
+                    # of vLLM, not one per event (each write is a system call in the server).
+                    yield b"".join(out)
+                    out = []
             if not finished:
                 raise UpstreamError("the upstream closed the stream before it finished")
         except (UpstreamError, orjson.JSONDecodeError) as exc:
-            yield await self._fail(exc if isinstance(exc, UpstreamError) else UpstreamError(
+            closing = await self._fail(exc if isinstance(exc, UpstreamError) else UpstreamError(
                 f"the upstream stream broke: {exc!r}"))  # fmt: skip
+            yield b"".join(out) + closing  # the events that arrived before the failure first
             return
         self._recorded = True
         response = translator.response()
