@@ -29,10 +29,9 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from _host import free_port, wait_http
 from _proxy.servers import BASE_MODEL, HOST, POLICY, REPO, Server, _process, cpu_seconds, settle
 from _proxy.wrk import WrkResult, run_wrk
-
-from _host import free_port, wait_http
 
 APIS = ("chat", "responses", "messages")
 MODES = ("plain", "stream")
@@ -102,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         fake = start(stack, "direct", [sys.executable, "tests/fake_vllm.py"], "/v1/models", BASE_MODEL, REPO, workdir)
         proxies = {name: proxy(stack, f"proxy{i}", tree, fake, workdir) for i, (name, tree) in enumerate(trees.items())}
         everyone = [fake, *proxies.values()]
-        for name, server in proxies.items():  # warm-up: every API and mode once
+        for server in proxies.values():  # warm-up: every API and mode once
             for api in apis:
                 for mode in modes:
                     cpu_per_call(with_api(server, api), mode, 16, 1, f"warm-{server.name}-{api}-{mode}")
