@@ -118,6 +118,12 @@ async def _time_cases(calls: int) -> dict[str, float]:
         async def resolve(self, policy: str, hints: Any, conversation: Any, **_: bool) -> Key:
             return Key("traj-bench", "grp-bench", "header", None)
 
+        def served(self, trajectory_id: str, version: Any) -> None:
+            pass
+
+        def forget(self, trajectory_id: str) -> None:
+            pass
+
     # A registry of the policy "agent" on the base "tiny": PolicyRegistry.of where a tree serves several policies.
     of = getattr(PolicyRegistry, "of", None)
     registry = of("agent", base_model="tiny") if of is not None else PolicyRegistry("agent", "tiny")

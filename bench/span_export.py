@@ -24,7 +24,7 @@ from typing import Any
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.resources import Resource
 
-from proxy.observability._exporters import call_tuple, write_of
+from proxy.observability._export_wire import call_tuple, write_of
 from proxy.observability._genai import call_attributes
 from proxy.observability._langfuse_wire import generation_attributes
 from proxy.observability._otlp import _CallSpan

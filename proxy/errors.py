@@ -37,8 +37,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -283,17 +282,28 @@ def upstream_http_error(status_code: int, content: bytes) -> UpstreamError | Con
     return ContextLengthExceeded(error.message, prompt_tokens=tokens, limit=limit)
 
 
-@asynccontextmanager
-async def upstream_errors(upstream: str) -> AsyncIterator[None]:
-    """Translate httpx's and the generation pool's transport errors talking to ``upstream`` into ``UpstreamError``s."""
-    try:
-        yield
-    except (httpx.TimeoutException, TimeoutError) as exc:
-        shown = store.redact(upstream)  # the URL may carry a password: these messages reach clients and the store
-        raise UpstreamTimeout(f"the upstream at {shown} did not answer in time ({type(exc).__name__})") from exc
-    except (httpx.TransportError, ConnectionError) as exc:  # ConnectionError: proxy.gateway.upstream._http1's
-        message = f"cannot reach the upstream at {upstream} ({type(exc).__name__}: {exc}); is vLLM running?"
-        raise UpstreamUnreachable(store.redact(message)) from exc
+class upstream_errors:  # lower case: used as the function it was, ``async with upstream_errors(url):``
+    """Translate httpx's and the generation pool's transport errors talking to ``upstream`` into ``UpstreamError``s.
+
+    A class rather than an ``asynccontextmanager``: it wraps every upstream call, and a generator's
+    context manager costs several frames in ``contextlib`` per use."""
+
+    __slots__ = ("_upstream",)
+
+    def __init__(self, upstream: str) -> None:
+        self._upstream = upstream
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None, _tb: object) -> bool:
+        if isinstance(exc, httpx.TimeoutException | TimeoutError):
+            shown = store.redact(self._upstream)  # the URL may carry a password: messages reach clients and the store
+            raise UpstreamTimeout(f"the upstream at {shown} did not answer in time ({type(exc).__name__})") from exc
+        if isinstance(exc, httpx.TransportError | ConnectionError):  # ConnectionError: upstream._http1's
+            message = f"cannot reach the upstream at {self._upstream} ({type(exc).__name__}: {exc}); is vLLM running?"
+            raise UpstreamUnreachable(store.redact(message)) from exc
+        return False
 
 
 def from_store_error(exc: store.StoreError) -> ProxyError:

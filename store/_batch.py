@@ -25,6 +25,8 @@ from store._tables import calls as C
 from store._tables import groups as G
 from store._tables import trajectories as T
 
+_OPEN = GroupState.OPEN.value  # once: an enum member's value is a Python-level descriptor, per row otherwise
+
 
 @dataclass(slots=True)
 class CallWrite:
@@ -74,7 +76,7 @@ def _rows(writes: Sequence[CallWrite]) -> tuple[list[dict[str, Any]], list[dict[
     for w in writes:
         groups.setdefault(
             w.group_id,
-            {"id": w.group_id, "policy": w.policy, "task_key": w.task_key, "state": GroupState.OPEN.value,
+            {"id": w.group_id, "policy": w.policy, "task_key": w.task_key, "state": _OPEN,
              "created_at": w.created_at},
         )  # fmt: skip
         trajectories.setdefault(

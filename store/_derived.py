@@ -50,6 +50,7 @@ from store._lifecycle import GroupState
 from store._tables import groups as G
 from store._tables import trajectories as T
 
+_OPEN_STATE = GroupState.OPEN.value  # once: an enum member's value is a Python-level descriptor
 _SWEEP = 500  # stale seats released per transaction
 # Each round either takes a seat or sees another replica take the last one; many replicas racing
 # for the seats of one task need a few rounds at most.
@@ -160,13 +161,13 @@ def seat_one_sqlite(conn: sqlite3.Connection, seat: Seat) -> str:
     if stored is not None:  # keyed first by another call of it, here or on another replica
         return str(stored[0])
     newest = conn.execute(_NEWEST, (seat.policy, seat.task_key)).fetchone()
-    if newest is not None and newest[2] == GroupState.OPEN.value and newest[3] < seat.group_size:
+    if newest is not None and newest[2] == _OPEN_STATE and newest[3] < seat.group_size:
         group_id = str(newest[0])
         conn.execute(_TAKE, (group_id,))
     else:
         number = (newest[1] or 0) + 1 if newest is not None else 1
         group_id = f"grp-{seat.task_key[:12]}-{uuid.uuid4().hex[:8]}"
-        conn.execute(_OPEN, (group_id, seat.policy, seat.task_key, number, GroupState.OPEN.value, seat.now))
+        conn.execute(_OPEN, (group_id, seat.policy, seat.task_key, number, _OPEN_STATE, seat.now))
     conn.execute(_JOIN, (seat.trajectory_id, group_id, seat.policy, seat.keyed_by, seat.now, seat.now))
     return group_id
 

@@ -281,11 +281,13 @@ async def test_a_stream_cancelled_before_its_first_event_is_recorded_and_closed(
     """The ASGI server may cancel a response before its body generator ever starts."""
     from starlette.requests import ClientDisconnect
 
+    from proxy.gateway._admission import Calls
     from proxy.gateway._call import Call
     from proxy.gateway._capture import Asked
     from proxy.gateway._keying import Conversation, Key
     from proxy.gateway._policies import PolicyRegistry, Route
     from proxy.gateway._relay import Relay, RelayResponse
+    from proxy.observability._metrics import Metrics
 
     closed: list[bool] = []
     written: list = []
@@ -294,16 +296,8 @@ async def test_a_stream_cancelled_before_its_first_event_is_recorded_and_closed(
         def close(self) -> None:
             closed.append(True)
 
-    class Forwarder:
-        _in_flight = 0
-
-        def streaming(self) -> None:
-            self._in_flight += 1
-
-        def streamed(self) -> None:
-            self._in_flight -= 1
-
-        def record_nowait(self, write) -> None:
+    class Store:
+        def record_call_nowait(self, write) -> None:  # type: ignore[no-untyped-def]
             written.append(write)
 
     body = {"model": "agent", "messages": QUESTION, "stream": True}
@@ -318,9 +312,11 @@ async def test_a_stream_cancelled_before_its_first_event_is_recorded_and_closed(
         time.perf_counter(),
     )
     registry = PolicyRegistry.of("agent", base_model="base")
-    forwarder = Forwarder()
-    response = RelayResponse(Relay(forwarder, registry, call, Upstream()), headers={})  # type: ignore[arg-type]
-    assert registry.in_flight[("agent", 0)] == 1 and forwarder._in_flight == 1
+    calls = Calls(Store(), None, registry, Metrics())  # type: ignore[arg-type]
+    admission = await calls.admit()
+    admission.serving(call.route)
+    response = RelayResponse(Relay(admission, call, Upstream()), headers={})  # type: ignore[arg-type]
+    assert registry.in_flight[("agent", 0)] == 1 and calls.in_flight == 1
 
     async def receive() -> dict:
         return {"type": "http.disconnect"}
@@ -332,7 +328,7 @@ async def test_a_stream_cancelled_before_its_first_event_is_recorded_and_closed(
         await response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
     assert closed == [True]
     assert [(w.call["status_code"], w.call["error"]) for w in written] == [(499, "the client disconnected mid-stream")]
-    assert registry.in_flight[("agent", 0)] == 0 and forwarder._in_flight == 0
+    assert registry.in_flight[("agent", 0)] == 0 and calls.in_flight == 0
 
 
 async def test_a_lone_stream_is_recorded_on_the_event_loops_thread_and_stops_counting_before_done(
@@ -366,11 +362,11 @@ async def test_a_lone_stream_is_recorded_on_the_event_loops_thread_and_stops_cou
         in_flight_at_done = None
         async for chunk in response.body_iterator:  # type: ignore[attr-defined]
             if chunk == b"data: [DONE]\n\n":
-                in_flight_at_done = forwarder._in_flight
+                in_flight_at_done = forwarder._calls.in_flight
         response._relay.close()  # type: ignore[attr-defined]
         upstream.close()
     await store.close()
-    assert in_flight_at_done == 0 and forwarder._in_flight == 0
+    assert in_flight_at_done == 0 and forwarder._calls.in_flight == 0
     assert committed_on == [threading.current_thread().name]
 
 

@@ -381,7 +381,7 @@ async def test_without_share_gpu_no_hand_over_runs_and_the_open_gate_costs_nothi
             answered = await http.post("/v1/chat/completions", json={"model": "agent", "messages": TASK})
         services = app.state.services
         assert services.handover is None
-        assert services.forwarder._gate.is_open
+        assert services.forwarder._calls.gate.is_open
     assert answered.status_code == 200
     assert not any(name.startswith(("pause", "sleep", "is_sleeping")) for name in fake.handover.calls)
 

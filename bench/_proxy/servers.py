@@ -53,10 +53,12 @@ def tool(name: str) -> str:
 
 
 @contextlib.contextmanager
-def _process(argv: list[str], log: Path, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
-    """Run ``argv`` in its own process group; stop the whole group on exit, whatever happens."""
+def _process(
+    argv: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path = REPO
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Run ``argv`` in its own process group (in ``cwd``); stop the whole group on exit, whatever happens."""
     with log.open("wb") as sink:
-        proc = subprocess.Popen(argv, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(argv, cwd=cwd, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         yield proc
     finally:

@@ -27,6 +27,7 @@ from typing import Any
 import orjson
 from fastapi import APIRouter, Depends, Request
 from fastapi.routing import APIRoute
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -74,6 +75,19 @@ def key_hints(request: Request) -> KeyHints:
 Serve = Callable[[Request, Services], Awaitable[Response]]
 
 
+async def _body(request: Request) -> bytes:
+    """The call's body, read from ``receive`` as ``Request.body()`` reads it, without its context manager and
+    stream wrapper: every generation call pays for them. A client gone before its body ends: ``ClientDisconnect``."""
+    chunks: list[bytes] = []
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
 def _forwarding(name: DialectName) -> Serve:
     """The serving function of a call in the dialect ``name``: the forwarder's path, errors in the dialect's shape."""
     dialect = DIALECTS[name]
@@ -81,7 +95,7 @@ def _forwarding(name: DialectName) -> Serve:
     async def forward(request: Request, services: Services) -> Response:
         try:
             scope = await inference_scope(request, services)
-            return await services.forwarder.handle(name, await request.body(), key_hints(request), scope)
+            return await services.forwarder.handle(name, await _body(request), key_hints(request), scope)
         except ProxyError as exc:
             return dialect.error(exc)
         except DRIVER_ERRORS as exc:  # a database failure no store method translated: a 503, in the API's shape

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import os
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,7 +63,7 @@ def call_write(
         else []
     )
     row = {
-        "id": f"call-{uuid.uuid4().hex}",
+        "id": f"call-{os.urandom(16).hex()}",  # random as uuid4's hex, without its module on the path
         "trajectory_id": call.key.trajectory_id,
         "group_id": call.key.group_id,
         "policy": call.route.policy,

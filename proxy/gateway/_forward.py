@@ -29,6 +29,7 @@ from starlette.responses import Response
 from proxy._policy_config import SamplingDefaults
 from proxy._policy_keys import EVERY, Scope
 from proxy.errors import ProxyError, store_errors, upstream_http_error
+from proxy.gateway._admission import Admission, Calls
 from proxy.gateway._call import Call, call_write
 from proxy.gateway._capture import Endpoint, capture_response, constrain, prepare_upstream_body
 from proxy.gateway._gate import Gate
@@ -40,7 +41,7 @@ from proxy.gateway.dialects import DIALECTS, Dialect, DialectName, count_tokens_
 from proxy.gateway.upstream import Router, Upstream, UpstreamStream
 from proxy.observability._exporters import Exporters
 from proxy.observability._metrics import Metrics
-from store import CallWrite, RecordRefused, Store, StoreError, StoreFull
+from store import CallWrite, Store, StoreFull
 
 _PATHS: dict[Endpoint, str] = {"chat.completions": "/chat/completions", "completions": "/completions"}
 _COUNTING = "tracetrain-count-tokens"  # the router's key for token counts: any server tokenizes alike
@@ -78,60 +79,11 @@ class Forwarder:
     ) -> None:
         # Which vLLM server takes each call (one Upstream: always that one).
         self._router = upstream if isinstance(upstream, Router) else Router([upstream])
-        # Closed only while a training step has the GPU (--share-gpu); open, passing it costs nothing.
-        self._gate = gate if gate is not None else Gate(wait_s=0.0)
+        self._calls = Calls(store, keyer, registry, metrics, exporters, gate)  # each call's counts and record
         self._store = store
         self._keyer = keyer
         self._registry = registry
-        self._metrics = metrics
-        self._exporters = exporters  # OTLP and Langfuse: each record queued for them, never awaited
         self._served = served if served is not None else Served()  # what the model and its vLLM take
-        # Calls being handled or streamed: a lone one is written on the event loop's thread (store._writer).
-        self._in_flight = 0
-
-    @property
-    def _alone(self) -> bool:
-        """The call asking is the only one in flight."""
-        return self._in_flight == 1
-
-    async def record(self, write: CallWrite) -> bool:
-        """Commit a call's record (see ``Store.record_call``) and count it; False when the store's disk is full.
-
-        A full disk stops capture, not serving: the call is answered and counted unrecorded
-        (``tracetrain_capture_failures{reason="disk_full"}``); capture resumes once space is freed.
-        Any other store failure is a 503: the store may be back in a moment, and the client retries; a
-        record the store refuses (``RecordRefused``: it could never be written) is a 400.
-        """
-        with store_errors():
-            try:
-                await self._store.record_call(write, alone=self._alone)
-            except StoreFull:
-                self._metrics.call_unrecorded(write.call)
-                return False
-            except StoreError as exc:
-                self._metrics.call_not_recorded(write.call, refused=isinstance(exc, RecordRefused))
-                self._keyer.forget(write.trajectory_id)  # its seat was given back (store._writer)
-                raise
-        self._metrics.call_recorded(write.call)
-        if self._exporters is not None:
-            self._exporters.call_recorded(write)
-        return True
-
-    def record_nowait(self, write: CallWrite) -> None:
-        self._store.record_call_nowait(write)
-        self._metrics.call_recorded(write.call)
-        if self._exporters is not None:
-            self._exporters.call_recorded(write)
-
-    def streaming(self) -> None:
-        """A stream's relay starts: it counts in flight until its record is written (``streamed``)."""
-        self._in_flight += 1
-
-    def streamed(self) -> None:
-        self._in_flight -= 1
-
-    def stream_broken(self, call: Call, reason: str) -> None:
-        self._metrics.stream_broken(call.api or call.endpoint, reason)
 
     async def handle(self, dialect: DialectName, raw: bytes, hints: KeyHints, scope: Scope = EVERY) -> Response:
         """One call in ``dialect``'s API, answered in that API's shape once it is recorded (see the module's
@@ -144,13 +96,14 @@ class Forwarder:
         if isinstance(model := body.get("model"), str):  # else the dialect's check below says what is wrong
             with_sampling_defaults(dialect, body, self._registry.policy(model, scope).settings.sampling)
         sent = api.request(body, self._served)
-        await self._admit()
+        admission = await self._calls.admit()
         try:
             route = await self._route(str(sent["model"]), scope)
             messages = sent.get("messages") if api.upstream == "chat.completions" else None
             conversation = Conversation(route.policy, messages, sent.get("prompt"))
             key = await self._key(route.policy, hints, conversation)
             route = self._registry.for_trajectory(route, key.trajectory_id, key.served_by)  # a canary trial's split
+            admission.serving(route)
             self._keyer.served(key.trajectory_id, route.version)
             upstream_body, asked = prepare_upstream_body(sent, api.upstream, route.served_model)
             if api.asked is not None:
@@ -170,21 +123,12 @@ class Forwarder:
             )
             payload = orjson.dumps(upstream_body)
             if sent.get("stream"):
-                return await self._stream(api, call, payload)
-            return await self._complete(api, call, payload)
+                return await self._stream(api, call, payload, admission)
+            return await self._complete(api, call, payload, admission)
         finally:
-            self._release()
-
-    async def _admit(self) -> None:
-        """Let a call in: held here while a training step has the GPU, and routed after (the new version
-        serves it); counted in flight until ``_release``."""
-        await self._gate.enter()
-        self._in_flight += 1
-
-    def _release(self) -> None:
-        """The upstream answered (a stream: its headers): a hand-over may pause it now."""
-        self._in_flight -= 1
-        self._gate.leave()
+            admission.answered()  # a hand-over may pause vLLM now
+            if not admission.handed_over:  # a relay releases a stream's once its stream ends
+                admission.close()
 
     async def _route(self, model: str, scope: Scope) -> Route:
         """The policy version that serves ``model`` (a 404 outside ``scope``)."""
@@ -205,7 +149,7 @@ class Forwarder:
         size = self._registry.get(policy).settings.group_size if policy in self._registry else None
         with store_errors():  # the call cannot be keyed, so it is not answered: a 503 in OpenAI's shape
             try:
-                return await self._keyer.resolve(policy, hints, conversation, alone=self._alone, defer_seat=True,
+                return await self._keyer.resolve(policy, hints, conversation, alone=self._calls.alone, defer_seat=True,
                                                  group_size=size)  # fmt: skip
             except StoreFull:  # no seat can be written: the call is served, unrecorded (``record``)
                 trajectory_id = hints.header_trajectory or hints.path_trajectory or new_trajectory_id()
@@ -214,36 +158,36 @@ class Forwarder:
     async def _seat(self, call: Call) -> None:
         with store_errors():
             try:
-                call.key = await self._keyer.seat(call.route.policy, call.key, alone=self._alone)
+                call.key = await self._keyer.seat(call.route.policy, call.key, alone=self._calls.alone)
             except StoreFull:
                 call.key = dataclasses.replace(call.key, seat_in=0)  # served unseated; its record will fail too
 
     async def _ask(self, call: Call, payload: bytes) -> dict[str, Any]:
         """vLLM's answer to a call that does not stream, parsed; an error status raises (``upstream_http_error``)."""
-        with self._registry.serving(call.route.policy, call.route.version):
-            upstream = await self._router.post(call.key.trajectory_id, _PATHS[call.endpoint], payload)
+        upstream = await self._router.post(call.key.trajectory_id, _PATHS[call.endpoint], payload)
         if upstream.status_code != 200:
             raise upstream_http_error(upstream.status_code, upstream.content)
         data: dict[str, Any] = orjson.loads(upstream.content)
         return data
 
-    async def _complete(self, dialect: Dialect, call: Call, payload: bytes) -> Response:
+    async def _complete(self, dialect: Dialect, call: Call, payload: bytes, admission: Admission) -> Response:
         try:
             data = await self._ask(call, payload)
         except ProxyError as exc:
-            await self._record_answer(call, call_write(call, None, None, exc.status_code, exc.message, None))
+            write = call_write(call, None, None, exc.status_code, exc.message, None)
+            await self._record_answer(call, write, admission)
             return dialect.error(exc, call.headers())
         capture = capture_response(data, call.endpoint)
         recorded, sent = dialect.answer(data, call)
-        await self._record_answer(call, call_write(call, capture, recorded, 200, None, None))
+        await self._record_answer(call, call_write(call, capture, recorded, 200, None, None), admission)
         return Response(orjson.dumps(sent), headers=call.headers(), media_type="application/json")
 
-    async def _record_answer(self, call: Call, write: CallWrite) -> None:
+    async def _record_answer(self, call: Call, write: CallWrite, admission: Admission) -> None:
         """Record a non-streamed call; a seat left to its record gives the call its group (``Keyer.resolve``)."""
-        if await self.record(write) and call.key.seat_in:
+        if await admission.record(write) and call.key.seat_in:
             call.key = self._keyer.seated(call.key, write.group_id, call.route.policy)
 
-    async def _stream(self, dialect: Dialect, call: Call, payload: bytes) -> Response:
+    async def _stream(self, dialect: Dialect, call: Call, payload: bytes, admission: Admission) -> Response:
         """Open vLLM's stream for ``call`` and relay it in ``dialect``'s events."""
         opening: Awaitable[tuple[UpstreamStream, Callable[[], None]]]
         opening = self._router.open_stream(call.key.trajectory_id, _PATHS[call.endpoint], payload)
@@ -261,8 +205,8 @@ class Forwarder:
         try:
             upstream, done = await opening
         except ProxyError as exc:
-            await self.record(call_write(call, None, None, exc.status_code, exc.message, None))
+            await admission.record(call_write(call, None, None, exc.status_code, exc.message, None))
             return dialect.error(exc, call.headers())
-        translator = dialect.stream(call)
-        relay = Relay(self, self._registry, call, upstream, on_close=done, translator=translator)
+        admission.opened(done)
+        relay = Relay(admission, call, upstream, translator=dialect.stream(call))
         return RelayResponse(relay, headers={**call.headers(), "Cache-Control": "no-cache"})

@@ -1,9 +1,8 @@
 """A streamed call's relay: vLLM's events forwarded as they arrive, the call recorded before the closing event.
 
 What the client is sent is its dialect's (``StreamTranslator``): chat's own chunks, or the events of
-the API it speaks. The relay knows the forwarder only as a ``Recorder``: the record itself, and the
-count of calls in flight, which a stream is part of until its record is written (a lone call's
-record is committed on the event loop's thread, ``store._writer``).
+the API it speaks. The call's bookkeeping stays its ``Admission``'s (``_admission``): the relay tells it
+when the record is written (a stream counts in flight until then) and closes it when the stream ends.
 
 A stream vLLM breaks is a failed call, never a whole one: vLLM 0.32 reports an engine failure inside a
 stream as ``data: {"error": {...}}`` then ``data: [DONE]`` (``UpstreamStreamError``), and a connection
@@ -17,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol
+from typing import Any
 
 import orjson
 from starlette.requests import ClientDisconnect
@@ -25,9 +24,9 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from proxy.errors import UpstreamError, UpstreamStreamError
+from proxy.gateway._admission import Admission
 from proxy.gateway._call import Call, call_write
 from proxy.gateway._capture import StreamCapture
-from proxy.gateway._policies import PolicyRegistry
 from proxy.gateway.dialects import PASSTHROUGH_EVENTS, StreamTranslator
 from proxy.gateway.upstream import SSEDecoder, UpstreamStream
 from store import CallWrite
@@ -41,26 +40,6 @@ def close_unused(opening: asyncio.Future[tuple[UpstreamStream, Callable[[], None
         done()
 
 
-class Recorder(Protocol):
-    """What a relay needs of the forwarder (``proxy.gateway._forward.Forwarder`` is one)."""
-
-    async def record(self, write: CallWrite) -> bool: ...
-
-    def record_nowait(self, write: CallWrite) -> None: ...
-
-    def streaming(self) -> None:
-        """A stream starts: one more call in flight, until ``streamed``."""
-        ...
-
-    def streamed(self) -> None:
-        """The stream's record is written (or handed to the writer): one call less in flight."""
-        ...
-
-    def stream_broken(self, call: Call, reason: str) -> None:
-        """vLLM broke ``call``'s stream: ``reason`` is "upstream_error" (its error event) or "upstream_closed"."""
-        ...
-
-
 class Relay:
     """One stream in flight: forwards events as they arrive and records the call exactly once.
 
@@ -71,26 +50,20 @@ class Relay:
 
     def __init__(
         self,
-        forwarder: Recorder,
-        registry: PolicyRegistry,
+        admission: Admission,
         call: Call,
         upstream: UpstreamStream,
-        on_close: Callable[[], None] = lambda: None,
         translator: StreamTranslator = PASSTHROUGH_EVENTS,
     ) -> None:
-        self._forwarder = forwarder
-        self._on_close = on_close  # the router's count of the server's calls in flight
+        self._admission = admission  # the call's counts and record: released by close()
+        admission.handed_over = True
         self._translator = translator  # what the client is sent: its dialect's events
-        self._registry = registry
         self._call = call
         self._upstream = upstream
         self._assembler = StreamCapture(call.endpoint, call.asked, call.route.public_name)
         self._ttft: float | None = None
         self._recorded = False
         self._done = False  # [DONE] came: the upstream's body ends next
-        registry.in_flight[(call.route.policy, call.route.version)] += 1
-        forwarder.streaming()
-        self._counted = True  # in the forwarder's calls in flight, until its record is written
 
     async def events(self) -> AsyncIterator[bytes]:
         """Forward each SSE event as it arrives; commit the record before the closing event (chat: ``[DONE]``)."""
@@ -99,6 +72,7 @@ class Relay:
         feed = translator.feed  # looked up once: the loop below runs per chunk
         finished = False
         decoder = SSEDecoder()
+        out: list[bytes] = []  # the client's events for what one read of the upstream brought
         try:
             while not finished and (received := await self._upstream.next_chunk()):
                 for event in decoder.feed(received):
@@ -111,22 +85,28 @@ class Relay:
                     if "error" in data and not data.get("choices"):  # vLLM's failure event; [DONE] follows
                         raise UpstreamStreamError.from_event(event.data, data["error"])
                     chunk = self._assembler.add(data)
-                    if chunk is not None and (out := b"".join(feed(chunk))):
-                        yield out
+                    if chunk is not None:
+                        out += feed(chunk)
+                if out:
+                    # Events that arrived together leave together: one write to the client per read
+                    # of vLLM, not one per event (each write is a system call in the server).
+                    yield b"".join(out)
+                    out = []
             if not finished:
                 raise UpstreamError("the upstream closed the stream before it finished")
         except (UpstreamError, orjson.JSONDecodeError) as exc:
-            yield await self._fail(exc if isinstance(exc, UpstreamError) else UpstreamError(
+            closing = await self._fail(exc if isinstance(exc, UpstreamError) else UpstreamError(
                 f"the upstream stream broke: {exc!r}"))  # fmt: skip
+            yield b"".join(out) + closing  # the events that arrived before the failure first
             return
         self._recorded = True
         response = translator.response()
         try:
-            await self._forwarder.record(
+            await self._admission.record(
                 self._record(200, None, self._assembler.capture.as_response() if response is None else response)
             )
         finally:
-            self._uncount()  # before the closing event: the client's next call may arrive before close() runs
+            self._admission.recorded()  # before the closing event
         self._done = True
         yield b"".join(translator.finish())
 
@@ -135,19 +115,14 @@ class Relay:
         broken = isinstance(error, UpstreamStreamError)
         self._recorded = True
         closing = b"".join(self._translator.failed(error))  # its response is now a failed one, as recorded
-        self._forwarder.stream_broken(self._call, "upstream_error" if broken else "upstream_closed")
+        self._admission.broken(self._call, "upstream_error" if broken else "upstream_closed")
         try:
-            await self._forwarder.record(
+            await self._admission.record(
                 self._record(error.status_code if broken else 502, error.message, self._translator.response())
             )
         finally:
-            self._uncount()
+            self._admission.recorded()
         return closing
-
-    def _uncount(self) -> None:
-        if self._counted:
-            self._counted = False
-            self._forwarder.streamed()
 
     async def finish(self) -> None:
         """Once the response is sent: read the end of the upstream's body, so its connection is kept."""
@@ -158,11 +133,9 @@ class Relay:
         """However the stream ended: the record (if not yet written), the counts, the upstream connection."""
         if not self._recorded:  # the client went away: keep what was sampled; nobody awaits the commit
             self._recorded = True
-            self._forwarder.record_nowait(self._record(499, "the client disconnected mid-stream"))
-        self._registry.in_flight[(self._call.route.policy, self._call.route.version)] -= 1
-        self._uncount()
+            self._admission.record_nowait(self._record(499, "the client disconnected mid-stream"))
         self._upstream.close()
-        self._on_close()
+        self._admission.close()
 
     def _record(self, status: int, error: str | None, response: dict[str, Any] | None = None) -> CallWrite:
         return call_write(self._call, self._assembler.capture, response, status, error, self._ttft)

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from proxy.observability._export_wire import ExportConfig, quiet_sdk_logs, write_of
+from proxy.observability._genai import call_attributes, estimated_bytes
 from proxy.observability._langfuse import LangfuseConfig
 from proxy.observability._langfuse_wire import TRACES_PATH, generation_attributes
 from store import without_userinfo
@@ -40,20 +42,6 @@ _STATS_EVERY_S = 0.2
 _PARENT_CHECK_S = 1.0
 
 Message = tuple[str, Any]  # ("calls", [call tuple, ...]) | ("rewards", [reward, ...]); None: stop
-
-
-@dataclass(frozen=True, slots=True)
-class ExportConfig:
-    """How much a receiver may hold and how it sends. A count and a byte bound: whichever comes first."""
-
-    batch_size: int = 512  # spans per request (the SDK's default)
-    flush_interval_s: float = 1.0  # the longest a span waits for its batch to fill
-    max_queue: int = 4096  # spans held while the receiver is slow or down; beyond that they are dropped
-    max_queue_bytes: int = 64 * 2**20  # an estimate of what those spans keep alive (requests, responses)
-    # Per request, the SDK's retries included; None: OTEL_EXPORTER_OTLP_TRACES_TIMEOUT or OTEL_EXPORTER_OTLP_TIMEOUT
-    # (seconds, as the Python SDK reads them), else 10.
-    timeout_s: float | None = None
-    shutdown_timeout_s: float = 5.0  # at shutdown, the time left to send what is queued
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +103,6 @@ def langfuse_receiver(config: LangfuseConfig) -> Receiver:
 
 
 def build_receivers(config: ProcessConfig) -> list[Receiver]:
-    from proxy.observability._genai import call_attributes
     from proxy.observability._otlp import Receiver
 
     receivers = []
@@ -131,7 +118,6 @@ def run(config: ProcessConfig, inbox: Any, array: Any, parent: int) -> None:
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from opentelemetry.sdk.resources import Resource
 
-    from proxy.observability._exporters import quiet_sdk_logs
     from proxy.observability._otlp import OtlpExport
 
     quiet_sdk_logs()
@@ -154,9 +140,6 @@ def run(config: ProcessConfig, inbox: Any, array: Any, parent: int) -> None:
 
 
 def _take(inbox: Any, exports: list[OtlpExport], counters: Counters, parent: int) -> None:
-    from proxy.observability._exporters import write_of
-    from proxy.observability._genai import estimated_bytes
-
     while True:
         try:
             message: Message | None = inbox.get(timeout=_PARENT_CHECK_S)

@@ -23,41 +23,20 @@ import multiprocessing
 import os
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from proxy._settings import Settings
-from proxy.observability._export_process import Counters, ExportConfig, ProcessConfig, run
+from proxy.observability._export_process import Counters, ProcessConfig, run
+from proxy.observability._export_wire import ExportConfig, call_tuple
 from proxy.observability._genai import estimated_bytes
+from proxy.observability._langfuse import LangfuseConfig, LangfuseScores
 from store import CallWrite, redact
-
-if TYPE_CHECKING:
-    from proxy.observability._langfuse import LangfuseScores
 
 log = logging.getLogger("tracetrain.export")
 
-# The SDK's exporter logs every failed batch and every retry; during an outage that is a line a second.
-_SDK_LOGGERS = ("opentelemetry.exporter.otlp.proto.http.trace_exporter", "opentelemetry.sdk._shared_internal")
-# The fields of a call a span reads: the token ids, the big part of a record, are left behind.
-_SPAN_FIELDS = (
-    "id", "endpoint", "model", "served_model", "stream", "request", "response", "finish_reason", "prompt_tokens",
-    "completion_tokens", "status_code", "error", "latency_ms", "ttft_ms", "started_at",
-)  # fmt: skip
 _HAND_OVER_S = 0.02  # how often the batch of records goes to the export process
 _BATCH = 256  # ... or as soon as it holds this many
 _WARN_EVERY_S = 60.0
-
-
-def call_tuple(write: CallWrite) -> tuple[Any, ...]:
-    """What crosses to the export process of a recorded call: only what a span reads (no token ids)."""
-    call = write.call
-    return ({k: call.get(k) for k in _SPAN_FIELDS}, write.trajectory_id, write.group_id, write.policy,
-            write.keyed_by, write.created_at, write.version)  # fmt: skip
-
-
-def write_of(item: tuple[Any, ...]) -> CallWrite:
-    """``call_tuple``'s record again, in the export process."""
-    call, trajectory_id, group_id, policy, keyed_by, created_at, version = item
-    return CallWrite(call, trajectory_id, group_id, policy, keyed_by, None, None, created_at, version)
 
 
 class Exporters:
@@ -185,8 +164,6 @@ def start_exporters(settings: Settings, config: ExportConfig | None = None) -> E
     """The receivers the settings name, started; None when there are none (call inside the app's lifespan)."""
     if not (settings.otlp_endpoint or settings.langfuse):
         return None
-    from proxy.observability._langfuse import LangfuseConfig, LangfuseScores
-
     langfuse = scores = None
     if settings.langfuse:
         assert settings.langfuse_public_key and settings.langfuse_secret_key  # Settings checks it
@@ -202,26 +179,3 @@ def start_exporters(settings: Settings, config: ExportConfig | None = None) -> E
     exporters = Exporters(process, scores)
     exporters.start()
     return exporters
-
-
-def quiet_sdk_logs() -> None:
-    """Let each of the SDK exporter's log lines through once a minute (it logs every failed try)."""
-    for name in _SDK_LOGGERS:
-        sdk_log = logging.getLogger(name)
-        if not any(isinstance(f, _OncePerMinute) for f in sdk_log.filters):
-            sdk_log.addFilter(_OncePerMinute())
-
-
-class _OncePerMinute(logging.Filter):
-    """Lets each of a logger's messages (by its format string) through at most once a minute."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._last: dict[str, float] = {}
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        now = time.monotonic()
-        if now - self._last.get(str(record.msg), -60.0) < 60.0:
-            return False
-        self._last[str(record.msg)] = now
-        return True

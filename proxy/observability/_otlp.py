@@ -42,7 +42,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.util.types import Attributes
 
-from proxy.observability._export_process import ExportConfig
+from proxy.observability._export_wire import ExportConfig
 from proxy.observability._genai import (
     EVALUATION_EVENT,
     AttributeValue,
