@@ -11,6 +11,7 @@ from store._batch import CallWrite
 from store._compact import COMPACT_COLUMNS
 from store._engine import connect
 from store._errors import (
+    KeyTaken,
     RecordRefused,
     SchemaTooNew,
     StoreError,
@@ -83,6 +84,7 @@ __all__ = [
     "JobState",
     "Jobs",
     "Judgements",
+    "KeyTaken",
     "Policies",
     "PolicyAdded",
     "PolicyState",
