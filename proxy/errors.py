@@ -40,7 +40,7 @@ import re
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import orjson
@@ -296,8 +296,26 @@ async def upstream_errors(upstream: str) -> AsyncIterator[None]:
         raise UpstreamUnreachable(store.redact(message)) from exc
 
 
+def key_taken(kind: Literal["trajectory", "group"], key: str) -> TrajectoryNotFound | GroupNotFound:
+    """A call naming a trajectory or group id that another policy took first: a 404 that says the id is taken
+    and not whose it is (another tenant's)."""
+    if kind == "trajectory":
+        return TrajectoryNotFound(
+            f"The trajectory id '{key}' is taken by another policy's trajectory: a trajectory takes calls of one "
+            "policy. Start a new trajectory (another id).",
+            param="trajectory_id",
+        )
+    return GroupNotFound(
+        f"The group id '{key}' is taken by another policy's group: a group holds trajectories of one policy. "
+        "Name another group.",
+        param="group_id",
+    )
+
+
 def from_store_error(exc: store.StoreError) -> ProxyError:
     """The store's error as the proxy answers it."""
+    if isinstance(exc, store.KeyTaken):
+        return key_taken(exc.kind, exc.key)
     if isinstance(exc, store.UnknownTrajectories):
         return TrajectoryNotFound(
             f"{exc}; nothing was recorded. Rewards name the X-Trajectory-Id the proxy returned with the agent's calls.",
