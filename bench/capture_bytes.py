@@ -106,7 +106,7 @@ async def run_one(path: Path, traces: list[Any], *, compact: bool, reads: int) -
     sample_s = []
     for _ in range(max(1, reads // 10)):
         t0 = time.perf_counter()
-        stored = await store.jobs.rewarded_trajectories([f"g-t{t}" for t in range(len(traces))])
+        stored = await store.jobs.rewarded_trajectories([f"g-t{t}" for t in range(len(traces))], policy="agent")
         for trajectory in stored:
             build_samples([CapturedCall(c.prompt_token_ids, c.completion_token_ids, c.logprobs, c.status_code)
                            for c in trajectory.calls])  # fmt: skip

@@ -39,7 +39,7 @@ import logging
 import re
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import orjson
@@ -306,8 +306,26 @@ class upstream_errors:  # lower case: used as the function it was, ``async with 
         return False
 
 
+def key_taken(kind: Literal["trajectory", "group"], key: str) -> TrajectoryNotFound | GroupNotFound:
+    """A call naming a trajectory or group id that another policy took first: a 404 that says the id is taken
+    and not whose it is (another tenant's)."""
+    if kind == "trajectory":
+        return TrajectoryNotFound(
+            f"The trajectory id '{key}' is taken by another policy's trajectory: a trajectory takes calls of one "
+            "policy. Start a new trajectory (another id).",
+            param="trajectory_id",
+        )
+    return GroupNotFound(
+        f"The group id '{key}' is taken by another policy's group: a group holds trajectories of one policy. "
+        "Name another group.",
+        param="group_id",
+    )
+
+
 def from_store_error(exc: store.StoreError) -> ProxyError:
     """The store's error as the proxy answers it."""
+    if isinstance(exc, store.KeyTaken):
+        return key_taken(exc.kind, exc.key)
     if isinstance(exc, store.UnknownTrajectories):
         return TrajectoryNotFound(
             f"{exc}; nothing was recorded. Rewards name the X-Trajectory-Id the proxy returned with the agent's calls.",

@@ -12,6 +12,7 @@ from store._compact import COMPACT_COLUMNS
 from store._engine import connect
 from store._errors import (
     DRIVER_ERRORS,
+    KeyTaken,
     RecordRefused,
     SchemaTooNew,
     StoreError,
@@ -88,6 +89,7 @@ __all__ = [
     "JobState",
     "Jobs",
     "Judgements",
+    "KeyTaken",
     "Policies",
     "PolicyAdded",
     "PolicyState",

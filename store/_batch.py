@@ -2,8 +2,13 @@
 
 The group-commit writer (``store._writer``) commits each batch in one transaction: the new groups,
 the new trajectories, the calls, and the trajectories' counts, in key order. On SQLite the same
-four statements run as plain SQL on the driver's connection, with the seats the batch's records
+statements run as plain SQL on the driver's connection, with the seats the batch's records
 take (``CallWrite.seat_in``) first.
+
+A group or trajectory row that already exists is kept as it is (``ON CONFLICT DO NOTHING``), so the
+batch then reads the owners of its groups and trajectories: a record whose group or trajectory another
+policy holds is ``KeyTaken`` (the writer then writes the batch row by row, and that record alone fails).
+Keying refuses such a call before it is sent (``proxy.gateway._keying``); this is the store's own guard.
 """
 
 from __future__ import annotations
@@ -12,14 +17,15 @@ import functools
 import itertools
 import sqlite3
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import JSON, Connection, Executable, bindparam, insert, update
+from sqlalchemy import JSON, Connection, Executable, bindparam, insert, literal_column, select, union_all, update
 
 from store._derived import Seat, seat_one_sqlite
 from store._engine import dumps, insert_ignore
+from store._errors import KeyTaken
 from store._lifecycle import GroupState
 from store._tables import calls as C
 from store._tables import groups as G
@@ -47,11 +53,17 @@ class CallWrite:
 
 
 @functools.cache
-def _statements(dialect: str) -> tuple[Executable, Executable, Executable, Executable]:
-    """The batch's four statements, built once: SQLAlchemy then finds their compiled form by a memoized key."""
+def _statements(dialect: str) -> tuple[Executable, Executable, Executable, Executable, Executable]:
+    """The batch's statements, built once: SQLAlchemy then finds their compiled form by a memoized key."""
     return (
         insert_ignore(dialect, G, ["id"]),
         insert_ignore(dialect, T, ["id"]),
+        union_all(
+            select(literal_column("'group'"), G.c.id, G.c.policy).where(G.c.id.in_(bindparam("g", expanding=True))),
+            select(literal_column("'trajectory'"), T.c.id, T.c.policy).where(
+                T.c.id.in_(bindparam("t", expanding=True))
+            ),
+        ),
         insert(C),
         update(T)
         .where(T.c.id == bindparam("b_id"))
@@ -74,16 +86,20 @@ def _rows(writes: Sequence[CallWrite]) -> tuple[list[dict[str, Any]], list[dict[
     trajectories: dict[str, dict[str, Any]] = {}
     updates: dict[str, dict[str, Any]] = {}
     for w in writes:
-        groups.setdefault(
+        group = groups.setdefault(
             w.group_id,
             {"id": w.group_id, "policy": w.policy, "task_key": w.task_key, "state": _OPEN,
              "created_at": w.created_at},
         )  # fmt: skip
-        trajectories.setdefault(
+        trajectory = trajectories.setdefault(
             w.trajectory_id,
             {"id": w.trajectory_id, "group_id": w.group_id, "policy": w.policy, "keyed_by": w.keyed_by,
              "created_at": w.created_at, "updated_at": w.created_at, "n_calls": 0, "last_version": 0, "metrics": {}},
         )  # fmt: skip
+        if group["policy"] != w.policy:  # two policies' records of one id in one batch: row by row, the later fails
+            raise KeyTaken("group", w.group_id)
+        if trajectory["policy"] != w.policy:
+            raise KeyTaken("trajectory", w.trajectory_id)
         previous = updates.get(w.trajectory_id)
         updates[w.trajectory_id] = {
             "b_id": w.trajectory_id,
@@ -104,9 +120,10 @@ def write_batch(conn: Connection, dialect: str, writes: Sequence[CallWrite]) -> 
     if any(w.seat_in for w in writes):
         raise ValueError("a seat is taken with its record on SQLite only (Store.seats_with_records)")
     groups, trajectories, updates = _rows(writes)
-    insert_groups, insert_trajectories, insert_calls, update_trajectories = _statements(dialect)
+    insert_groups, insert_trajectories, owners, insert_calls, update_trajectories = _statements(dialect)
     conn.execute(insert_groups, groups)
     conn.execute(insert_trajectories, trajectories)
+    _check_owners(conn.execute(owners, {"g": _ids(groups), "t": _ids(trajectories)}), groups, trajectories)
     conn.execute(insert_calls, [w.call for w in writes])
     conn.execute(update_trajectories, updates)
 
@@ -163,6 +180,8 @@ def write_batch_sqlite(conn: sqlite3.Connection, writes: Sequence[CallWrite]) ->
         groups, trajectories, updates = _rows(writes)
         _insert_sqlite(conn, G.name, groups, ignore=True)
         _insert_sqlite(conn, T.name, trajectories, ignore=True)
+        _check_owners(conn.execute(_sqlite_owners(len(groups), len(trajectories)),
+                                   (*_ids(groups), *_ids(trajectories))), groups, trajectories)  # fmt: skip
         _insert_sqlite(conn, C.name, [w.call for w in writes], ignore=False)
         conn.executemany(_UPDATE_TRAJECTORY, updates)
     except BaseException:
@@ -173,3 +192,27 @@ def write_batch_sqlite(conn: sqlite3.Connection, writes: Sequence[CallWrite]) ->
 
 def _by_id(row: Mapping[str, Any]) -> str:
     return str(row["id"])
+
+
+def _ids(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    return [str(row["id"]) for row in rows]
+
+
+@functools.lru_cache(maxsize=64)
+def _sqlite_owners(n_groups: int, n_trajectories: int) -> str:
+    return (
+        f"SELECT 'group', id, policy FROM groups WHERE id IN ({', '.join('?' * n_groups)}) UNION ALL "
+        f"SELECT 'trajectory', id, policy FROM trajectories WHERE id IN ({', '.join('?' * n_trajectories)})"
+    )
+
+
+def _check_owners(
+    stored: Iterable[Sequence[Any]], groups: Sequence[Mapping[str, Any]], trajectories: Sequence[Mapping[str, Any]]
+) -> None:
+    """``KeyTaken`` for a group or trajectory of the batch whose stored row (``stored``: kind, id, policy) is
+    another policy's than its records'."""
+    wanted = {("group", row["id"]): row["policy"] for row in groups}
+    wanted.update({("trajectory", row["id"]): row["policy"] for row in trajectories})
+    for kind, key, policy in stored:
+        if wanted.get((kind, key), policy) != policy:
+            raise KeyTaken("group" if kind == "group" else "trajectory", str(key))

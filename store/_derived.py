@@ -14,7 +14,11 @@ short transaction per new trajectory:
    and the others look again and take a seat in it;
 3. insert the trajectory row (``ON CONFLICT (id) DO NOTHING``): if another replica keyed
    the same new trajectory first, this transaction rolls back (the seat is given back) and
-   the trajectory's group is the one already stored.
+   the trajectory's group is the one already stored, or ``KeyTaken`` when another policy keyed it.
+
+A trajectory keyed into a group its call names takes no seat; where replicas may share the store,
+``claim_named`` writes both rows at keying all the same, so the first policy to key an id holds it
+from its first call on (the proxy's keying: ``proxy.gateway._keying``).
 
 The trajectory row exists from its first call's keying on, with no calls until that call
 is recorded (``store._writer``). A seat whose call is never recorded would keep its group waiting
@@ -45,7 +49,7 @@ from sqlalchemy import case, delete, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from store._engine import insert_ignore
-from store._errors import StoreUnavailable
+from store._errors import KeyTaken, StoreUnavailable
 from store._lifecycle import GroupState
 from store._tables import groups as G
 from store._tables import trajectories as T
@@ -83,8 +87,35 @@ async def join_task_group(
                 return group_id
         except _KeyedElsewhere:
             async with engine.connect() as conn:
-                return str((await conn.execute(select(T.c.group_id).where(T.c.id == trajectory_id))).scalar_one())
+                stored = (await conn.execute(select(T.c.group_id, T.c.policy).where(T.c.id == trajectory_id))).one()
+            if stored.policy != policy:
+                raise KeyTaken("trajectory", trajectory_id) from None
+            return str(stored.group_id)
     raise StoreUnavailable(f"no seat in a group of task {task_key[:12]} after {_ROUNDS} rounds")
+
+
+async def claim_named(
+    engine: AsyncEngine, *, policy: str, trajectory_id: str, group_id: str, keyed_by: str, now: float
+) -> str:
+    """The group of a new trajectory keyed into ``group_id`` (named by its call), both ids claimed for ``policy``.
+
+    The group's row and the trajectory's (without calls, as a seat: given back if its call is never recorded)
+    are written now, ``ON CONFLICT (id) DO NOTHING``, then read: an id another policy took first, on any
+    replica, is ``KeyTaken`` and nothing is written. A trajectory this policy stored before keeps its group.
+    """
+    dialect = engine.dialect.name
+    group = {"id": group_id, "policy": policy, "state": GroupState.OPEN.value, "created_at": now}
+    trajectory = {"id": trajectory_id, "group_id": group_id, "policy": policy, "keyed_by": keyed_by,
+                  "created_at": now, "updated_at": now, "n_calls": 0, "last_version": 0, "metrics": {}}  # fmt: skip
+    async with engine.begin() as conn:  # a refusal raised inside rolls both rows back
+        await conn.execute(insert_ignore(dialect, G, ["id"]).values(**group))
+        if (await conn.execute(select(G.c.policy).where(G.c.id == group_id))).scalar_one() != policy:
+            raise KeyTaken("group", group_id)
+        await conn.execute(insert_ignore(dialect, T, ["id"]).values(**trajectory))
+        stored = (await conn.execute(select(T.c.group_id, T.c.policy).where(T.c.id == trajectory_id))).one()
+        if stored.policy != policy:
+            raise KeyTaken("trajectory", trajectory_id)
+        return str(stored.group_id)
 
 
 async def _seat(
@@ -131,7 +162,7 @@ class Seat:
     now: float
 
 
-_STORED_GROUP = "SELECT group_id FROM trajectories WHERE id = ?"
+_STORED_GROUP = "SELECT group_id, policy FROM trajectories WHERE id = ?"
 _NEWEST = (
     "SELECT id, task_seq, state, seats FROM groups WHERE policy = ? AND task_key = ? ORDER BY task_seq DESC LIMIT 1"
 )
@@ -159,6 +190,8 @@ def seat_one_sqlite(conn: sqlite3.Connection, seat: Seat) -> str:
     """``seat``'s group, inside the caller's transaction."""
     stored = conn.execute(_STORED_GROUP, (seat.trajectory_id,)).fetchone()
     if stored is not None:  # keyed first by another call of it, here or on another replica
+        if stored[1] != seat.policy:
+            raise KeyTaken("trajectory", seat.trajectory_id)
         return str(stored[0])
     newest = conn.execute(_NEWEST, (seat.policy, seat.task_key)).fetchone()
     if newest is not None and newest[2] == _OPEN_STATE and newest[3] < seat.group_size:
@@ -172,18 +205,19 @@ def seat_one_sqlite(conn: sqlite3.Connection, seat: Seat) -> str:
     return group_id
 
 
-async def release_seats(engine: AsyncEngine, trajectory_ids: Sequence[str]) -> int:
+async def release_seats(engine: AsyncEngine, trajectory_ids: Sequence[str], policy: str | None = None) -> int:
     """Give back the seats of ``trajectory_ids`` that still have no call: rows deleted, groups' counts lowered.
 
-    A trajectory that has a call (another call of it was recorded meanwhile) keeps its seat. Returns how
-    many seats were given back.
+    A trajectory that has a call (another call of it was recorded meanwhile) keeps its seat; with ``policy``,
+    so does one of another policy (the id was never the caller's). Returns how many seats were given back.
     """
     if not trajectory_ids:
         return 0
+    seats = T.c.id.in_(list(trajectory_ids)) & (T.c.n_calls == 0)
+    if policy is not None:
+        seats &= T.c.policy == policy
     async with engine.begin() as conn:
-        gone = await conn.execute(
-            delete(T).where(T.c.id.in_(list(trajectory_ids)), T.c.n_calls == 0).returning(T.c.group_id)
-        )
+        gone = await conn.execute(delete(T).where(seats).returning(T.c.group_id))
         by_group = Counter(str(row[0]) for row in gone)
         for group_id, n in sorted(by_group.items()):  # key order: replicas lock groups in the same order
             await conn.execute(
@@ -205,17 +239,18 @@ async def release_stale_seats(engine: AsyncEngine, older_than_s: float) -> int:
             return released
 
 
-_RELEASE = "DELETE FROM trajectories WHERE id = ? AND n_calls = 0 RETURNING group_id"
+_RELEASE = "DELETE FROM trajectories WHERE id = ? AND policy = ? AND n_calls = 0 RETURNING group_id"
 _GIVE_BACK = "UPDATE groups SET seats = CASE WHEN seats > 1 THEN seats - 1 ELSE 0 END WHERE id = ?"
 
 
-def release_seats_sqlite(conn: sqlite3.Connection, trajectory_ids: Sequence[str]) -> int:
-    """``release_seats`` on SQLite's own driver, in one IMMEDIATE transaction (the writer's thread)."""
+def release_seats_sqlite(conn: sqlite3.Connection, seats: Sequence[tuple[str, str]]) -> int:
+    """``release_seats`` of (trajectory id, policy) pairs on SQLite's own driver, in one IMMEDIATE transaction
+    (the writer's thread)."""
     conn.execute("BEGIN IMMEDIATE")
     released = 0
     try:
-        for trajectory_id in trajectory_ids:
-            for (group_id,) in conn.execute(_RELEASE, (trajectory_id,)).fetchall():
+        for trajectory_id, policy in seats:
+            for (group_id,) in conn.execute(_RELEASE, (trajectory_id, policy)).fetchall():
                 conn.execute(_GIVE_BACK, (group_id,))
                 released += 1
     except BaseException:

@@ -4,6 +4,7 @@ StoreError
 ├── StoreUnavailable        the database did not take a write (after retries)
 │   └── StoreFull           ... because its disk is full (ENOSPC, SQLITE_FULL, PostgreSQL class 53)
 ├── RecordRefused           a call's record cannot be stored as it is (JSON nested too deep to write)
+├── KeyTaken                a trajectory or group id another policy holds: a call never joins it
 ├── UnknownTrajectories     a write named trajectories the store does not hold; nothing was written
 ├── SchemaTooNew            the database was migrated by a newer tracetrain than this one
 └── TransitionRefused       a life-cycle move not in the table (a bug, never a race)
@@ -15,6 +16,7 @@ import errno
 import sqlite3
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Literal
 
 from sqlalchemy.exc import InterfaceError, OperationalError
 
@@ -63,6 +65,17 @@ class RecordRefused(StoreError):
 # What the database drivers raise when the database itself fails (gone, locked, its disk full).
 DRIVER_ERRORS: tuple[type[Exception], ...] = (OperationalError, InterfaceError, sqlite3.OperationalError)
 _FAILURES: tuple[type[Exception], ...] = (*DRIVER_ERRORS, OSError)
+
+
+class KeyTaken(StoreError):
+    """A trajectory or group id held by another policy than the call's: a trajectory and a group hold one
+    policy's calls, those of the first policy that took the id. Nothing was written; the other policy is not
+    named (it is another tenant's)."""
+
+    def __init__(self, kind: Literal["trajectory", "group"], key: str) -> None:
+        self.kind = kind
+        self.key = key
+        super().__init__(f"the {kind} id '{key}' is taken by another policy's {kind}")
 
 
 @contextmanager

@@ -255,13 +255,16 @@ class Jobs(GpuHandovers):
             rows = await conn.execute(select(G.c.id, G.c.policy).where(G.c.id.in_(list(group_ids))))
             return {str(group): str(policy) for group, policy in rows.all()}
 
-    async def rewarded_trajectories(self, group_ids: Sequence[str]) -> list[RewardedTrajectory]:
-        """The rewarded trajectories of ``group_ids`` with their calls in order: what a step trains on."""
+    async def rewarded_trajectories(self, group_ids: Sequence[str], *, policy: str) -> list[RewardedTrajectory]:
+        """The rewarded trajectories of ``group_ids`` with their calls in order: what a step of ``policy`` trains on.
+
+        Only ``policy``'s rows, whatever the groups hold: keying and the writer never put another policy's
+        trajectory or call in a group (``KeyTaken``), and a job's data must not depend on that alone."""
         async with self._engine.connect() as conn:
             trajectories = (
                 await conn.execute(
                     select(T.c.id, T.c.group_id, T.c.reward)
-                    .where(T.c.group_id.in_(list(group_ids)), T.c.reward.is_not(None))
+                    .where(T.c.group_id.in_(list(group_ids)), T.c.policy == policy, T.c.reward.is_not(None))
                     .order_by(T.c.pk)
                 )
             ).all()
@@ -271,7 +274,7 @@ class Jobs(GpuHandovers):
                     select(C.c.trajectory_id, C.c.prompt_token_ids, C.c.completion_token_ids, C.c.logprobs,
                            C.c.status_code, C.c.version, *(C.c.request[name].label(name) for name in _SAMPLING),
                            C.c.id, C.c.prefix_of, C.c.prefix_tokens, C.c.structured_outputs)
-                    .where(C.c.trajectory_id.in_(ids))
+                    .where(C.c.trajectory_id.in_(ids), C.c.policy == policy)
                     .order_by(C.c.started_at, C.c.pk)
                 )
             ).all()  # fmt: skip

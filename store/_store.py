@@ -35,7 +35,7 @@ from store._adapter_files import AdapterFiles
 from store._adapters import Adapters
 from store._batch import CallWrite
 from store._compact import Chains
-from store._derived import Seat, join_task_group, release_seats, release_stale_seats
+from store._derived import Seat, claim_named, join_task_group, release_seats, release_stale_seats
 from store._engine import connect, sqlite_sync_engine
 from store._errors import RecordRefused, StoreFull, StoreUnavailable, database_errors
 from store._evaluations import Evaluations
@@ -182,11 +182,12 @@ class Store:
         return dataclasses.replace(write, call=checked_call(self.chains.stored_row(write.trajectory_id, write.call)))
 
     async def _release_seat(self, write: CallWrite) -> int:
-        """Give back the seat a new trajectory took at keying, when its first call is not recorded."""
-        if write.task_key is None or write.seat_in:
+        """Give back the seat a new trajectory took at keying (its row, still without calls: ``store._derived``),
+        when its first call is not recorded."""
+        if write.seat_in:
             return 0
         try:
-            return await release_seats(self.engine, [write.trajectory_id])
+            return await release_seats(self.engine, [write.trajectory_id], write.policy)
         except Exception as exc:  # the sweep gives it back later (release_stale_seats)
             log.warning("could not give back the seat of trajectory %s now: %s", write.trajectory_id, exc)
             return 0
@@ -317,3 +318,10 @@ class Store:
             self.engine, policy=policy, task_key=task_key, trajectory_id=trajectory_id, keyed_by=keyed_by,
             group_size=group_size, now=time.time(),
         )  # fmt: skip
+
+    async def claim_named(self, policy: str, trajectory_id: str, group_id: str, *, keyed_by: str) -> str:
+        """The group of a new trajectory keyed into ``group_id``, the group its call names: both ids written for
+        ``policy`` now, or ``KeyTaken`` when another policy took one first, on any replica (``store._derived``).
+        A trajectory of ``policy`` stored before keeps its group."""
+        return await claim_named(self.engine, policy=policy, trajectory_id=trajectory_id, group_id=group_id,
+                                 keyed_by=keyed_by, now=time.time())  # fmt: skip

@@ -40,7 +40,7 @@ from tenacity import Retrying, before_sleep_log, retry_if_exception, stop_after_
 
 from store._batch import CallWrite, write_batch, write_batch_sqlite
 from store._derived import Seat, release_seats, release_seats_sqlite, seat_all_sqlite
-from store._errors import RecordRefused, StoreFull, StoreUnavailable, is_disk_full
+from store._errors import KeyTaken, RecordRefused, StoreFull, StoreUnavailable, is_disk_full
 from store._full_disk import FULL_DISK
 from store._redact import redact
 
@@ -56,8 +56,9 @@ _Pending = tuple[CallWrite | Seat, "asyncio.Future[Any] | None"]
 
 
 def _transient(error: BaseException) -> bool:
-    """Worth retrying at once: anything but a full disk, which stays full longer than a retry waits."""
-    return not is_disk_full(error)
+    """Worth retrying at once: anything but a full disk, which stays full longer than a retry waits, and an id
+    another policy holds, which it holds for good."""
+    return not isinstance(error, KeyTaken) and not is_disk_full(error)
 
 
 def _database_down(error: BaseException) -> bool:
@@ -82,7 +83,7 @@ def _settle(done: asyncio.Future[Any], result: Any, error: Exception | None) -> 
         return
     if error is None:
         done.set_result(result)
-    elif isinstance(error, RecordRefused):
+    elif isinstance(error, RecordRefused | KeyTaken):
         done.set_exception(error)
     elif is_disk_full(error):
         done.set_exception(StoreFull(f"could not write to the store, its disk is full: {redact(str(error))}"))
@@ -247,12 +248,14 @@ class GroupCommitWriter:
     def _release_failed_seats(self, items: list[Any], outcomes: list[tuple[Any, Exception | None]]) -> None:
         """Give back the seats of new trajectories whose first call failed to record (their rows have no call).
 
-        A seat taken in the record's own transaction (``seat_in``) went with it. Best effort: a seat
-        not given back now (the database is down) is given back by the sweep (``release_stale_seats``).
+        A seat taken in the record's own transaction (``seat_in``) went with it; a trajectory another policy
+        holds (``KeyTaken``) was never this record's to give back. Best effort: a seat not given back now (the
+        database is down) is given back by the sweep (``release_stale_seats``).
         """
         seated = [
-            item.trajectory_id for item, (_, error) in zip(items, outcomes, strict=True)
-            if error is not None and isinstance(item, CallWrite) and item.task_key is not None and not item.seat_in
+            (item.trajectory_id, item.policy) for item, (_, error) in zip(items, outcomes, strict=True)
+            if error is not None and not isinstance(error, KeyTaken) and isinstance(item, CallWrite)
+            and not item.seat_in
         ]  # fmt: skip
         if not seated:
             return
@@ -260,7 +263,10 @@ class GroupCommitWriter:
             if self._sync is not None:
                 released = release_seats_sqlite(self._sqlite(), seated)
             else:
-                released = asyncio.run_coroutine_threadsafe(release_seats(self._engine, seated), self._loop).result()
+                released = sum(
+                    asyncio.run_coroutine_threadsafe(release_seats(self._engine, [t], policy), self._loop).result()
+                    for t, policy in seated
+                )
         except Exception as exc:
             if not is_disk_full(exc):  # a full disk is already told (FULL_DISK); the sweep gives them back later
                 log.warning("could not give back %d seats now (the sweep will): %s", len(seated), redact(str(exc)))

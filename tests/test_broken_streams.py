@@ -130,7 +130,7 @@ def half_broken(proxy: RunningProxy, fake: FakeVLLM) -> RunningProxy:
 async def test_the_trainer_skips_a_broken_call(half_broken: RunningProxy) -> None:
     store = await Store.open(f"sqlite+aiosqlite:///{half_broken.db_path}", capture=False)
     try:
-        [stored] = await store.jobs.rewarded_trajectories(["g1"])
+        [stored] = await store.jobs.rewarded_trajectories(["g1"], policy="agent")
     finally:
         await store.close()
     trajectory = TrajectoryData.from_store(stored)

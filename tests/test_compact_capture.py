@@ -103,7 +103,7 @@ def test_the_trainer_and_export_read_the_whole_prompts(
         try:
             (group,) = {row["group_id"] for row in proxy.rows("SELECT group_id FROM calls")}
             await store.add_rewards([RewardIn("for-training", 1.0)])
-            (trajectory,) = await store.jobs.rewarded_trajectories([group])
+            (trajectory,) = await store.jobs.rewarded_trajectories([group], policy="agent")
             exported = [page async for page in store.export.pages(ExportFilter(), 10**9, 10)]
             return trajectory.calls, exported[0].calls["for-training"]
         finally:

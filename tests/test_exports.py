@@ -67,7 +67,7 @@ def test_store_public_names() -> None:
         "ExportPage", "ExportReads",
         "FILE_NAME_PATTERN", "FileEntry",
         "GROUP_VIEW_STATES", "GpuHandover", "GroupArms", "GroupCalls", "GroupChanged", "GroupRecord",
-        "GroupState", "Guards", "JOB_FIELDS", "JUDGEMENT_STATES", "JobState", "Jobs", "Judgements", "MOVES",
+        "GroupState", "Guards", "JOB_FIELDS", "JUDGEMENT_STATES", "JobState", "Jobs", "Judgements", "KeyTaken", "MOVES",
         "POLICY_NAME_PATTERN", "Policies", "PolicyAdded", "PolicyState", "PruneReport", "PruneRule", "REWARD_SOURCES",
         "Reads", "RecordRefused", "RewardIn", "RewardRecord", "RewardSummary", "RewardTimeouts", "RewardedTrajectory",
         "SchemaTooNew", "Sessions", "Store", "StoreError", "StoreFull", "StoreUnavailable", "StoredCall",

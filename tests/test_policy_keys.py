@@ -37,7 +37,10 @@ def tenants(start_proxy: Callable[..., RunningProxy]) -> RunningProxy:
 
 
 def as_key(proxy: RunningProxy, key: str, base_url: str | None = None, **headers: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=base_url or proxy.v1, api_key=key, max_retries=0, default_headers=headers or None)
+    """A client with ``key``, closed when the proxy stops (a client left to the collector warns of its socket)."""
+    client = openai.OpenAI(base_url=base_url or proxy.v1, api_key=key, max_retries=0, default_headers=headers or None)
+    proxy._stack.callback(client.close)
+    return client
 
 
 def auth(key: str) -> dict[str, str]:

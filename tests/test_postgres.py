@@ -108,7 +108,7 @@ def test_training_reads_each_calls_sampling_parameters_on_postgres(
     async def read() -> list[tuple[float | None, ...]]:
         store = await Store.open(pg_url, capture=False)
         try:
-            trajectories = await store.jobs.rewarded_trajectories(["g"])
+            trajectories = await store.jobs.rewarded_trajectories(["g"], policy="agent")
         finally:
             await store.close()
         return [(c.temperature, c.top_p, c.top_k, c.min_p) for t in trajectories for c in t.calls]

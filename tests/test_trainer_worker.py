@@ -137,7 +137,7 @@ def test_each_call_is_trained_at_its_requests_temperature_and_greedy_calls_are_c
         await engine.dispose()
         store = await Store.open(url, capture=False)
         try:
-            return await store.jobs.rewarded_trajectories(["g1"])
+            return await store.jobs.rewarded_trajectories(["g1"], policy="agent")
         finally:
             await store.close()
 

@@ -236,7 +236,7 @@ class Worker:
         policy = str(job["policy"])
         holds = self._held.holds
         base = await self._version_to_train_on(policy)
-        stored = await self._store.jobs.rewarded_trajectories(job["group_ids"])
+        stored = await self._store.jobs.rewarded_trajectories(job["group_ids"], policy=policy)
         config = self.settings.config
         defaults = SamplingDefaults.of_model(self.settings.base_model, temperature=config.default_temperature)
         trajectories = [TrajectoryData.from_store(t, defaults) for t in stored]

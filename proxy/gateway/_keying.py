@@ -11,9 +11,17 @@ takes at most ``group_size`` trajectories, then the next one opens; a group that
 left the ``open`` state (a training job took it) takes no more. The store hands out
 the seats (``Store.join_task_group``), so replicas sharing it fill the same groups.
 
-A trajectory or a group belongs to one policy: a call that names another policy's trajectory or
-group is refused (404, ``TrajectoryNotFound``/``GroupNotFound``) instead of mixing two agents' data,
-and threading hashes the policy with the messages, so it never joins another policy's trajectory.
+A trajectory or a group belongs to one policy, the first whose call names its id: a call that names
+another policy's trajectory or group is refused (404, ``TrajectoryNotFound``/``GroupNotFound``, saying
+the id is taken, not by whom) instead of mixing two tenants' data, and threading hashes the policy with
+the messages, so it never joins another policy's trajectory. The id is taken when the first call is
+keyed, before vLLM answers it, not when its record is written: a call of another policy that comes while
+the first is in flight is refused too. Where one process writes the store (SQLite with capture, whose
+records seat their trajectories), this keyer's memory holds a new id until its record stores it
+(``_claim``); where replicas may share the store (PostgreSQL), the store takes it at keying: a derived
+group's seat writes the trajectory's row (``Store.join_task_group``), a group the call names is written
+with the trajectory's row (``Store.claim_named``), and the first policy to write an id holds it
+(``store.KeyTaken`` for the others). The writer checks every record's owners again (``store._batch``).
 
 Messages are compared in a canonical form (``tracetrain_core.canonical_message``):
 content parts joined, tool-call ids dropped and arguments re-serialized, unknown fields
@@ -28,12 +36,12 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 
-from proxy.errors import GroupNotFound, TrajectoryNotFound
-from store import Store
+from proxy.errors import key_taken
+from store import KeyTaken, Store
 from tracetrain_core import canonical_message
 
 _CACHE_SIZE = 100_000
@@ -112,6 +120,8 @@ class Keyer:
         self._groups_of: OrderedDict[str, tuple[str, str]] = OrderedDict()  # trajectory id -> (group id, policy)
         self._group_policies: OrderedDict[str, str] = OrderedDict()  # group id -> policy
         self._served_by: OrderedDict[str, int] = OrderedDict()  # trajectory id -> version of its last call here
+        # trajectory id -> policy: a new trajectory id taken by a call here, before its row is stored (``_claim``)
+        self._owners: OrderedDict[str, str] = OrderedDict()
 
     async def resolve(
         self, policy: str, hints: KeyHints, conversation: Conversation, *, alone: bool = False,
@@ -124,7 +134,8 @@ class Keyer:
         it is recorded; the group is then known, ``seated``); a stream takes it (``seat``) while vLLM
         starts on the call. Another call of the same trajectory keyed meanwhile seats it, and the
         later seat finds that one. ``group_size``: the policy's derived groups' size (default: the keyer's).
-        A trajectory or group of another policy is a 404.
+        A trajectory or group of another policy is a 404; a new id named by the call is taken for ``policy``
+        here and now (see the module's docstring), and left again if the call is refused.
         """
         size = group_size or self._group_size
         trajectory_id = hints.header_trajectory or hints.path_trajectory
@@ -134,7 +145,16 @@ class Keyer:
             known = await self._known_group(trajectory_id, policy)
             if known is not None:
                 return Key(trajectory_id, known[0], keyed_by, None, served_by=known[1])
-            return await self._new(policy, trajectory_id, keyed_by, group_hint, conversation, alone, defer_seat, size)
+            # New: taken at once (no await since _known_group's last check), before the store holds it.
+            took = self._claim(self._owners, "trajectory", trajectory_id, policy)
+            try:
+                return await self._new(
+                    policy, trajectory_id, keyed_by, group_hint, conversation, alone, defer_seat, size
+                )
+            except BaseException:
+                if took:  # refused (its group is another policy's) or not keyed: the id is not taken
+                    self._owners.pop(trajectory_id, None)
+                raise
         if group_hint is None:
             found = await self._find_thread(conversation.thread_candidates)
             if found is not None:
@@ -147,21 +167,28 @@ class Keyer:
     ) -> Key:  # fmt: skip
         """A trajectory the store does not hold yet: in the group it names, or a seat in its task's group."""
         if group_hint is not None:
-            await self._check_group(group_hint, policy)
-            return self._remember(Key(trajectory_id, group_hint, keyed_by, None), policy)
+            group_id = await self._named_group(policy, trajectory_id, keyed_by, group_hint)
+            return self._remember(Key(trajectory_id, group_id, keyed_by, None), policy)
         task_key = conversation.task_key
         if alone and defer_seat and self._store.seats_with_records:
             return Key(trajectory_id, "", keyed_by, task_key, seat_in=group_size)
-        group_id = await self._store.join_task_group(
-            policy, task_key, trajectory_id, keyed_by=keyed_by, group_size=group_size, alone=alone
-        )
+        try:
+            group_id = await self._store.join_task_group(
+                policy, task_key, trajectory_id, keyed_by=keyed_by, group_size=group_size, alone=alone
+            )
+        except KeyTaken as exc:
+            raise self._refused(exc) from exc
         return self._remember(Key(trajectory_id, group_id, keyed_by, task_key), policy)
 
     async def seat(self, policy: str, key: Key, *, alone: bool) -> Key:
         """Seat now a trajectory whose seat ``resolve`` deferred."""
-        group_id = await self._store.join_task_group(
-            policy, str(key.task_key), key.trajectory_id, keyed_by=key.keyed_by, group_size=key.seat_in, alone=alone
-        )
+        try:
+            group_id = await self._store.join_task_group(
+                policy, str(key.task_key), key.trajectory_id, keyed_by=key.keyed_by, group_size=key.seat_in,
+                alone=alone,
+            )  # fmt: skip
+        except KeyTaken as exc:
+            raise self._refused(exc) from exc
         return self.seated(key, group_id, policy)
 
     def seated(self, key: Key, group_id: str, policy: str) -> Key:
@@ -169,8 +196,10 @@ class Keyer:
         return self._remember(Key(key.trajectory_id, group_id, key.keyed_by, key.task_key), policy)
 
     def forget(self, trajectory_id: str) -> None:
-        """A call of ``trajectory_id`` was not recorded and its seat given back: ask the store next time."""
+        """A call of ``trajectory_id`` was not recorded and its seat given back (or the id is another policy's):
+        ask the store next time."""
         self._groups_of.pop(trajectory_id, None)
+        self._owners.pop(trajectory_id, None)
 
     def served(self, trajectory_id: str, version: int) -> None:
         """The version routed to serve a trajectory's call (what its next call here keeps, during a trial)."""
@@ -191,6 +220,7 @@ class Keyer:
         known = self._groups_of.get(trajectory_id)
         served_by = self._served_by.get(trajectory_id)
         if known is None:
+            self._claim(self._owners, "trajectory", trajectory_id, policy, only_check=True)
             stored = await self._store.trajectory_group(trajectory_id)
             # Another call of the same new trajectory may have been keyed while we waited.
             known = self._groups_of.get(trajectory_id)
@@ -199,31 +229,55 @@ class Keyer:
                 known = self._groups_of[trajectory_id] = (stored[0], stored[1])
                 served_by = stored[2]
         if known is None:
+            self._claim(self._owners, "trajectory", trajectory_id, policy, only_check=True)  # taken while we waited?
             return None
         if known[1] != policy:
-            raise TrajectoryNotFound(
-                f"The trajectory id '{trajectory_id}' is taken by another policy's trajectory: a trajectory takes "
-                f"calls of one policy. Start a new trajectory (another id) for '{policy}'.",
-                param="trajectory_id",
-            )
+            raise key_taken("trajectory", trajectory_id)
         return known[0], served_by
 
-    async def _check_group(self, group_id: str, policy: str) -> None:
-        """A named group takes trajectories of one policy: a 404 when ``group_id`` is another policy's."""
+    async def _named_group(self, policy: str, trajectory_id: str, keyed_by: str, group_id: str) -> str:
+        """The group of a new trajectory whose call names ``group_id``: that group, unless another policy holds it
+        (a 404); a new group is taken for ``policy`` at once (see the module's docstring)."""
         owner = self._group_policies.get(group_id)
         if owner is None:
             owner = await self._store.group_policy(group_id)
-            if owner is None:
-                return  # a new group: the call's policy's
-            self._group_policies[group_id] = owner
-            if len(self._group_policies) > _CACHE_SIZE:
-                self._group_policies.popitem(last=False)
-        if owner != policy:
-            raise GroupNotFound(
-                f"The group id '{group_id}' is taken by another policy's group: a group holds trajectories of one "
-                f"policy. Name another group for '{policy}'.",
-                param="group_id",
-            )
+            if owner is not None:
+                self._claim(self._group_policies, "group", group_id, owner)
+        if owner is not None and owner != policy:
+            raise key_taken("group", group_id)
+        if self._store.seats_with_records:  # one process writes the store: taken here until the record stores it
+            self._claim(self._group_policies, "group", group_id, policy)
+            return group_id
+        if owner is not None and keyed_by == "new":
+            return group_id  # a stored group of the policy, and a trajectory id of ours that no client can name
+        try:
+            group_id = await self._store.claim_named(policy, trajectory_id, group_id, keyed_by=keyed_by)
+        except KeyTaken as exc:
+            raise self._refused(exc) from exc
+        self._claim(self._group_policies, "group", group_id, policy)
+        return group_id
+
+    def _claim(
+        self, owners: OrderedDict[str, str], kind: Literal["trajectory", "group"], key: str, policy: str,
+        *, only_check: bool = False,
+    ) -> bool:  # fmt: skip
+        """Take ``key`` for ``policy`` in ``owners`` (bounded), or a 404 when another policy took it first.
+        True when this took it (it was nobody's)."""
+        owner = owners.get(key)
+        if owner is not None and owner != policy:
+            raise key_taken(kind, key)
+        if owner is not None or only_check:
+            return False
+        owners[key] = policy
+        if len(owners) > _CACHE_SIZE:
+            owners.popitem(last=False)
+        return True
+
+    def _refused(self, exc: KeyTaken) -> Exception:
+        """The store found the id another policy's: forget what this keyer took, and answer a 404."""
+        if exc.kind == "trajectory":
+            self._owners.pop(exc.key, None)
+        return key_taken(exc.kind, exc.key)
 
     async def _find_thread(self, candidates: Sequence[str]) -> tuple[str, str, int] | None:
         # Asked of the store every time: a call's record (and its tail) commits before its
