@@ -48,6 +48,12 @@ def test_invalid_fields_name_the_parameter(proxy: RunningProxy, body: dict, para
     assert assert_openai_error(response, 400)["param"] == param
 
 
+@pytest.mark.parametrize("prompt", [[2**63], [[1, 2**31]], [-1]])
+def test_a_prompt_token_id_beyond_what_a_record_holds_is_a_400(proxy: RunningProxy, prompt: list) -> None:
+    response = httpx.post(f"{proxy.v1}/completions", json={"model": "agent", "prompt": prompt, "max_tokens": 4})
+    assert assert_openai_error(response, 400)["param"].startswith("prompt")
+
+
 def test_body_that_is_not_an_object_is_a_400(proxy: RunningProxy) -> None:
     assert_openai_error(httpx.post(f"{proxy.v1}/completions", json=[1, 2]), 400)
 

@@ -8,7 +8,7 @@ worth a clear early error are declared.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -17,6 +17,8 @@ MAX_N = 128
 # Completions: the prompts of one request (a list of texts or of token id lists), times n, choices in all: as many
 # as MAX_N allows one prompt, so a list of 10^5 prompts is not 10^5 generations.
 MAX_PROMPTS = MAX_N
+# A prompt's token id: the record keeps ids as 32-bit integers (store._compact), and no vocabulary comes near that.
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 
 
 class _Open(BaseModel):
@@ -52,7 +54,7 @@ class ChatCompletionRequest(_Open):
 
 class CompletionRequest(_Open):
     model: str = Field(min_length=1)
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     logprobs: int | None = Field(default=None, ge=0)
     max_tokens: int | None = Field(default=None, ge=1)
     n: int | None = Field(default=None, ge=1, le=MAX_N)
