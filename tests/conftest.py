@@ -122,7 +122,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Each module that uses a shared server moves up next to the first module that uses the same one."""
     modules: dict[Any, list[pytest.Item]] = {}
     for item in items:
-        modules.setdefault(item.module, []).append(item)  # type: ignore[attr-defined]
+        modules.setdefault(getattr(item, "module", item.fspath), []).append(item)
     order: list[list[pytest.Item]] = []
     group_of: dict[str, int] = {}  # server -> index in `order` after which its next module goes
     for module_items in modules.values():
