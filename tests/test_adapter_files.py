@@ -41,7 +41,7 @@ FILES = [
 ]
 
 
-def wait_for(condition: Callable[[], Any], timeout: float = 10.0) -> Any:
+def wait_for(condition: Callable[[], Any], timeout: float = 60.0) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if value := condition():

@@ -75,7 +75,7 @@ def until_ended(proxy: RunningProxy, trial_id: int, play: Callable[[], list[int]
         ended = next(t for t in trials(proxy)["data"] if t["id"] == trial_id)
         if ended["state"] != "running":
             return {**ended, "played": served}
-    wait_for(lambda: next(t for t in trials(proxy)["data"] if t["id"] == trial_id)["state"] != "running", timeout=5)
+    wait_for(lambda: next(t for t in trials(proxy)["data"] if t["id"] == trial_id)["state"] != "running", timeout=60)
     return {**next(t for t in trials(proxy)["data"] if t["id"] == trial_id), "played": served}
 
 

@@ -73,7 +73,7 @@ async def claimed_job(store: Store, *, lease_s: float = 60.0, calls_per_trajecto
     return job_id
 
 
-async def eventually(check: Callable[[], Awaitable[_T]], timeout: float = 10.0) -> _T:
+async def eventually(check: Callable[[], Awaitable[_T]], timeout: float = 60.0) -> _T:
     deadline = time.monotonic() + timeout
     while True:
         if value := await check():
@@ -82,7 +82,7 @@ async def eventually(check: Callable[[], Awaitable[_T]], timeout: float = 10.0) 
         await asyncio.sleep(0.02)
 
 
-async def until_gpu(store: Store, job_id: int, state: GpuHandover, timeout: float = 10.0) -> dict[str, Any]:
+async def until_gpu(store: Store, job_id: int, state: GpuHandover, timeout: float = 60.0) -> dict[str, Any]:
     async def reached() -> dict[str, Any] | None:
         row = await store.jobs.gpu_handover(job_id)
         return row if row is not None and row["gpu_state"] == state else None

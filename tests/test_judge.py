@@ -289,7 +289,7 @@ def attempt(proxy: RunningProxy, trajectory_id: str, task: str = "What is the ca
     return raw.headers["x-group-id"]
 
 
-def wait_for(condition: Callable[[], Any], timeout_s: float = 15.0) -> Any:
+def wait_for(condition: Callable[[], Any], timeout_s: float = 60.0) -> Any:
     return publishing_wait_for(condition, timeout=timeout_s)
 
 

@@ -63,7 +63,7 @@ def scores_sent(receiver: OtlpReceiver) -> list[dict[str, Any]]:
     return [score for got in receiver.requests_to(SCORES_PATH) for score in got.json()]
 
 
-async def eventually(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+async def eventually(condition: Callable[[], bool], timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:

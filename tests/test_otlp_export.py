@@ -385,7 +385,7 @@ def test_the_collectors_headers_reach_it_and_a_password_in_its_url_is_not_logged
 # -- the export process --------------------------------------------------------------------------------------------
 
 
-async def eventually(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+async def eventually(condition: Callable[[], bool], timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"

@@ -61,7 +61,7 @@ def until_decided(proxy: RunningProxy, version: int, play: Callable[[], list[flo
         if served != version:
             return guard_of(proxy, version), played - 1  # already rolled back
         with contextlib.suppress(AssertionError):  # a look that changes nothing is not recorded
-            wait_for(lambda p=played: guard_of(proxy, version).get("n") == p, timeout=5)
+            wait_for(lambda p=played: guard_of(proxy, version).get("n") == p, timeout=60)
         if guard_of(proxy, version).get("state") in ("kept", "rolled_back"):
             return guard_of(proxy, version), played
     raise AssertionError(f"no verdict on @{version} after 12 groups: {guard_of(proxy, version)}")
