@@ -100,7 +100,7 @@ def call_through(proxy: RunningProxy, api: str, fields: dict[str, Any]) -> dict[
     else:
         body = {"model": "agent", "messages": [{"role": "user", "content": ASK}], **SAMPLING, **fields}
         path = "/v1/messages"
-    answer = httpx.post(f"{proxy.url}{path}", json=body, timeout=120)
+    answer = httpx.post(f"{proxy.url}{path}", json=body, timeout=600)  # a loaded 2-core machine: minutes
     assert answer.status_code == 200, answer.text
     trajectory = httpx.get(f"{proxy.v1}/trajectories/{answer.headers['x-trajectory-id']}").json()
     return dict(trajectory["calls"][0])

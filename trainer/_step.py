@@ -87,6 +87,8 @@ def check_item(item: TrainItem, k: int, vocab: int) -> None:
         raise ValueError(f"item {k}: an old logprob is NaN")
     if len(s.temperatures) not in (0, n) or not all(t > 0 and math.isfinite(t) for t in s.temperatures):
         raise ValueError(f"item {k}: temperatures must be one positive number per token (or none)")
+    if any(not 0 < start <= end <= n for start, end, _ in s.grammars):
+        raise ValueError(f"item {k}: a constrained span lies outside its tokens (or covers the first)")
     if n and s.loss_mask[0]:
         raise ValueError(f"item {k}: its first token is marked sampled, but nothing precedes it to score it")
     if any(t < 0 or t >= vocab for t in s.token_ids):
