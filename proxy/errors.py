@@ -296,14 +296,13 @@ class upstream_errors:  # lower case: used as the function it was, ``async with 
     async def __aenter__(self) -> None:
         return None
 
-    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None, _tb: object) -> bool:
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None, _tb: object) -> None:
         if isinstance(exc, httpx.TimeoutException | TimeoutError):
             shown = store.redact(self._upstream)  # the URL may carry a password: messages reach clients and the store
             raise UpstreamTimeout(f"the upstream at {shown} did not answer in time ({type(exc).__name__})") from exc
         if isinstance(exc, httpx.TransportError | ConnectionError):  # ConnectionError: upstream._http1's
             message = f"cannot reach the upstream at {self._upstream} ({type(exc).__name__}: {exc}); is vLLM running?"
             raise UpstreamUnreachable(store.redact(message)) from exc
-        return False
 
 
 def key_taken(kind: Literal["trajectory", "group"], key: str) -> TrajectoryNotFound | GroupNotFound:
