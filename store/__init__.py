@@ -17,6 +17,7 @@ from store._errors import (
     StoreFull,
     StoreUnavailable,
     TransitionRefused,
+    UnknownCalls,
     UnknownTrajectories,
     is_disk_full,
 )
@@ -108,6 +109,7 @@ __all__ = [
     "TransitionRefused",
     "TrialState",
     "Trials",
+    "UnknownCalls",
     "UnknownTrajectories",
     "allowed",
     "connect",

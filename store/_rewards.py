@@ -5,6 +5,10 @@ A reward has a source (``REWARD_SOURCES``): "service" (posted to ``POST /v1/rewa
 reward is kept in ``rewards``; the trajectory holds the one that trains: a person's score over
 any other (``not_by_a_person``: a service's or the judge's later reward is recorded beside it, never
 over it), else the latest.
+
+A reward may name one call of its trajectory (``call_id``): it is kept in ``rewards`` and on the call
+(``calls.reward``, the latest wins), and leaves the trajectory's own reward as it was: a trajectory is
+rewarded, and its group ready, only by a reward of the whole trajectory.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from typing import Any
 from sqlalchemy import ColumnElement, bindparam, insert, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from store._errors import UnknownTrajectories
+from store._errors import UnknownCalls, UnknownTrajectories
+from store._tables import calls as C
 from store._tables import rewards as R
 from store._tables import trajectories as T
 
@@ -36,6 +41,7 @@ class RewardIn:
     metrics: dict[str, float] = field(default_factory=dict)
     source: str = "service"  # "service" or "human": what add_rewards writes
     explanation: str | None = None  # a person's note
+    call_id: str | None = None  # one call of the trajectory; None: the whole trajectory
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,18 +55,19 @@ class RewardRecord:
     source: str
     explanation: str | None
     created_at: float
+    call_id: str | None = None  # the call rewarded; None: the whole trajectory
 
     @classmethod
     def of_row(cls, row: Mapping[str, Any]) -> RewardRecord:
         """A row of the ``rewards`` table."""
         return cls(row["trajectory_id"], row["group_id"], row["value"], row["metrics"], row["source"],
-                   row["explanation"], row["created_at"])  # fmt: skip
+                   row["explanation"], row["created_at"], row.get("call_id"))  # fmt: skip
 
     def row(self) -> dict[str, Any]:
         """Its row of the ``rewards`` table."""
         return {"trajectory_id": self.trajectory_id, "group_id": self.group_id, "value": self.reward,
                 "metrics": self.metrics, "source": self.source, "explanation": self.explanation,
-                "created_at": self.created_at}  # fmt: skip
+                "created_at": self.created_at, "call_id": self.call_id}  # fmt: skip
 
 
 async def add_rewards(
@@ -69,7 +76,8 @@ async def add_rewards(
     policies: frozenset[str] | None = None,
     check: Callable[[set[str]], None] | None = None,
 ) -> list[RewardRecord]:
-    """Record rewards in one transaction; any unknown trajectory id rejects the whole batch.
+    """Record rewards in one transaction; any unknown trajectory id, or call id not of its trajectory, rejects
+    the whole batch.
 
     A service's reward becomes the trajectory's reward unless a person scored it; a person's
     score always does (either ends its threading: a rewarded trajectory takes no more calls by
@@ -88,16 +96,27 @@ async def add_rewards(
         group_of = {row[0]: row[1] for row in rows}
         if missing := wanted - group_of.keys():
             raise UnknownTrajectories(list(missing))
+        if calls := {r.call_id: r.trajectory_id for r in items if r.call_id is not None}:
+            query = select(C.c.id, C.c.trajectory_id).where(C.c.id.in_(sorted(calls)))
+            found = {str(row[0]): str(row[1]) for row in (await conn.execute(query)).all()}
+            if wrong := [c for c, trajectory in calls.items() if found.get(c) != trajectory]:
+                raise UnknownCalls(wrong)
         if check is not None:
             check({str(row[2]) for row in rows})
         created = [
-            RewardRecord(r.trajectory_id, group_of[r.trajectory_id], r.reward, r.metrics, r.source, r.explanation, now)
+            RewardRecord(r.trajectory_id, group_of[r.trajectory_id], r.reward, r.metrics, r.source, r.explanation, now,
+                         r.call_id)
             for r in items
-        ]
+        ]  # fmt: skip
         await conn.execute(insert(R), [reward.row() for reward in created])
+        if of_calls := sorted((r for r in items if r.call_id is not None), key=lambda r: str(r.call_id)):
+            await conn.execute(
+                update(C).where(C.c.id == bindparam("b_id")).values(reward=bindparam("b_r")),
+                [{"b_id": r.call_id, "b_r": r.reward} for r in of_calls],
+            )
         # A service's reward and its metrics, unless a person scored the trajectory; a person's score over any.
         for source, where in (("service", not_by_a_person()), ("human", T.c.id.is_not(None))):
-            if items_of := [r for r in items if r.source == source]:
+            if items_of := [r for r in items if r.source == source and r.call_id is None]:
                 values = {"reward": bindparam("b_r"), "reward_source": source, "reward_note": bindparam("b_note"),
                           "rewarded_at": now, "tail_hash": None}  # fmt: skip
                 if source == "service":

@@ -57,8 +57,9 @@ NEW_COLUMNS: dict[str, dict[str, Any]] = {
         "retired_at": None,
     },  # 0009: every old policy is served
     "groups": {"judge_owner": None, "judge_lease_expires_at": None},
-    "calls": {"prefix_of": None, "prefix_tokens": 0, "prefix_messages": 0},  # 0007: every old row is whole
-    "trajectories": {"reward_note": None},  # 0012
+    "calls": {"prefix_of": None, "prefix_tokens": 0, "prefix_messages": 0, "reward": None},  # 0007, 0013
+    "trajectories": {"reward_note": None, "demonstration": None},  # 0012, 0013
+    "rewards": {"call_id": None},  # 0013: every old reward is a trajectory's
 }
 # Values a revision renames: 0012 calls a posted reward's source "service" (it was "external").
 RENAMED: dict[str, dict[str, dict[Any, Any]]] = {

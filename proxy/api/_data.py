@@ -27,6 +27,7 @@ _REWARD_BODY = json_body(
     {
         "one": {"trajectory_id": "traj-1", "reward": 1.0, "metrics": {"correct": 1.0}},
         "batch": {"rewards": [{"trajectory_id": "traj-1", "reward": 0.5}]},
+        "one call": {"trajectory_id": "traj-1", "call_id": "call-1", "reward": 1.0},
     },
 )
 
@@ -34,7 +35,8 @@ _REWARD_BODY = json_body(
 @router.post("/v1/rewards", openapi_extra=_REWARD_BODY)
 async def post_rewards(request: Request, services: ServicesDep, scope: RewardScope) -> dict[str, Any]:
     """Record a reward, or a batch (`{"rewards": [...]}`) atomically: one unknown id rejects all (a trajectory
-    of a policy the key may not reach is unknown).
+    of a policy the key may not reach is unknown). With `call_id` (a response's `X-Call-Id`) a reward is one call's:
+    a call that is not the trajectory's is a 404 (`call_not_found`).
 
     When enough groups become ready, a training job is queued. For a policy whose reward source is
     `judge`, rewards come from the judge, and a posted one is refused (409).

@@ -70,7 +70,7 @@ async def post_rewards(
         raise InvalidRequest.from_validation(exc.errors(), hint) from exc
     with store_errors():
         rewards = await store.add_rewards(
-            (RewardIn(r.trajectory_id, r.reward, dict(r.metrics)) for r in items), scope.policies,
+            (RewardIn(r.trajectory_id, r.reward, dict(r.metrics), call_id=r.call_id) for r in items), scope.policies,
             lambda policies: refuse_external_rewards(policies, reward_source),
         )  # fmt: skip
     await written(rewards)

@@ -20,6 +20,8 @@ class RewardPost(BaseModel):
     trajectory_id: Id
     reward: Finite
     metrics: dict[str, Finite] = Field(default_factory=dict)
+    # One call of the trajectory (its X-Call-Id) to reward, not the whole trajectory.
+    call_id: Id | None = None
 
 
 class RewardBatch(BaseModel):
@@ -38,6 +40,7 @@ def reward_view(reward: RewardRecord) -> dict[str, Any]:
         "source": reward.source,
         "explanation": reward.explanation,
         "created_at": reward.created_at,
+        "call_id": reward.call_id,
     }
 
 
