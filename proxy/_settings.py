@@ -18,7 +18,7 @@ from pydantic import AliasChoices, Field, SecretStr, field_validator, model_vali
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from proxy._otel_env import endpoint_from_env, traces_url
-from proxy._policy_config import PolicyOverrides, PolicySettings, SamplingDefaults
+from proxy._policy_config import PolicyOverrides, PolicySettings, RewardWeights, SamplingDefaults
 from store import POLICY_NAME_PATTERN, redact
 
 _PLACEHOLDER_SECRETS = frozenset(
@@ -148,6 +148,9 @@ class Settings(BaseSettings):
     # people only ("human": the dashboard's review queue, POST /admin/trajectories/{id}/feedback). A person's
     # score is the trajectory's reward whatever the source: it overrides a service's or the judge's.
     reward_source: Literal["external", "judge", "both", "human"] = "external"
+    # A reward's components and their weights (`--reward-weights correct=1,format=0.2`): a reward posted with
+    # metrics and no reward is the weighted sum of those metrics; each component's mean is a step metric.
+    reward_weights: Annotated[RewardWeights | None, NoDecode] = None
     # A litellm model name: openai/gpt-4o-mini, anthropic/claude-..., hosted_vllm/NAME. Unset: the
     # base model served by `upstream`, with no external key (see proxy.judge._service).
     judge_model: str | None = None

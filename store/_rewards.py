@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sqlalchemy import ColumnElement, bindparam, insert, or_, select, update
@@ -37,7 +37,7 @@ def not_by_a_person() -> ColumnElement[bool]:
 @dataclass(frozen=True, slots=True)
 class RewardIn:
     trajectory_id: str
-    reward: float
+    reward: float | None  # None: ``add_rewards``' ``weigh`` makes it of the metrics
     metrics: dict[str, float] = field(default_factory=dict)
     source: str = "service"  # "service" or "human": what add_rewards writes
     explanation: str | None = None  # a person's note
@@ -75,6 +75,7 @@ async def add_rewards(
     rewards: Iterable[RewardIn],
     policies: frozenset[str] | None = None,
     check: Callable[[set[str]], None] | None = None,
+    weigh: Callable[[str, dict[str, float]], float] | None = None,
 ) -> list[RewardRecord]:
     """Record rewards in one transaction; any unknown trajectory id, or call id not of its trajectory, rejects
     the whole batch.
@@ -83,7 +84,9 @@ async def add_rewards(
     score always does (either ends its threading: a rewarded trajectory takes no more calls by
     continuation). Returns the rewards written. ``policies``: only trajectories of these policies
     may be rewarded; another policy's is unknown (None: every policy). ``check`` is given the
-    policies the batch rewards before anything is written; what it raises rejects the whole batch.
+    policies the batch rewards before anything is written; what it raises rejects the whole batch. ``weigh``
+    makes the reward of an item that has none of its trajectory's policy and its metrics (what it raises rejects
+    the whole batch too).
     """
     items = list(rewards)
     wanted = {r.trajectory_id for r in items}
@@ -94,6 +97,7 @@ async def add_rewards(
     async with engine.begin() as conn:
         rows = (await conn.execute(query)).all()
         group_of = {row[0]: row[1] for row in rows}
+        policy_of = {row[0]: str(row[2]) for row in rows}
         if missing := wanted - group_of.keys():
             raise UnknownTrajectories(list(missing))
         if calls := {r.call_id: r.trajectory_id for r in items if r.call_id is not None}:
@@ -103,9 +107,16 @@ async def add_rewards(
                 raise UnknownCalls(wrong)
         if check is not None:
             check({str(row[2]) for row in rows})
+        if any(r.reward is None for r in items):
+            if weigh is None:
+                raise ValueError("a reward without a value needs weigh")
+            items = [
+                r if r.reward is not None else replace(r, reward=weigh(policy_of[r.trajectory_id], r.metrics))
+                for r in items
+            ]
         created = [
-            RewardRecord(r.trajectory_id, group_of[r.trajectory_id], r.reward, r.metrics, r.source, r.explanation, now,
-                         r.call_id)
+            RewardRecord(r.trajectory_id, group_of[r.trajectory_id], float(r.reward or 0.0), r.metrics, r.source,
+                         r.explanation, now, r.call_id)
             for r in items
         ]  # fmt: skip
         await conn.execute(insert(R), [reward.row() for reward in created])

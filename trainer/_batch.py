@@ -11,7 +11,7 @@ at: the request's, else the server's default (``trainer._sampling``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ class TrajectoryData:
     group_id: str
     reward: float
     calls: list[CapturedCall]
+    metrics: dict[str, float] = field(default_factory=dict)  # the reward's components, as posted
 
     @classmethod
     def from_store(cls, stored: RewardedTrajectory, defaults: SamplingDefaults | None = None) -> TrajectoryData:
@@ -46,7 +47,7 @@ class TrajectoryData:
             )
             for c in stored.calls
         ]
-        return cls(stored.id, stored.group_id, stored.reward, calls)
+        return cls(stored.id, stored.group_id, stored.reward, calls, dict(stored.metrics))
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,10 +91,26 @@ def build_batch(
         "off_policy_samples": off_policy,
         "reward_mean": float(rewards.mean()) if len(trajectories) else None,
         "reward_std": float(rewards.std(unbiased=False)) if len(trajectories) else None,
+        **component_means(trajectories),
         **{f"samples_{name}": value for name, value in asdict(stats).items()},
         **turns(stats, trained_tokens=sum(s.loss_tokens for s in samples)),
     }
     return Batch(samples, advantages, metrics)
+
+
+COMPONENT_PREFIX = "reward_component_"
+MAX_COMPONENTS = 32  # a step's metrics stay few whatever names a reward service sends
+
+
+def component_means(trajectories: Sequence[TrajectoryData]) -> dict[str, float]:
+    """Each reward component's mean over the step's trajectories that gave it, as ``reward_component_<name>``
+    (the first ``MAX_COMPONENTS`` names in order): what ``--reward-weights`` weighs, and what the dashboard,
+    ``/metrics`` and the trackers show per step."""
+    values: dict[str, list[float]] = {}
+    for trajectory in trajectories:
+        for name, value in trajectory.metrics.items():
+            values.setdefault(name, []).append(float(value))
+    return {f"{COMPONENT_PREFIX}{name}": sum(v) / len(v) for name, v in sorted(values.items())[:MAX_COMPONENTS]}
 
 
 def turns(stats: SampleStats, *, trained_tokens: int) -> dict[str, float | int | None]:

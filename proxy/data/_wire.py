@@ -18,7 +18,8 @@ class RewardPost(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     trajectory_id: Id
-    reward: Finite
+    # None: the weighted sum of the metrics (the policy's reward_weights).
+    reward: Finite | None = None
     metrics: dict[str, Finite] = Field(default_factory=dict)
     # One call of the trajectory (its X-Call-Id) to reward, not the whole trajectory.
     call_id: Id | None = None
