@@ -101,6 +101,7 @@ class PolicyOverrides(BaseModel):
     reward_source: RewardSource | None = None
     reward_timeout_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     reward_weights: RewardWeights | None = None
+    turn_discount: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)
     judge_model: str | None = Field(default=None, min_length=1, max_length=200)
     judge_api_base: str | None = Field(default=None, pattern=r"^https?://", max_length=2000)
     judge_rubric: str | None = Field(default=None, min_length=1, max_length=_MAX_RUBRIC)
@@ -186,6 +187,7 @@ class PolicySettings:
     reward_source: RewardSource
     reward_timeout_s: float | None
     reward_weights: dict[str, float] | None  # a reward's components and their weights; None: none weighed
+    turn_discount: float  # how a call's reward reaches the calls before it (read by the trainer)
     judge_model: str | None
     judge_api_base: str | None
     judge_rubric: str | None

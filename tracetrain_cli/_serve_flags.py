@@ -331,6 +331,13 @@ def _add_retention_flags(p: argparse.ArgumentParser) -> None:
         "is configured (--judge-model), else closed as unrewarded and never trained (default: wait forever)",
     )
     p.add_argument(
+        "--turn-discount",
+        type=float,
+        metavar="G",
+        help="a call's reward (POST /v1/rewards with a call_id) counts for the calls before it discounted by G per "
+        "call, from 0 to 1; the trajectory's reward counts fully for every call (docs/TRAINING.md). Default: 1.0",
+    )
+    p.add_argument(
         "--reward-weights",
         metavar="NAME=W,...",
         help="a reward's components and their weights: a reward posted with metrics and no reward is the weighted "

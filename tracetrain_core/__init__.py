@@ -7,10 +7,18 @@ SFT and the trainer can never disagree:
 - a captured call of any API as chat messages (``call_messages``, ``call_reply``, ``call_tools``),
   a message's canonical form for threading (``canonical_message``), the common prefix of sequences;
 - the Responses API's and Anthropic's Messages API's conversations as chat messages, and back;
-- group-relative advantages (``group_advantages``): what the trainer trains on and the dashboard shows.
+- group-relative advantages (``group_advantages``; with call rewards ``call_returns`` and ``call_advantages``):
+  what the trainer trains on and the dashboard shows.
 """
 
-from tracetrain_core._advantages import ADVANTAGE_EPS, GroupAdvantages, group_advantages
+from tracetrain_core._advantages import (
+    ADVANTAGE_EPS,
+    CallAdvantages,
+    GroupAdvantages,
+    call_advantages,
+    call_returns,
+    group_advantages,
+)
 from tracetrain_core._anthropic import anthropic_chat_messages, anthropic_reply
 from tracetrain_core._conversation import (
     call_messages,
@@ -26,11 +34,14 @@ from tracetrain_core._responses_api import responses_chat_messages, responses_re
 
 __all__ = [
     "ADVANTAGE_EPS",
+    "CallAdvantages",
     "GroupAdvantages",
     "anthropic_chat_messages",
     "anthropic_reply",
+    "call_advantages",
     "call_messages",
     "call_reply",
+    "call_returns",
     "call_tools",
     "canonical_message",
     "common_prefix",
