@@ -42,6 +42,7 @@ class RewardIn:
     source: str = "service"  # "service" or "human": what add_rewards writes
     explanation: str | None = None  # a person's note
     call_id: str | None = None  # one call of the trajectory; None: the whole trajectory
+    demonstration: str | None = None  # a person's: the answer they wanted (kept on the trajectory)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,11 +133,14 @@ async def add_rewards(
                           "rewarded_at": now, "tail_hash": None}  # fmt: skip
                 if source == "service":
                     values["metrics"] = bindparam("b_m")
+                else:  # a person's score brings their demonstration, or none: a second score replaces the first
+                    values["demonstration"] = bindparam("b_demo")
                 await conn.execute(
                     update(T).where(T.c.id == bindparam("b_id"), where).values(values),
                     # In key order, as every writer of trajectories does (no deadlock between replicas);
                     # the sort is stable, so the later of two rewards for one trajectory still wins.
-                    [{"b_id": r.trajectory_id, "b_r": r.reward, "b_m": r.metrics, "b_note": r.explanation}
+                    [{"b_id": r.trajectory_id, "b_r": r.reward, "b_m": r.metrics, "b_note": r.explanation,
+                      "b_demo": r.demonstration}
                      for r in sorted(items_of, key=lambda r: r.trajectory_id)],
                 )  # fmt: skip
     return created

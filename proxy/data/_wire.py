@@ -57,6 +57,7 @@ _TRAJECTORY_FIELDS = (
     "reward",
     "reward_source",
     "reward_note",
+    "demonstration",
     "metrics",
     "rewarded_at",
 )
