@@ -119,3 +119,21 @@ def test_a_rewarded_call_over_loopback_reaches_the_trainers_advantages(start_pro
     assert discount == 0.5 and [t.call_rewards for t in trajectories] == [[-1.0, None], [None, None]]
     batch = build_batch(trajectories, TrainConfig(), trained_version=0, turn_discount=discount)
     assert batch.advantages == [-1.0, 1.0, 1.0, 1.0]  # the failed call alone is pushed down
+
+
+def test_serves_turn_discount_reaches_its_trainer(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from tracetrain_cli._serve import trainer_argv
+    from tracetrain_cli._serve_command import settings_from
+    from tracetrain_cli._serve_flags import add_serve_parser
+    from trainer.__main__ import parse_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+    settings = settings_from(parser.parse_args(["serve", "--turn-discount", "0.8", "--data-dir", str(tmp_path)]))
+    monkeypatch.setenv("TRACETRAIN_DATABASE_URL", settings.resolved_database_url)
+    assert settings.turn_discount == 0.8
+    assert parse_args(trainer_argv(settings, tmp_path, "cpu", [])[3:]).turn_discount == 0.8
+    with pytest.raises(SystemExit):
+        settings_from(parser.parse_args(["serve", "--turn-discount", "1.5", "--data-dir", str(tmp_path)]))
