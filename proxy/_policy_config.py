@@ -32,14 +32,36 @@ import logging
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 log = logging.getLogger("tracetrain.proxy")
 
 RewardSource = Literal["external", "judge", "both", "human"]
 _MAX_RUBRIC = 20_000
+_MAX_WEIGHTS = 64  # components of one reward
+
+
+def _weights_text(value: Any) -> Any:
+    """``NAME=W,NAME=W`` (a flag, an environment variable) as a mapping; a mapping (TOML, JSON) as it is."""
+    if not isinstance(value, str):
+        return value
+    weights: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        name, sep, weight = item.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"'{item}' is not NAME=WEIGHT")
+        weights[name.strip()] = weight.strip()
+    return weights
+
+
+# A reward's components and their weights: a reward posted with metrics and no reward is sum(w * metric).
+RewardWeights = Annotated[
+    dict[Annotated[str, Field(min_length=1, max_length=200)], Annotated[float, Field(allow_inf_nan=False)]],
+    BeforeValidator(_weights_text),
+    Field(min_length=1, max_length=_MAX_WEIGHTS),
+]
 
 # The bounds of the settings a policy may override, declared once here for them and for the server's (Settings).
 # Each fits what reads it: a group or a batch is read whole into one training step, every kept version is loaded
@@ -88,6 +110,8 @@ class PolicyOverrides(BaseModel):
     # Rewards and the judge.
     reward_source: RewardSource | None = None
     reward_timeout_s: float | None = Field(default=None, gt=0, le=MAX_SECONDS, allow_inf_nan=False)
+    reward_weights: RewardWeights | None = None
+    turn_discount: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)
     # One of the judges the operator configured (``Settings.judge_endpoints``): where it is served and with which
     # key is the operator's to say (flags and environment), never a policy's.
     judge_model: str | None = Field(default=None, min_length=1, max_length=200)
@@ -183,6 +207,8 @@ class PolicySettings:
     canary_minutes: float
     reward_source: RewardSource
     reward_timeout_s: float | None
+    reward_weights: dict[str, float] | None  # a reward's components and their weights; None: none weighed
+    turn_discount: float  # how a call's reward reaches the calls before it (read by the trainer)
     judge_model: str | None
     judge_rubric: str | None
     judge_quiet_s: float

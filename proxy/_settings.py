@@ -26,6 +26,7 @@ from proxy._policy_config import (
     MAX_SECONDS,
     PolicyOverrides,
     PolicySettings,
+    RewardWeights,
     SamplingDefaults,
     unconfigured_judge,
 )
@@ -158,6 +159,12 @@ class Settings(BaseSettings):
     # people only ("human": the dashboard's review queue, POST /admin/trajectories/{id}/feedback). A person's
     # score is the trajectory's reward whatever the source: it overrides a service's or the judge's.
     reward_source: Literal["external", "judge", "both", "human"] = "external"
+    # A reward's components and their weights (`--reward-weights correct=1,format=0.2`): a reward posted with
+    # metrics and no reward is the weighted sum of those metrics; each component's mean is a step metric.
+    reward_weights: Annotated[RewardWeights | None, NoDecode] = None
+    # How a call's reward (POST /v1/rewards with a call_id) reaches the calls before it: discounted by this per
+    # call (the trainer's --turn-discount; tracetrain_core.call_returns). The trajectory's reward counts fully.
+    turn_discount: float = Field(default=1.0, ge=0, le=1, allow_inf_nan=False)
     # A litellm model name: openai/gpt-4o-mini, anthropic/claude-..., hosted_vllm/NAME. Unset: the
     # base model served by `upstream`, with no external key (see proxy.judge._service).
     judge_model: str | None = None

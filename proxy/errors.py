@@ -9,6 +9,7 @@
     ├── NotFound                    404 not_found_error
     │   ├── ModelNotFound               code model_not_found
     │   ├── TrajectoryNotFound          code trajectory_not_found
+    │   ├── CallNotFound                code call_not_found (a reward's call_id, not of its trajectory)
     │   └── GroupNotFound               code group_not_found
     ├── Conflict                    409 conflict_error (the request contradicts the server's set-up or state)
     ├── TooManyRequests             429 rate_limit_error + Retry-After (failed log-ins, throttled)
@@ -132,6 +133,10 @@ class ModelNotFound(NotFound):
 
 class TrajectoryNotFound(NotFound):
     code = "trajectory_not_found"
+
+
+class CallNotFound(NotFound):
+    code = "call_not_found"
 
 
 class GroupNotFound(NotFound):
@@ -329,6 +334,12 @@ def from_store_error(exc: store.StoreError) -> ProxyError:
         return TrajectoryNotFound(
             f"{exc}; nothing was recorded. Rewards name the X-Trajectory-Id the proxy returned with the agent's calls.",
             param="trajectory_id",
+        )
+    if isinstance(exc, store.UnknownCalls):
+        return CallNotFound(
+            f"{exc}; nothing was recorded. A call's reward names the X-Call-Id the proxy returned with the call, "
+            "and the X-Trajectory-Id returned with it.",
+            param="call_id",
         )
     if isinstance(exc, store.GroupChanged):
         return Conflict(str(exc), param="group_id")

@@ -6,6 +6,7 @@ StoreError
 ├── RecordRefused           a call's record cannot be stored as it is (JSON nested too deep to write)
 ├── KeyTaken                a trajectory or group id another policy holds: a call never joins it
 ├── UnknownTrajectories     a write named trajectories the store does not hold; nothing was written
+├── UnknownCalls            a reward named calls its trajectory does not hold; nothing was written
 ├── SchemaTooNew            the database was migrated by a newer tracetrain than this one
 └── TransitionRefused       a life-cycle move not in the table (a bug, never a race)
 """
@@ -112,3 +113,12 @@ class SchemaTooNew(StoreError):
 
 class TransitionRefused(StoreError):
     pass
+
+
+class UnknownCalls(StoreError):
+    """Calls a reward named that its trajectory does not hold (unknown, or another trajectory's)."""
+
+    def __init__(self, ids: Sequence[str]) -> None:
+        self.ids = sorted(ids)
+        shown = ", ".join(self.ids[:5]) + (f" and {len(self.ids) - 5} more" if len(self.ids) > 5 else "")
+        super().__init__(f"no call with id {shown} in the trajectory the reward names")

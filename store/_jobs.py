@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import and_, case, func, insert, select, update
@@ -62,6 +62,7 @@ class StoredCall:
     min_p: float | None = None
     # The structured-output specification vLLM sampled it under (tracetrain_core.structured_outputs); None: none.
     structured_outputs: dict[str, Any] | None = None
+    reward: float | None = None  # the call's own reward (POST /v1/rewards with its call_id), if any
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +71,7 @@ class RewardedTrajectory:
     group_id: str
     reward: float
     calls: list[StoredCall]
+    metrics: dict[str, float] = field(default_factory=dict)  # the reward's components, as posted
 
 
 def ready_condition(min_group_size: int, per_policy: Mapping[str, int] | None = None) -> Any:
@@ -263,7 +265,7 @@ class Jobs(GpuHandovers):
         async with self._engine.connect() as conn:
             trajectories = (
                 await conn.execute(
-                    select(T.c.id, T.c.group_id, T.c.reward)
+                    select(T.c.id, T.c.group_id, T.c.reward, T.c.metrics)
                     .where(T.c.group_id.in_(list(group_ids)), T.c.policy == policy, T.c.reward.is_not(None))
                     .order_by(T.c.pk)
                 )
@@ -273,7 +275,8 @@ class Jobs(GpuHandovers):
                 await conn.execute(
                     select(C.c.trajectory_id, C.c.prompt_token_ids, C.c.completion_token_ids, C.c.logprobs,
                            C.c.status_code, C.c.version, *(C.c.request[name].label(name) for name in _SAMPLING),
-                           C.c.id, C.c.prefix_of, C.c.prefix_tokens, C.c.structured_outputs)
+                           C.c.id, C.c.prefix_of, C.c.prefix_tokens, C.c.structured_outputs,
+                           C.c.reward.label("call_reward"))
                     .where(C.c.trajectory_id.in_(ids), C.c.policy == policy)
                     .order_by(C.c.started_at, C.c.pk)
                 )
@@ -281,13 +284,21 @@ class Jobs(GpuHandovers):
         by_trajectory: dict[str, list[StoredCall]] = {i: [] for i in ids}
         for row in expand([dict(call._mapping) for call in calls]):  # compact prompts rebuilt (store._compact)
             del row["id"]
+            reward = row.pop("call_reward")
             sampling = [_number(row.pop(name)) for name in _SAMPLING]
             spec = row.pop("structured_outputs")
-            call = StoredCall(*row.values(), *sampling)
-            if isinstance(spec, dict):
-                call = dataclasses.replace(call, structured_outputs=spec)
-            by_trajectory[row["trajectory_id"]].append(call)
-        return [RewardedTrajectory(t.id, t.group_id, float(t.reward), by_trajectory[t.id]) for t in trajectories]
+            stored = StoredCall(*row.values(), *sampling)
+            if isinstance(spec, dict) or reward is not None:
+                stored = dataclasses.replace(
+                    stored,
+                    structured_outputs=spec if isinstance(spec, dict) else None,
+                    reward=None if reward is None else float(reward),
+                )
+            by_trajectory[row["trajectory_id"]].append(stored)
+        return [
+            RewardedTrajectory(t.id, t.group_id, float(t.reward), by_trajectory[t.id], dict(t.metrics or {}))
+            for t in trajectories
+        ]
 
     async def sampling_window(self, trajectory_ids: Sequence[str]) -> tuple[float, float] | None:
         """When a step's trajectories were sampled: their first call's start and their last call's end (unix s)."""

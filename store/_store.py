@@ -231,12 +231,13 @@ class Store:
         rewards: Iterable[RewardIn],
         policies: frozenset[str] | None = None,
         check: Callable[[set[str]], None] | None = None,
+        weigh: Callable[[str, dict[str, float]], float] | None = None,
     ) -> list[RewardRecord]:
         """Record rewards all or none (``store._rewards``): ``policies``, when given, are the only ones whose
-        trajectories exist for this batch; ``check`` may refuse the policies it rewards. A failing database
-        raises ``StoreFull`` or ``StoreUnavailable``."""
+        trajectories exist for this batch; ``check`` may refuse the policies it rewards; ``weigh`` makes the reward
+        of an item without one. A failing database raises ``StoreFull`` or ``StoreUnavailable``."""
         with database_errors("record the rewards"):
-            return await add_rewards(self.engine, rewards, policies, check)
+            return await add_rewards(self.engine, rewards, policies, check, weigh)
 
     # -- lookups for keying -------------------------------------------------------------
 

@@ -97,6 +97,8 @@ class Trajectory(SQLModel, table=True):
     reward_note: str | None = None  # the person's note, or the judge's explanation, of the reward it holds
     metrics: dict[str, float] = _json(dict)
     rewarded_at: float | None = None
+    # The answer a person wrote with their score (POST /admin/trajectories/{id}/feedback): export and sft read it.
+    demonstration: str | None = None
 
 
 class Call(SQLModel, table=True):
@@ -140,6 +142,8 @@ class Call(SQLModel, table=True):
     # The structured-output specification vLLM sampled the completion under (tracetrain_core.structured_outputs):
     # the grammar the trainer masks its logits with. NULL: unconstrained (and every row before revision 0013).
     structured_outputs: dict[str, Any] | None = _json(None)
+    # This call's own reward (POST /v1/rewards with its call_id; the latest wins), beside its trajectory's.
+    reward: float | None = None
 
 
 class Reward(SQLModel, table=True):
@@ -155,6 +159,7 @@ class Reward(SQLModel, table=True):
     source: str = "service"  # "service" (POST /v1/rewards) | "judge" | "human" (a person's score, with a note)
     explanation: str | None = None
     created_at: float
+    call_id: str | None = None  # the call rewarded; None: the whole trajectory
 
 
 class TrainingJob(SQLModel, table=True):

@@ -72,7 +72,7 @@ def test_store_public_names() -> None:
         "Reads", "RecordRefused", "RewardIn", "RewardRecord", "RewardSummary", "RewardTimeouts", "RewardedTrajectory",
         "SchemaTooNew", "Sessions", "Store", "StoreError", "StoreFull", "StoreUnavailable", "StoredCall",
         "TRAINING_FIELDS", "TRIAL_FIELDS", "TrainingState", "TrajectoryFilter", "TrajectoryRecord", "TransitionRefused",
-        "TrialState", "Trials", "UnknownTrajectories", "allowed", "connect", "is_disk_full", "redact",
+        "TrialState", "Trials", "UnknownCalls", "UnknownTrajectories", "allowed", "connect", "is_disk_full", "redact",
         "without_userinfo",
     ]  # fmt: skip
 
@@ -81,8 +81,9 @@ def test_the_pure_core_public_names() -> None:
     import tracetrain_core
 
     assert sorted(tracetrain_core.__all__) == [
-        "ADVANTAGE_EPS", "GroupAdvantages", "anthropic_chat_messages", "anthropic_reply", "call_messages",
-        "call_reply", "call_tools", "canonical_message", "common_prefix", "first_choice", "group_advantages",
+        "ADVANTAGE_EPS", "CallAdvantages", "GroupAdvantages", "anthropic_chat_messages", "anthropic_reply",
+        "call_advantages", "call_messages", "call_reply", "call_returns", "call_tools", "canonical_message",
+        "common_prefix", "first_choice", "group_advantages",
         "reply_message", "responses_chat_messages", "responses_reply", "same_message", "structured_outputs",
     ]  # fmt: skip
 

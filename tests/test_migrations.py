@@ -57,9 +57,10 @@ NEW_COLUMNS: dict[str, dict[str, Any]] = {
         "retired_at": None,
     },  # 0009: every old policy is served
     "groups": {"judge_owner": None, "judge_lease_expires_at": None},
-    # 0007: every old row is whole; 0013: no old row was sampled under a grammar it recorded
-    "calls": {"prefix_of": None, "prefix_tokens": 0, "prefix_messages": 0, "structured_outputs": None},
-    "trajectories": {"reward_note": None},  # 0012
+    # 0007: every old row is whole; 0013: no old row was sampled under a grammar it recorded; 0014: no call rewarded
+    "calls": {"prefix_of": None, "prefix_tokens": 0, "prefix_messages": 0, "structured_outputs": None, "reward": None},
+    "trajectories": {"reward_note": None, "demonstration": None},  # 0012, 0014
+    "rewards": {"call_id": None},  # 0014: every old reward is a trajectory's
 }
 # Values a revision renames: 0012 calls a posted reward's source "service" (it was "external").
 RENAMED: dict[str, dict[str, dict[Any, Any]]] = {

@@ -4,7 +4,7 @@ What the agent did and what it earned, in a file that ``datasets.load_dataset("j
 "parquet", data_files=...)`` loads as is: for SFT (``tracetrain sft`` trains on it), for
 analysis, or for another trainer. A row::
 
-    id, group_id, policy, reward, reward_source, reward_note, metrics, created_at, rewarded_at, n_calls,
+    id, group_id, policy, reward, reward_source, reward_note, demonstration, metrics, created_at, rewarded_at, n_calls,
     messages   the last answered chat call's request messages + its response message (failed calls left out)
     tools      that call's ``tools`` as JSON text (TRL's SFTTrainer reads it so), or null
     calls      every call in order: id, endpoint, version, served_model, status_code,
@@ -64,6 +64,7 @@ def trajectory_row(
         "reward": trajectory["reward"],
         "reward_source": trajectory["reward_source"],  # "service", "judge" or "human" (a person's score)
         "reward_note": trajectory["reward_note"],  # the person's note, or the judge's explanation
+        "demonstration": trajectory.get("demonstration"),  # the answer a person wanted, with their score
         "metrics": {name: _number(metrics.get(name)) for name in metric_names} if metric_names else None,
         "created_at": trajectory["created_at"],
         "rewarded_at": trajectory["rewarded_at"],
@@ -224,6 +225,7 @@ def arrow_schema(metric_names: Sequence[str]) -> Any:
             ("reward", pa.float64()),
             ("reward_source", pa.string()),
             ("reward_note", pa.string()),
+            ("demonstration", pa.string()),
             # Parquet has no empty struct: with no metric names, the column is all null.
             ("metrics", pa.struct([(name, pa.float64()) for name in metric_names]) if metric_names else pa.null()),
             ("created_at", pa.float64()),

@@ -123,6 +123,7 @@ def trainer_argv(
         *(["--shard"] if shard and procs > 1 else []),
         *(["--share-gpu"] if settings.share_gpu else []),
         "--keep-versions", str(settings.keep_versions),
+        "--turn-discount", repr(settings.turn_discount),
         # Adapters go by path to a vLLM this supervisor starts: blobs in the store would only fill the disk.
         *([] if settings.adapter_delivery == "resolver" else ["--no-adapter-files"]),
         *extra,

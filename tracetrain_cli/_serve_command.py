@@ -76,6 +76,8 @@ def settings_from(args: argparse.Namespace) -> Any:
         "canary_margin": args.canary_margin,
         "canary_alpha": args.canary_alpha,
         "reward_timeout_s": args.reward_timeout,
+        "reward_weights": args.reward_weights,
+        "turn_discount": args.turn_discount,
         "keep_trajectories_days": args.keep_trajectories,
         "min_free_disk_mb": args.min_free_disk,
         "max_body_mb": args.max_body_mb,

@@ -338,6 +338,20 @@ def _add_retention_flags(p: argparse.ArgumentParser) -> None:
         help="a complete group still missing rewards this long after its last call or reward is judged if a judge "
         "is configured (--judge-model), else closed as unrewarded and never trained (default: wait forever)",
     )
+    p.add_argument(
+        "--turn-discount",
+        type=float,
+        metavar="G",
+        help="a call's reward (POST /v1/rewards with a call_id) counts for the calls before it discounted by G per "
+        "call, from 0 to 1; the trajectory's reward counts fully for every call (docs/TRAINING.md). Default: 1.0",
+    )
+    p.add_argument(
+        "--reward-weights",
+        metavar="NAME=W,...",
+        help="a reward's components and their weights: a reward posted with metrics and no reward is the weighted "
+        "sum of those metrics (each named one required), and each component's mean is shown per step "
+        "(docs/APIS.md, 'Rewards'). Default: none; a reward must then be given",
+    )
 
 
 def _add_observability_flags(p: argparse.ArgumentParser) -> None:

@@ -9,10 +9,18 @@ SFT and the trainer can never disagree:
 - the Responses API's and Anthropic's Messages API's conversations as chat messages, and back;
 - the structured-output specification vLLM samples a chat request under (``structured_outputs``): what the
   proxy records with a constrained call and the trainer rebuilds its grammar from;
-- group-relative advantages (``group_advantages``): what the trainer trains on and the dashboard shows.
+- group-relative advantages (``group_advantages``; with call rewards ``call_returns`` and ``call_advantages``):
+  what the trainer trains on and the dashboard shows.
 """
 
-from tracetrain_core._advantages import ADVANTAGE_EPS, GroupAdvantages, group_advantages
+from tracetrain_core._advantages import (
+    ADVANTAGE_EPS,
+    CallAdvantages,
+    GroupAdvantages,
+    call_advantages,
+    call_returns,
+    group_advantages,
+)
 from tracetrain_core._anthropic import anthropic_chat_messages, anthropic_reply
 from tracetrain_core._conversation import (
     call_messages,
@@ -29,11 +37,14 @@ from tracetrain_core._structured import structured_outputs
 
 __all__ = [
     "ADVANTAGE_EPS",
+    "CallAdvantages",
     "GroupAdvantages",
     "anthropic_chat_messages",
     "anthropic_reply",
+    "call_advantages",
     "call_messages",
     "call_reply",
+    "call_returns",
     "call_tools",
     "canonical_message",
     "common_prefix",

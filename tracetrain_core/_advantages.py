@@ -18,6 +18,16 @@ Where this departs from the papers:
 - Rewards anywhere in the doubles' range are centred and scaled without overflow (each group is
   computed at unit size, then scaled back); a centred reward past the largest double, possible only
   unscaled, drops its group: a non-finite advantage is never kept.
+
+Call rewards (``call_returns``, ``call_advantages``): a call's tokens get the return
+``G_k = R + sum_{j >= k} gamma^(j-k) r_j`` (its own reward ``r_k``, the later calls' discounted by the turn
+discount ``gamma`` per call, and the trajectory's reward ``R``), and the advantage ``(G_k - mean) / std`` where
+mean and std are the group's over the first calls' returns ``G_0``. Departures from AReaL's turn discount,
+which discounts the final reward too: ``R`` is the outcome of the whole episode and counts fully for every
+call, so a trajectory without call rewards trains exactly as ``group_advantages`` trains it, for any gamma
+(and a long successful trajectory's first calls are not worth less than a short one's). The baseline is the
+group's ``G_0``: every attempt at a task starts from the same state, whose value ``G_0`` estimates; a mean per
+call index would compare calls in different states and has no baseline where only one trajectory is that long.
 """
 
 from __future__ import annotations
@@ -90,3 +100,75 @@ def group_advantages(
         dropped_groups=dropped_groups,
         dropped_samples=keep.count(False),
     )
+
+
+def call_returns(call_rewards: Sequence[float | None], reward: float, discount: float) -> list[float]:
+    """Each call's return: the trajectory's ``reward`` plus its own and the later calls' rewards, discounted by
+    ``discount`` per call (a call without a reward adds 0). Summed from the last call back, in double precision.
+
+    >>> call_returns([None, 1.0, None, -1.0], 0.5, 0.5)
+    [0.875, 1.25, 0.0, -0.5]
+    """
+    if not 0.0 <= discount <= 1.0:
+        raise ValueError(f"the turn discount must be in [0, 1], got {discount}")
+    returns = [0.0] * len(call_rewards)
+    later = 0.0  # the discounted sum of the later calls' rewards
+    for k in range(len(call_rewards) - 1, -1, -1):
+        later = float(call_rewards[k] or 0.0) + discount * later
+        returns[k] = float(reward) + later
+    return returns
+
+
+@dataclass(frozen=True, slots=True)
+class CallAdvantages:
+    """Per-call advantages of each item (a trajectory) and which items carry signal."""
+
+    advantages: list[list[float]]  # one per call of each item; zeros where keep is False
+    keep: list[bool]  # False for members of groups of one and of groups whose returns do not vary
+    groups: int
+    dropped_groups: int
+    dropped_samples: int
+
+
+def call_advantages(
+    returns: Sequence[Sequence[float]], groups: Sequence[Hashable], *, scale: bool, eps: float = ADVANTAGE_EPS
+) -> CallAdvantages:
+    """Each call's return minus the group's mean first-call return, over the group's std of first-call returns
+    when ``scale`` (``call_returns`` gives the returns). Where every call of every item has the return of its
+    first call (no call rewards), the advantages are exactly ``group_advantages``' of the first returns.
+
+    A group whose first returns do not vary but whose call returns do is scaled by the std of all its call
+    returns; a group whose returns do not vary at all, or of one item, is dropped.
+
+    >>> r = call_advantages([[1.0, 1.0], [0.0], [2.0, 0.0]], ["a", "a", "b"], scale=False)
+    >>> r.advantages, r.keep
+    ([[0.5, 0.5], [-0.5], [0.0, 0.0]], [True, True, False])
+    """
+    if len(returns) != len(groups):
+        raise ValueError(f"returns and groups must be of one length, got {len(returns)} and {len(groups)}")
+    if any(not item for item in returns):
+        raise ValueError("every item needs the return of at least one call")
+    values = [[float(v) for v in item] for item in returns]
+    if not all(math.isfinite(v) for item in values for v in item):
+        raise ValueError("returns must be finite numbers")
+    members: dict[Hashable, list[int]] = {}
+    for i, group in enumerate(groups):
+        members.setdefault(group, []).append(i)
+
+    advantages = [[0.0] * len(item) for item in values]
+    keep = [False] * len(values)
+    dropped_groups = 0
+    for indices in members.values():
+        # The same arithmetic as group_advantages, on the first calls' returns: identical where calls add nothing.
+        mean = sum(values[i][0] for i in indices) / len(indices)
+        std = math.sqrt(sum((values[i][0] - mean) ** 2 for i in indices) / len(indices))
+        if std <= eps:
+            pooled = [v - mean for i in indices for v in values[i]]
+            std = math.sqrt(sum(c * c for c in pooled) / len(pooled))
+        if len(indices) < 2 or std <= eps:
+            dropped_groups += 1
+            continue
+        for i in indices:
+            advantages[i] = [(v - mean) / std if scale else v - mean for v in values[i]]
+            keep[i] = True
+    return CallAdvantages(advantages, keep, len(members), dropped_groups, keep.count(False))

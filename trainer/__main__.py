@@ -152,6 +152,14 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
         "sleep, and gives the GPU back after recording its adapter",
     )
     p.add_argument(
+        "--turn-discount",
+        type=float,
+        default=1.0,
+        metavar="G",
+        help="a call's reward counts for the calls before it discounted by G per call (0 to 1; a policy's own "
+        "turn_discount overrides it); the trajectory's reward counts fully for every call (docs/TRAINING.md)",
+    )
+    p.add_argument(
         "--keep-versions",
         type=_at_least_one,
         default=3,
@@ -226,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         database_url=args.database_url, data_dir=args.data_dir, policies=tuple(args.policy), base_model=args.base_model,
         config=config, init_adapter=args.init_adapter, device=device, share_gpu=args.share_gpu,
         shard=args.shard, attn_implementation=args.attn_implementation, collective_timeout_s=args.collective_timeout,
-        keep_versions=args.keep_versions, adapter_files=args.adapter_files,
+        keep_versions=args.keep_versions, adapter_files=args.adapter_files, turn_discount=args.turn_discount,
     )  # fmt: skip
     try:
         if group is not None and not group.leads:

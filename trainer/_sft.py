@@ -12,6 +12,10 @@ it was actually produced in, and nothing the agent did not write carries loss. T
 ``completion_only_loss`` masks the prompt: the loss covers the completion's tokens as the
 chat template renders them, ``<|im_end|>`` included, so the model also learns to stop.
 
+A trajectory a person gave a demonstration (the answer they wanted, with their score on the dashboard)
+gives one example whatever its reward: its last chat call's prompt, with the demonstration as the
+completion, in place of the agent's own answers.
+
 Why not ``messages`` with ``assistant_only_loss``: TRL 1.16 needs ``{% generation %}``
 markers in the chat template for it and patches in only the templates it knows (Qwen,
 Llama 3, Gemma, ...). SmolLM2's ChatML template and the test model's are not among them
@@ -98,6 +102,8 @@ def read_export(path: Path, *, min_reward: float | None = None, policy: str | No
     """Rows of a ``tracetrain export`` file (``.parquet``, else JSONL) that pass the filters."""
 
     def keep(row: Mapping[str, Any]) -> bool:
+        if row.get("demonstration") and (policy is None or row.get("policy") == policy):
+            return True  # a person's demonstration is an example whatever the trajectory's reward
         reward = row.get("reward")
         if min_reward is not None and (reward is None or reward < min_reward):
             return False
@@ -122,6 +128,15 @@ def sft_examples(rows: Iterator[Mapping[str, Any]] | Sequence[Mapping[str, Any]]
     rewards: list[float] = []
     for row in rows:
         before = len(examples)
+        if demonstration := row.get("demonstration"):
+            # What a person wanted replaces what the agent answered: the last chat call's prompt, their answer.
+            asked = [c for c in row.get("calls") or () if c.get("status_code") == 200 and c.get("messages")]
+            if asked:
+                examples.append({"prompt": [_template_message(m) for m in asked[-1]["messages"]],
+                                 "completion": [{"role": "assistant", "content": str(demonstration)}],
+                                 "tools": asked[-1].get("tools")})  # fmt: skip
+                trajectories += 1
+                continue
         for call in row.get("calls") or ():
             messages, response = call.get("messages"), call.get("response")
             if call.get("status_code") != 200 or not messages or not response:

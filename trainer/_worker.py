@@ -88,6 +88,8 @@ class WorkerSettings:
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S  # under torchrun: the process group's timeout
     # retention: the newest versions that keep their files (trainer._retention), unless the policy says another
     keep_versions: int = 3
+    # how a call's reward reaches the calls before it (tracetrain_core.call_returns), unless the policy says another
+    turn_discount: float = 1.0
     adapter_files: bool = True  # record each adapter's files in the store (a vLLM that cannot see this disk)
 
     def adapters_of(self, policy: str) -> Path:
@@ -241,7 +243,8 @@ class Worker:
         defaults = SamplingDefaults.of_model(self.settings.base_model, temperature=config.default_temperature)
         trajectories = [TrajectoryData.from_store(t, defaults) for t in stored]
         decode = await asyncio.to_thread(model_decode, self.settings.base_model)
-        batch = build_batch(trajectories, config, trained_version=base, decode=decode)
+        discount = await self._turn_discount(policy)
+        batch = build_batch(trajectories, config, trained_version=base, decode=decode, turn_discount=discount)
         if not batch.samples:
             log.warning("job %s: nothing to learn from (%s)", job["id"], batch.metrics)
             return {**batch.metrics, "skipped": "no sample carries a signal"}, None
@@ -280,6 +283,13 @@ class Worker:
         log.info("job %s: trained %s@%d (loss %.4f, reward mean %.3f, %.1f s)", job["id"], policy, version,
                  result.loss, batch.metrics["reward_mean"], result.seconds)  # fmt: skip
         return metrics, version
+
+    async def _turn_discount(self, policy: str) -> float:
+        """The policy's own turn discount (its stored settings), else the trainer's."""
+        row = await self._store.policies.get(policy)
+        own = (row or {}).get("config", {}) or {}
+        value = own.get("turn_discount")
+        return float(value) if isinstance(value, int | float) and 0 <= value <= 1 else self.settings.turn_discount
 
     async def _times(self, stored: list[Any], began: float) -> dict[str, float]:
         """How long sampling took (the step's first call to its last answer), and this job so far."""

@@ -62,12 +62,14 @@ async def feedback(
     services: ServicesDep,
     score: Annotated[str, Form()] = "",
     note: Annotated[str, Form()] = "",
+    demonstration: Annotated[str, Form()] = "",
     csrf_token: Annotated[str, Form()] = "",
 ) -> Response:
     """The score form: the score saved as the trajectory's reward, then the next trajectory awaiting one."""
     await admit(request, csrf_token)
     try:
-        parsed = validate_feedback({"score": float(score), "note": note or None})
+        parsed = validate_feedback({"score": float(score), "note": note or None,
+                                    "demonstration": demonstration or None})  # fmt: skip
     except (ValueError, InvalidRequest) as exc:
         error = exc if isinstance(exc, InvalidRequest) else InvalidRequest(
             "The score must be a number from 0 to 1.", param="score")  # fmt: skip

@@ -20,6 +20,11 @@ def _reward_source(services: Services) -> _data.RewardSources:
     return lambda policy: registry.get(policy).settings.reward_source if policy in registry else None
 
 
+def _reward_weights(services: Services) -> _data.RewardWeightsOf:
+    registry = services.registry
+    return lambda policy: registry.get(policy).settings.reward_weights if policy in registry else None
+
+
 # The body is parsed by the service (one form or the batch form, with errors that say
 # which); this only documents it.
 _REWARD_BODY = json_body(
@@ -27,6 +32,8 @@ _REWARD_BODY = json_body(
     {
         "one": {"trajectory_id": "traj-1", "reward": 1.0, "metrics": {"correct": 1.0}},
         "batch": {"rewards": [{"trajectory_id": "traj-1", "reward": 0.5}]},
+        "one call": {"trajectory_id": "traj-1", "call_id": "call-1", "reward": 1.0},
+        "weighted": {"trajectory_id": "traj-1", "metrics": {"correct": 1.0, "format": 0.5}},
     },
 )
 
@@ -34,14 +41,16 @@ _REWARD_BODY = json_body(
 @router.post("/v1/rewards", openapi_extra=_REWARD_BODY)
 async def post_rewards(request: Request, services: ServicesDep, scope: RewardScope) -> dict[str, Any]:
     """Record a reward, or a batch (`{"rewards": [...]}`) atomically: one unknown id rejects all (a trajectory
-    of a policy the key may not reach is unknown).
+    of a policy the key may not reach is unknown). With `call_id` (a response's `X-Call-Id`) a reward is one call's:
+    a call that is not the trajectory's is a 404 (`call_not_found`). Without `reward`, the reward is the weighted
+    sum of `metrics` (the policy's `--reward-weights`; a 400 when it has none, or a component is missing).
 
     When enough groups become ready, a training job is queued. For a policy whose reward source is
     `judge`, rewards come from the judge, and a posted one is refused (409).
     """
     return await _data.post_rewards(
         services.store, await request.body(), reward_source=_reward_source(services),
-        written=services.scheduler.rewards_written, scope=scope,
+        written=services.scheduler.rewards_written, scope=scope, reward_weights=_reward_weights(services),
     )  # fmt: skip
 
 

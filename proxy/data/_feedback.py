@@ -1,10 +1,12 @@
 """A person's score as a reward: ``POST /admin/trajectories/{id}/feedback`` and the dashboard's review.
 
-A score is a number from 0 to 1 with an optional note; it is recorded as a ``rewards`` row with
-source "human" and becomes the trajectory's reward, over a service's or the judge's (which are
-still recorded beside it, and never replace it: ``store._rewards``). A group whose trajectories
-are all scored becomes ready and trains, as with any reward; a score given after the group
-trained is recorded and shown, but the step that used the earlier reward stays.
+A score is a number from 0 to 1 with an optional note and an optional demonstration (the answer the
+person wanted: kept on the trajectory, exported, and an example for ``tracetrain sft``); it is
+recorded as a ``rewards`` row with source "human" and becomes the trajectory's reward, over a
+service's or the judge's (which are still recorded beside it, and never replace it:
+``store._rewards``). A group whose trajectories are all scored becomes ready and trains, as with
+any reward; a score given after the group trained is recorded and shown, but the step that used
+the earlier reward stays.
 
 The review queue is what awaits a person's score: trajectories no person scored yet, in a
 group still open, oldest first (with ``--reward-source human`` the unrewarded ones; beside a
@@ -27,6 +29,7 @@ from proxy.errors import InvalidRequest, store_errors
 from store import RewardIn, Store
 
 MAX_NOTE = 4000  # characters: a reviewer's remark, not a document
+MAX_DEMONSTRATION = 100_000  # characters: an answer, however long an agent's answers get
 _PK_CURSOR = re.compile(r"[0-9]{1,10}")
 
 
@@ -37,6 +40,10 @@ class FeedbackPost(BaseModel):
 
     score: Annotated[StrictFloat, Field(ge=0.0, le=1.0, allow_inf_nan=False, description="From 0 (bad) to 1 (good).")]
     note: Annotated[str | None, Field(max_length=MAX_NOTE, description="Why, in the reviewer's words.")] = None
+    demonstration: Annotated[
+        str | None,
+        Field(max_length=MAX_DEMONSTRATION, description="The answer the reviewer wanted: an SFT example."),
+    ] = None
 
 
 def parse_feedback(raw: bytes) -> FeedbackPost:
@@ -52,7 +59,8 @@ def validate_feedback(body: Any) -> FeedbackPost:
     try:
         return FeedbackPost.model_validate(body)
     except ValidationError as exc:
-        hint = f'Send {{"score": a number from 0 to 1, "note": text of at most {MAX_NOTE} characters or null}}.'
+        hint = (f'Send {{"score": a number from 0 to 1, "note": text of at most {MAX_NOTE} characters or null, '
+                f'"demonstration": the answer wanted, at most {MAX_DEMONSTRATION} characters, or null}}.')
         raise InvalidRequest.from_validation(exc.errors(), hint) from exc
 
 
@@ -62,8 +70,10 @@ async def give_feedback(
     """Record a person's score of ``trajectory_id`` as its reward (404 for an unknown id, or one of a policy outside
     ``scope``); the reward written."""
     note = (feedback.note or "").strip() or None
+    demonstration = (feedback.demonstration or "").strip() or None
+    given = RewardIn(trajectory_id, feedback.score, {}, "human", note, demonstration=demonstration)
     with store_errors():
-        rewards = await store.add_rewards([RewardIn(trajectory_id, feedback.score, {}, "human", note)], scope.policies)
+        rewards = await store.add_rewards([given], scope.policies)
     await written(rewards)
     return reward_view(rewards[0])
 

@@ -6,6 +6,7 @@ policy outside it is not found, exactly as an unknown one, and lists hold only t
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -36,6 +37,33 @@ _PK_CURSOR = re.compile(r"[0-9]{1,10}")
 RewardsWritten = Callable[[Sequence[RewardRecord]], Awaitable[None]]
 # policy -> its reward source ("external", "judge", "both" or "human"), for the policies served.
 RewardSources = Callable[[str], str | None]
+# policy -> its reward's components and their weights (--reward-weights); None: none configured.
+RewardWeightsOf = Callable[[str], dict[str, float] | None]
+
+
+def weighed_reward(policy: str, metrics: dict[str, float], weights: dict[str, float] | None) -> float:
+    """A reward posted without a value: the weighted sum of its metrics. Every weighted component must be given
+    (a missing one is a 400, never read as 0); metrics without a weight are kept and shown, not weighed."""
+    if not weights:
+        raise InvalidRequest(
+            f"A reward needs a value: policy {policy} weighs no metrics into one (--reward-weights NAME=W,... or "
+            "its reward_weights setting). Nothing was recorded.",
+            param="reward",
+        )
+    if missing := sorted(name for name in weights if name not in metrics):
+        raise InvalidRequest(
+            f"The reward of policy {policy} is the weighted sum of {', '.join(sorted(weights))}; the metrics lack "
+            f"{', '.join(missing)}. Give every component, or the reward itself. Nothing was recorded.",
+            param="metrics",
+        )
+    reward = sum(weight * metrics[name] for name, weight in weights.items())
+    if not (math.isfinite(reward) and abs(reward) <= SCORE_LIMIT):
+        raise InvalidRequest(
+            f"The weighted sum of the metrics is {reward:.6g}, outside the rewards' range [-{SCORE_LIMIT:g}, "
+            f"{SCORE_LIMIT:g}]. Nothing was recorded.",
+            param="metrics",
+        )
+    return reward
 
 
 def refuse_external_rewards(policies: set[str], reward_source: RewardSources) -> None:
@@ -60,11 +88,17 @@ def refuse_external_rewards(policies: set[str], reward_source: RewardSources) ->
 
 
 async def post_rewards(
-    store: Store, raw: bytes, *, reward_source: RewardSources, written: RewardsWritten, scope: Scope = EVERY
+    store: Store,
+    raw: bytes,
+    *,
+    reward_source: RewardSources,
+    written: RewardsWritten,
+    scope: Scope = EVERY,
+    reward_weights: RewardWeightsOf | None = None,
 ) -> dict[str, Any]:
     """``POST /v1/rewards``: validated completely (one reward or a batch), recorded atomically (a trajectory
     outside ``scope`` is unknown, a policy rewarded by the judge alone refuses it: nothing is written), and told
-    to ``written``."""
+    to ``written``. A reward given as metrics alone is their weighted sum (``weighed_reward``)."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -81,8 +115,9 @@ async def post_rewards(
         raise InvalidRequest.from_validation(exc.errors(), hint) from exc
     with store_errors():
         rewards = await store.add_rewards(
-            (RewardIn(r.trajectory_id, r.reward, dict(r.metrics)) for r in items), scope.policies,
+            (RewardIn(r.trajectory_id, r.reward, dict(r.metrics), call_id=r.call_id) for r in items), scope.policies,
             lambda policies: refuse_external_rewards(policies, reward_source),
+            lambda policy, metrics: weighed_reward(policy, metrics, reward_weights(policy) if reward_weights else None),
         )  # fmt: skip
     await written(rewards)
     return {"object": "list", "data": [reward_view(reward) for reward in rewards]}

@@ -26,8 +26,11 @@ class RewardPost(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     trajectory_id: Id
-    reward: Score
+    # None: the weighted sum of the metrics (the policy's reward_weights).
+    reward: Score | None = None
     metrics: dict[MetricName, Score] = Field(default_factory=dict, max_length=MAX_METRICS)
+    # One call of the trajectory (its X-Call-Id) to reward, not the whole trajectory.
+    call_id: Id | None = None
 
 
 class RewardBatch(BaseModel):
@@ -46,6 +49,7 @@ def reward_view(reward: RewardRecord) -> dict[str, Any]:
         "source": reward.source,
         "explanation": reward.explanation,
         "created_at": reward.created_at,
+        "call_id": reward.call_id,
     }
 
 
@@ -61,6 +65,7 @@ _TRAJECTORY_FIELDS = (
     "reward",
     "reward_source",
     "reward_note",
+    "demonstration",
     "metrics",
     "rewarded_at",
 )

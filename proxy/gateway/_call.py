@@ -29,13 +29,15 @@ class Call:
     # The API the client spoke when the proxy translated it to chat ("responses", "messages"): the endpoint recorded.
     api: str | None = None
     served: Served = field(default_factory=Served)  # what the model and its vLLM take (the app's)
-    # The grammar vLLM samples this call under (tracetrain_core.structured_outputs); None: unconstrained.
-    structured_outputs: dict[str, Any] | None = None
+    # The record's id, known before the answer: every response names it (X-Call-Id) so that one call can be
+    # rewarded (random as uuid4's hex, without its module on the path).
+    id: str = field(default_factory=lambda: f"call-{os.urandom(16).hex()}")
 
     def headers(self) -> dict[str, str]:
         return {
             "X-Trajectory-Id": self.key.trajectory_id,
             "X-Group-Id": self.key.group_id,
+            "X-Call-Id": self.id,
             "X-Policy-Version": str(self.route.version),
         }
 
@@ -63,7 +65,7 @@ def call_write(
         else []
     )
     row = {
-        "id": f"call-{os.urandom(16).hex()}",  # random as uuid4's hex, without its module on the path
+        "id": call.id,
         "trajectory_id": call.key.trajectory_id,
         "group_id": call.key.group_id,
         "policy": call.route.policy,

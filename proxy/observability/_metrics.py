@@ -25,6 +25,7 @@ from store import JobState, Store, TrainingState, TrialState
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 # The newest step's metrics /metrics shows (a fixed set: the series do not grow with the steps).
+COMPONENT_PREFIX = "reward_component_"  # a step's reward component means (trainer._batch.component_means)
 LAST_STEP_METRICS = (
     "logprob_mismatch_mean", "logprob_mismatch_max", "logprob_mismatch_on_policy", "sampler_weight_mean",
     "calls_per_trajectory", "samples_per_trajectory", "samples_merged_retokenized", "samples_split_rerendered",
@@ -116,6 +117,11 @@ class Metrics:
             "logprob_mismatch_constrained and _unconstrained (the on-policy gap of those tokens and of the others), "
             "grammar_fallbacks (constrained calls whose grammar could not be rebuilt, scored unmasked) and mask_ms "
             "(building the masks).", ["policy", "metric"], registry=r,
+        )  # fmt: skip
+        self.components = Gauge(
+            "tracetrain_training_reward_component_mean", "The newest training step's mean of each reward component "
+            "(the metrics posted with the rewards; --reward-weights weighs them into the reward), by policy.",
+            ["policy", "component"], registry=r,
         )  # fmt: skip
         self.loaded = Gauge("tracetrain_versions_loaded", "Versions this proxy has loaded in vLLM, by policy.",
                             ["policy"], registry=r)  # fmt: skip
@@ -308,6 +314,7 @@ class Metrics:
         """
         policies = await store.policies.all()  # retired ones too: their data stays, and so do their series
         jobs = await store.jobs.counts_by_policy()
+        self.components.clear()  # a component the newest step lacks is not shown with an older step's mean
         for name in sorted({str(p["name"]) for p in policies} | {policy for policy, _ in jobs}):
             for state in JobState:
                 self.jobs.labels(name, state.value).set(jobs.get((name, state.value), 0))
@@ -362,6 +369,9 @@ class Metrics:
             value = job["metrics"].get(name)
             if isinstance(value, int | float) and not isinstance(value, bool):
                 self.last_step.labels(str(job["policy"]), name).set(value)
+        for name, value in job["metrics"].items():
+            if name.startswith(COMPONENT_PREFIX) and isinstance(value, int | float) and not isinstance(value, bool):
+                self.components.labels(str(job["policy"]), name.removeprefix(COMPONENT_PREFIX)).set(value)
 
     def _set_upstreams(self, upstreams: Sequence[dict[str, Any]], states: Sequence[str]) -> None:
         self.upstream_versions.clear()  # versions unloaded since the last scrape disappear

@@ -95,9 +95,22 @@ class Client(_BaseClient):
             response = self._http.send(request)
         return operation.read(response)
 
-    def post_reward(self, trajectory_id: str, reward: float, metrics: Mapping[str, float] | None = None) -> Reward:
-        """Post the reward of one trajectory; raises `NotFoundError` if the server does not know it."""
-        return self._send(_post_reward(trajectory_id, reward, metrics))
+    def post_reward(
+        self,
+        trajectory_id: str,
+        reward: float | None = None,
+        metrics: Mapping[str, float] | None = None,
+        *,
+        call_id: str | None = None,
+    ) -> Reward:
+        """Post the reward of one trajectory, or of one of its calls (`call_id`: the `X-Call-Id` header of the
+        call's response); raises `NotFoundError` if the server does not know the trajectory, or the call is not
+        the trajectory's. Without `reward`, the server weighs `metrics` into one (`--reward-weights`).
+
+        >>> raw = openai_client.chat.completions.with_raw_response.create(...)  # doctest: +SKIP
+        >>> tt.post_reward(raw.headers["X-Trajectory-Id"], 1.0, call_id=raw.headers["X-Call-Id"])  # doctest: +SKIP
+        """
+        return self._send(_post_reward(trajectory_id, reward, metrics, call_id))
 
     def post_rewards(self, rewards: Iterable[RewardLike]) -> list[Reward]:
         """Post several rewards in one request; every one is validated before anything is sent."""
@@ -200,10 +213,15 @@ class AsyncClient(_BaseClient):
         return operation.read(response)
 
     async def post_reward(
-        self, trajectory_id: str, reward: float, metrics: Mapping[str, float] | None = None
+        self,
+        trajectory_id: str,
+        reward: float | None = None,
+        metrics: Mapping[str, float] | None = None,
+        *,
+        call_id: str | None = None,
     ) -> Reward:
-        """Post the reward of one trajectory; see `Client.post_reward`."""
-        return await self._send(_post_reward(trajectory_id, reward, metrics))
+        """Post the reward of one trajectory, or of one of its calls; see `Client.post_reward`."""
+        return await self._send(_post_reward(trajectory_id, reward, metrics, call_id))
 
     async def post_rewards(self, rewards: Iterable[RewardLike]) -> list[Reward]:
         """Post several rewards in one request; see `Client.post_rewards`."""

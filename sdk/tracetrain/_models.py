@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Generic, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Response(BaseModel):
@@ -31,13 +31,24 @@ class Page(_Response, Generic[_M]):
 
 
 class RewardIn(BaseModel):
-    """A reward to post for one trajectory. Non-finite numbers are rejected on construction."""
+    """A reward to post for one trajectory, or one of its calls (`call_id`: a response's `X-Call-Id`).
+
+    Non-finite numbers are rejected on construction. Without `reward`, the server weighs `metrics` into
+    one (the policy's `--reward-weights`).
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     trajectory_id: str = Field(min_length=1)
-    reward: float
+    reward: float | None = None
     metrics: dict[str, float] | None = None
+    call_id: str | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _a_reward_or_metrics(self) -> RewardIn:
+        if self.reward is None and not self.metrics:
+            raise ValueError("give a reward, or metrics for the server to weigh into one")
+        return self
 
 
 class Reward(_Response):
@@ -50,6 +61,7 @@ class Reward(_Response):
     metrics: dict[str, float] = Field(default_factory=dict)
     source: str = "service"  # "service" (posted), "judge" or "human" (a person's score)
     created_at: float
+    call_id: str | None = None  # the call rewarded; None: the whole trajectory
 
 
 class TrajectorySummary(_Response):
@@ -92,6 +104,7 @@ class Call(_Response):
     latency_ms: float
     ttft_ms: float | None = None
     started_at: float
+    reward: float | None = None  # this call's own reward (posted with its call_id), if any
 
 
 class Trajectory(TrajectorySummary):

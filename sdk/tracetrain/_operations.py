@@ -108,8 +108,11 @@ def _read_one_reward(body: Any) -> Reward:
     return rewards[0]
 
 
-def _post_reward(trajectory_id: str, reward: float, metrics: Mapping[str, float] | None) -> _Operation[Reward]:
-    item = RewardIn(trajectory_id=trajectory_id, reward=reward, metrics=None if metrics is None else dict(metrics))
+def _post_reward(
+    trajectory_id: str, reward: float | None, metrics: Mapping[str, float] | None, call_id: str | None
+) -> _Operation[Reward]:
+    item = RewardIn(trajectory_id=trajectory_id, reward=reward, metrics=None if metrics is None else dict(metrics),
+                    call_id=call_id)  # fmt: skip
     return _Operation("POST", "/v1/rewards", _read_one_reward, json=_reward_body(item))
 
 
