@@ -29,6 +29,8 @@ class Call:
     # The API the client spoke when the proxy translated it to chat ("responses", "messages"): the endpoint recorded.
     api: str | None = None
     served: Served = field(default_factory=Served)  # what the model and its vLLM take (the app's)
+    # The grammar vLLM samples this call under (tracetrain_core.structured_outputs); None: unconstrained.
+    structured_outputs: dict[str, Any] | None = None
     # The record's id, known before the answer: every response names it (X-Call-Id) so that one call can be
     # rewarded (random as uuid4's hex, without its module on the path).
     id: str = field(default_factory=lambda: f"call-{os.urandom(16).hex()}")
