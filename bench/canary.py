@@ -113,8 +113,9 @@ async def one_trial(
 ) -> Trial:
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp)
+        # batch_groups: the most there is; no trial lasts that many groups, so none trains.
         settings = Settings(upstream=f"{fake_url}/v1", data_dir=data, canary=fraction, group_size=GROUP,
-                            min_group_size=GROUP, batch_groups=10**6, unload_grace_s=0)  # fmt: skip
+                            min_group_size=GROUP, batch_groups=1024, unload_grace_s=0)  # fmt: skip
         with serve_in_thread(create_app(settings)) as url:
             async with httpx.AsyncClient(base_url=url, timeout=60) as client:
                 delay = (args.reward_delay[0], args.reward_delay[1])

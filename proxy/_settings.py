@@ -17,19 +17,9 @@ from typing import Annotated, Any, Literal
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from proxy import _policy_config as bounds  # each per-policy setting's bounds, declared there once
 from proxy._otel_env import endpoint_from_env, traces_url
-from proxy._policy_config import (
-    MAX_GROUP,
-    MAX_KEEP_VERSIONS,
-    MAX_MARGIN,
-    MAX_MINUTES,
-    MAX_SECONDS,
-    PolicyOverrides,
-    PolicySettings,
-    RewardWeights,
-    SamplingDefaults,
-    unconfigured_judge,
-)
+from proxy._policy_config import PolicyOverrides, PolicySettings, RewardWeights, SamplingDefaults, unconfigured_judge
 from store import POLICY_NAME_PATTERN, redact
 
 _PLACEHOLDER_SECRETS = frozenset(
@@ -95,16 +85,16 @@ class Settings(BaseSettings):
     # settings): written into the store when the proxy starts, for every replica and the trainer to apply.
     policy_configs: dict[str, PolicyOverrides] = Field(default_factory=dict)
     # A derived group (same task prompt) takes at most this many trajectories, then a new one opens.
-    group_size: int = Field(default=8, ge=1, le=MAX_GROUP)
+    group_size: int = Field(default=8, ge=1, le=bounds.MAX_GROUP)
     # A group is ready for training when all its trajectories are rewarded and it has this many.
-    min_group_size: int = Field(default=2, ge=1, le=MAX_GROUP)
+    min_group_size: int = Field(default=2, ge=1, le=bounds.MAX_GROUP)
     # How long an unkeyed trajectory stays open for threading (seconds since its last call).
     thread_ttl_s: float = Field(default=1800.0, gt=0)
 
     # Training: a job is created when this many groups are ready; adapters beyond the newest
     # keep_versions are unloaded from vLLM, and the trainer prunes their files (retention, docs/OPERATIONS.md).
-    batch_groups: int = Field(default=4, ge=1, le=MAX_GROUP)
-    keep_versions: int = Field(default=3, ge=1, le=MAX_KEEP_VERSIONS)
+    batch_groups: int = Field(default=4, ge=1, le=bounds.MAX_GROUP)
+    keep_versions: int = Field(default=3, ge=1, le=bounds.MAX_KEEP_VERSIONS)
     # A version that left the window stays loaded this long: other proxy replicas may still
     # have requests running on it.
     unload_grace_s: float = Field(default=30.0, ge=0)
@@ -134,7 +124,7 @@ class Settings(BaseSettings):
     # within regression_groups rewarded groups; regression_alpha bounds the chance of rolling back a version
     # that is not worse. Defaults and their reasons: docs/TRAINING.md.
     regression_guard: bool = True
-    regression_margin: float = Field(default=0.05, ge=0, le=MAX_MARGIN, allow_inf_nan=False)
+    regression_margin: float = Field(default=0.05, ge=0, le=bounds.MAX_MARGIN, allow_inf_nan=False)
     regression_alpha: float = Field(default=0.05, gt=0, lt=1)
     regression_groups: int = Field(default=8, ge=3, le=64)
 
@@ -143,16 +133,16 @@ class Settings(BaseSettings):
     # groups promotes it or rolls it back (margin and alpha as the guard's), within canary_groups paired groups or
     # canary_minutes. Unset: a new version serves everything at once. Defaults and their reasons: docs/TRAINING.md.
     canary: float | None = Field(default=None, gt=0, lt=1)
-    canary_margin: float = Field(default=0.05, ge=0, le=MAX_MARGIN, allow_inf_nan=False)
+    canary_margin: float = Field(default=0.05, ge=0, le=bounds.MAX_MARGIN, allow_inf_nan=False)
     canary_alpha: float = Field(default=0.05, gt=0, lt=1)
     canary_groups: int = Field(default=8, ge=3, le=256)
-    canary_minutes: float = Field(default=30.0, gt=0, le=MAX_MINUTES, allow_inf_nan=False)
+    canary_minutes: float = Field(default=30.0, gt=0, le=bounds.MAX_MINUTES, allow_inf_nan=False)
 
     # A complete group (min_group_size trajectories or more) still missing rewards after this many seconds
     # with no call and no reward is judged when a judge is configured (judge_model, or a reward_source that
     # judges), else closed "unrewarded": never trained, counted (proxy.judge._timeout). Unset: groups
     # wait for their rewards as long as it takes.
-    reward_timeout_s: float | None = Field(default=None, gt=0, le=MAX_SECONDS, allow_inf_nan=False)
+    reward_timeout_s: float | None = Field(default=None, gt=0, le=bounds.MAX_SECONDS, allow_inf_nan=False)
 
     # Rewards: POSTed by the user's service ("external"), scored by an LLM judge over each group
     # ("judge"), or both: external rewards train, the judge's scores are recorded beside them; or scored by
@@ -179,8 +169,8 @@ class Settings(BaseSettings):
     judge_rubric: str | None = None
     # A group is judged once it has group_size trajectories and none changed for judge_quiet_s,
     # or once it has min_group_size and none changed for judge_idle_s.
-    judge_quiet_s: float = Field(default=10.0, gt=0, le=MAX_SECONDS, allow_inf_nan=False)
-    judge_idle_s: float = Field(default=300.0, gt=0, le=MAX_SECONDS, allow_inf_nan=False)
+    judge_quiet_s: float = Field(default=10.0, gt=0, le=bounds.MAX_SECONDS, allow_inf_nan=False)
+    judge_idle_s: float = Field(default=300.0, gt=0, le=bounds.MAX_SECONDS, allow_inf_nan=False)
     judge_max_attempts: int = Field(default=3, ge=1, le=10)
     judge_concurrency: int = Field(default=2, ge=1)
 

@@ -109,7 +109,7 @@ def test_a_rewarded_call_over_loopback_reaches_the_trainers_advantages(start_pro
     async def read() -> tuple[list[TrajectoryData], float]:
         store = await Store.open(f"sqlite+aiosqlite:///{proxy.db_path}", capture=False)
         try:
-            stored = await store.jobs.rewarded_trajectories(["task"])
+            stored = await store.jobs.rewarded_trajectories(["task"], policy="agent")
             policy = await store.policies.get("agent")
             return [TrajectoryData.from_store(t) for t in stored], float((policy or {})["config"]["turn_discount"])
         finally:
