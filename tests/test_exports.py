@@ -63,9 +63,9 @@ def test_store_public_names() -> None:
 
     assert sorted(store.__all__) == [
         "ADAPTER_FIELDS", "AdapterFile", "AdapterFiles", "AdapterState", "Adapters", "ArmTotals",
-        "COMPACT_COLUMNS", "Call", "CallWrite", "DueRule", "EVALUATION_FIELDS", "Evaluations", "ExportFilter",
+        "COMPACT_COLUMNS", "Call", "CallWrite", "DRIVER_ERRORS", "DueRule", "EVALUATION_FIELDS", "Evaluations", "ExportFilter",
         "ExportPage", "ExportReads",
-        "FILE_NAME_PATTERN", "FileEntry",
+        "FILE_NAME_PATTERN", "FULL_DISK", "FileEntry",
         "GROUP_VIEW_STATES", "GpuHandover", "GroupArms", "GroupCalls", "GroupChanged", "GroupRecord",
         "GroupState", "Guards", "JOB_FIELDS", "JUDGEMENT_STATES", "JobState", "Jobs", "Judgements", "KeyTaken", "MOVES",
         "POLICY_NAME_PATTERN", "Policies", "PolicyAdded", "PolicyState", "PruneReport", "PruneRule", "REWARD_SOURCES",
