@@ -14,10 +14,11 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
+from pydantic import AfterValidator, AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from proxy import _policy_config as bounds  # each per-policy setting's bounds, declared there once
+from proxy import _setting_values as values
 from proxy._otel_env import endpoint_from_env, traces_url
 from proxy._policy_config import PolicyOverrides, PolicySettings, RewardWeights, SamplingDefaults, unconfigured_judge
 from store import POLICY_NAME_PATTERN, redact
@@ -50,7 +51,7 @@ class Settings(BaseSettings):
     # trajectory go to one server, chosen by hashing its id (the same on every replica listing the same URLs) with
     # a bound on load (proxy.gateway.upstream._placement); every server loads every adapter. `upstream=URL` is accepted
     # for one; env TRACETRAIN_UPSTREAMS (comma-separated) or TRACETRAIN_UPSTREAM.
-    upstreams: Annotated[tuple[str, ...], NoDecode] = Field(
+    upstreams: Annotated[tuple[str, ...], NoDecode, AfterValidator(values.upstream_urls)] = Field(
         default=("http://127.0.0.1:8000/v1",),
         min_length=1,
         validation_alias=AliasChoices("tracetrain_upstreams", "tracetrain_upstream"),
@@ -78,7 +79,7 @@ class Settings(BaseSettings):
     # are `NAME@N` (`NAME@0` is the base model). `policy=NAME` is accepted for one; env TRACETRAIN_POLICIES
     # (comma-separated) or TRACETRAIN_POLICY. Policies added through the admin API are served as well: the store
     # holds them (docs/POLICIES.md).
-    policies: Annotated[tuple[str, ...], NoDecode] = Field(
+    policies: Annotated[tuple[str, ...], NoDecode, AfterValidator(values.policy_names)] = Field(
         default=("agent",), min_length=1, validation_alias=AliasChoices("tracetrain_policies", "tracetrain_policy")
     )
     # The settings a policy overrides (`--policy-config NAME=FILE`; env TRACETRAIN_POLICY_CONFIGS as JSON, name to
@@ -164,7 +165,7 @@ class Settings(BaseSettings):
     # each `MODEL` (its provider's usual URL and key variable) or `MODEL=BASE_URL` (`--judge`, repeatable; env
     # TRACETRAIN_JUDGES, comma-separated). Where a judge is served, and with which key, is only ever the operator's
     # to say: the admin API names one of these models, never a URL (docs/OPERATIONS.md, "The judge").
-    judges: Annotated[tuple[tuple[str, str | None], ...], NoDecode] = ()
+    judges: Annotated[tuple[tuple[str, str | None], ...], NoDecode, AfterValidator(values.judge_urls)] = ()
     # What makes a trajectory better than another; "@path" reads a file. Unset: a generic rubric.
     judge_rubric: str | None = None
     # A group is judged once it has group_size trajectories and none changed for judge_quiet_s,
@@ -188,7 +189,7 @@ class Settings(BaseSettings):
     # The reverse proxies (addresses or networks) whose X-Forwarded-For / -Proto name the client: the log-in
     # throttle counts per client address (proxy._throttle). Empty: the connection's peer is the client, whatever
     # a header says (uvicorn alone would believe any loopback sender). `--forwarded-allow-ips`, comma-separated.
-    forwarded_allow_ips: Annotated[tuple[str, ...], NoDecode] = ()
+    forwarded_allow_ips: Annotated[tuple[str, ...], NoDecode, AfterValidator(values.proxy_addresses)] = ()
 
     # Credentials. Inference keys authorize /v1 generation calls, reward keys /v1/rewards; both for every policy.
     api_keys: Secrets = ()
@@ -263,86 +264,25 @@ class Settings(BaseSettings):
                      mode="before")  # fmt: skip
     @classmethod
     def _split_keys(cls, value: object) -> object:
-        if isinstance(value, str):
-            return tuple(part.strip() for part in value.split(",") if part.strip())
-        return value
-
-    @field_validator("forwarded_allow_ips")
-    @classmethod
-    def _proxy_addresses(cls, values: tuple[str, ...]) -> tuple[str, ...]:
-        for value in values:
-            if value != "*":
-                try:
-                    ipaddress.ip_network(value, strict=False)
-                except ValueError:
-                    raise ValueError(f"--forwarded-allow-ips: {value[:100]!r} is not an address or a network") from None
-        return values
-
-    @field_validator("policies")
-    @classmethod
-    def _policy_names(cls, values: tuple[str, ...]) -> tuple[str, ...]:
-        for name in values:
-            if not re.fullmatch(POLICY_NAME_PATTERN, name):
-                raise ValueError(
-                    f"policy name {name!r}: 1-100 letters, digits, '_', '.' or '-', beginning with a letter or digit"
-                )
-        if len(set(values)) != len(values):
-            raise ValueError(f"a policy is named twice: {', '.join(values)}")
-        return values
+        return values.items(value)
 
     @field_validator("policy_keys", mode="before")
     @classmethod
-    def _policy_key_pairs(cls, values: object) -> object:
-        """Each key as ``NAME=KEY`` (flags; the variable: comma-separated), or as a (name, key) pair."""
-        if isinstance(values, str):
-            values = [part.strip() for part in values.split(",") if part.strip()]
-        if not isinstance(values, tuple | list):
-            return values
-        pairs = []
-        for item in values:
-            if isinstance(item, str):
-                name, sep, key = item.partition("=")
-                if not sep or not key:
-                    raise ValueError("a policy key is NAME=KEY (the policy's name, '=', then the key)")
-                item = (name.strip(), key.strip())
-            pairs.append(item)
-        return tuple(pairs)
-
-    @field_validator("policy_keys")
-    @classmethod
-    def _policy_key_names(cls, values: tuple[tuple[str, SecretStr], ...]) -> tuple[tuple[str, SecretStr], ...]:
-        for name, _ in values:
-            if not re.fullmatch(POLICY_NAME_PATTERN, name):
-                raise ValueError(f"--policy-key {name}=...: {name!r} is not a policy name")
-        return values
+    def _policy_key_pairs(cls, value: object) -> object:
+        return values.pairs(value, values.policy_key_pair)
 
     @field_validator("judges", mode="before")
     @classmethod
-    def _judge_pairs(cls, values: object) -> object:
-        """Each judge as ``MODEL`` or ``MODEL=BASE_URL`` (flags; the variable: comma-separated), or as a pair."""
-        if isinstance(values, str):
-            values = [part.strip() for part in values.split(",") if part.strip()]
-        if not isinstance(values, tuple | list):
-            return values
-        pairs = []
-        for item in values:
-            if isinstance(item, str):
-                model, sep, url = item.partition("=")
-                if not model.strip() or (sep and not url.strip()):
-                    raise ValueError("a judge is MODEL or MODEL=BASE_URL (a litellm model name, then its server's URL)")
-                item = (model.strip(), url.strip() or None)
-            pairs.append(item)
-        return tuple(pairs)
+    def _judge_pairs(cls, value: object) -> object:
+        return values.pairs(value, values.judge_pair)
 
-    @field_validator("judges")
+    @field_validator("policy_keys")
     @classmethod
-    def _judge_urls(cls, values: tuple[tuple[str, str | None], ...]) -> tuple[tuple[str, str | None], ...]:
-        for model, url in values:
-            if url is not None and not url.startswith(("http://", "https://")):
-                raise ValueError(f"--judge {model}=...: the base URL must be http(s), got {redact(url)!r}")
-        if len({model for model, _ in values}) != len(values):
-            raise ValueError("a judge model is named twice in --judge")
-        return values
+    def _policy_key_names(cls, keys: tuple[tuple[str, SecretStr], ...]) -> tuple[tuple[str, SecretStr], ...]:
+        for name, _ in keys:
+            if not re.fullmatch(POLICY_NAME_PATTERN, name):
+                raise ValueError(f"--policy-key {name}=...: {name!r} is not a policy name")
+        return keys
 
     @field_validator("judge_rubric")
     @classmethod
@@ -357,19 +297,6 @@ class Settings(BaseSettings):
         if not text:
             raise ValueError(f"the judge rubric file {path} is empty")
         return text
-
-    @field_validator("upstreams")
-    @classmethod
-    def _upstreams_are_http(cls, values: tuple[str, ...]) -> tuple[str, ...]:
-        urls = []
-        for value in values:
-            if not value.startswith(("http://", "https://")):
-                shown = redact(value)
-                raise ValueError(f"upstream must be an http(s) URL such as http://127.0.0.1:8000/v1, got {shown!r}")
-            urls.append(value.rstrip("/"))
-        if len(set(urls)) != len(urls):
-            raise ValueError(f"an upstream is named twice: {redact(', '.join(urls))}")
-        return tuple(urls)
 
     def __repr_args__(self) -> Any:
         """URLs shown without their passwords (``store.redact``); secrets are ``SecretStr`` already."""
