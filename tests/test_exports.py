@@ -47,7 +47,7 @@ def test_the_proxy_subpackages_public_names() -> None:
         "proxy.gateway.dialects.messages": ["CountTokensRequest", "MESSAGES", "MessagesRequest", "count_tokens_chat"],
         "proxy.gateway.dialects.responses": ["RESPONSES", "ResponsesRequest"],
         "proxy.gateway.upstream": ["Reply", "Router", "SSEDecoder", "Server", "ServerSentEvent", "UPSTREAM_STATES",
-                                   "Upstream", "UpstreamStream"],
+                                   "Upstream", "UpstreamStream", "upstream_http_error"],
         "proxy.judge": ["DEFAULT_RUBRIC", "Judge", "JudgeFailed", "JudgePrompt", "JudgeService", "Score",
                         "build_prompt"],
         "proxy.observability": ["Exporters", "Metrics", "start_exporters"],
@@ -63,8 +63,8 @@ def test_store_public_names() -> None:
 
     assert sorted(store.__all__) == [
         "ADAPTER_FIELDS", "AdapterFile", "AdapterFiles", "AdapterState", "Adapters", "ArmTotals",
-        "COMPACT_COLUMNS", "Call", "CallWrite", "DRIVER_ERRORS", "DueRule", "EVALUATION_FIELDS", "Evaluations", "ExportFilter",
-        "ExportPage", "ExportReads",
+        "COMPACT_COLUMNS", "Call", "CallWrite", "DRIVER_ERRORS", "DueRule", "EVALUATION_FIELDS", "Evaluations",
+        "ExportFilter", "ExportPage", "ExportReads",
         "FILE_NAME_PATTERN", "FULL_DISK", "FileEntry",
         "GROUP_VIEW_STATES", "GpuHandover", "GroupArms", "GroupCalls", "GroupChanged", "GroupRecord",
         "GroupState", "Guards", "JOB_FIELDS", "JUDGEMENT_STATES", "JobState", "Jobs", "Judgements", "KeyTaken", "MOVES",
@@ -72,8 +72,8 @@ def test_store_public_names() -> None:
         "Reads", "RecordRefused", "RewardIn", "RewardRecord", "RewardSummary", "RewardTimeouts", "RewardedTrajectory",
         "SchemaTooNew", "Sessions", "Store", "StoreError", "StoreFull", "StoreUnavailable", "StoredCall",
         "TRAINING_FIELDS", "TRIAL_FIELDS", "TrainingState", "TrajectoryFilter", "TrajectoryRecord", "TransitionRefused",
-        "TrialState", "Trials", "UnknownCalls", "UnknownTrajectories", "allowed", "connect", "is_disk_full", "redact", "store_error_of",
-        "without_userinfo",
+        "TrialState", "Trials", "UnknownCalls", "UnknownTrajectories", "allowed", "connect", "is_disk_full", "redact",
+        "store_error_of", "without_userinfo",
     ]  # fmt: skip
 
 

@@ -24,10 +24,10 @@ from proxy.errors import (
     ModelNotFound,
     UpstreamError,
     UpstreamHTTPError,
-    upstream_http_error,
 )
 from proxy.gateway._served import Served
 from proxy.gateway.dialects.messages._dialect import MESSAGES, count_tokens_chat
+from proxy.gateway.upstream import upstream_http_error
 from tracetrain_core import anthropic_chat_messages, anthropic_reply
 
 CAPTURES = Path(__file__).parent / "data" / "vllm_protocol"

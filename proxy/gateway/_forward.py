@@ -28,7 +28,7 @@ from starlette.responses import Response
 
 from proxy._policy_config import SamplingDefaults
 from proxy._policy_keys import EVERY, Scope
-from proxy.errors import ProxyError, store_errors, upstream_http_error
+from proxy.errors import ProxyError, store_errors
 from proxy.gateway._admission import Admission, Calls
 from proxy.gateway._call import Call, call_write
 from proxy.gateway._capture import Endpoint, capture_response, constrain, prepare_upstream_body
@@ -38,7 +38,7 @@ from proxy.gateway._policies import PolicyRegistry, Route
 from proxy.gateway._relay import Relay, RelayResponse, close_unused
 from proxy.gateway._served import Served
 from proxy.gateway.dialects import DIALECTS, Dialect, DialectName, count_tokens_chat, json_object
-from proxy.gateway.upstream import Router, Upstream, UpstreamStream
+from proxy.gateway.upstream import Router, Upstream, UpstreamStream, upstream_http_error
 from proxy.observability._exporters import Exporters
 from proxy.observability._metrics import Metrics
 from store import CallWrite, Store, StoreFull

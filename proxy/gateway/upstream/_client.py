@@ -20,7 +20,8 @@ from urllib.parse import unquote, urlsplit
 import httpx
 import orjson
 
-from proxy.errors import UpstreamError, UpstreamHTTPError, UpstreamNotReady, upstream_errors, upstream_http_error
+from proxy.errors import UpstreamError, UpstreamHTTPError, UpstreamNotReady
+from proxy.gateway.upstream._errors import upstream_errors, upstream_http_error
 from proxy.gateway.upstream._http1 import Exchange, Http1Pool, TransportError
 from store import redact, without_userinfo
 
