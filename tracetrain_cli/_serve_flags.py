@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from tracetrain_cli._models import DEFAULT_MODEL, LOG_BACKENDS, setting_default, setting_default_value
+from tracetrain_cli._serve_access import add_door_flags, add_key_flags
 from tracetrain_cli._serve_devices import add_device_flags
 from tracetrain_cli._serve_rewards import add_canary_flags, add_guard_flags, add_reward_flags
 
@@ -32,8 +33,8 @@ def add_serve_parser(sub: Any) -> None:
     _add_trainer_flags(p)
     _add_storage_flags(p)
     _add_policy_flags(p)
-    _add_key_flags(p)
-    _add_door_flags(p)
+    add_key_flags(p)
+    add_door_flags(p)
     add_reward_flags(p)
     add_guard_flags(p)
     add_canary_flags(p)
@@ -228,89 +229,6 @@ def _add_policy_flags(p: argparse.ArgumentParser) -> None:
         help="how vLLM gets an adapter: by the path the trainer wrote (vLLM sees that disk), or fetched from this "
         "proxy by tracetrain_vllm's resolver (a trainer on another machine); auto: by path when it is on this "
         "machine" + setting_default("adapter_delivery"),
-    )
-
-
-def _add_key_flags(p: argparse.ArgumentParser) -> None:
-    """Who may call what: inference, reward and adapter keys, the admin token."""
-    p.add_argument(
-        "--api-keys", metavar="K1,K2", help="inference keys agents must send as Bearer tokens (every policy)"
-    )
-    p.add_argument(
-        "--reward-keys", metavar="K1,K2", help="keys reward services must send to POST /v1/rewards (every policy)"
-    )
-    p.add_argument(
-        "--policy-key",
-        action="append",
-        default=[],
-        metavar="NAME=KEY",
-        help="a key bound to policy NAME: it calls that policy's model, reads its trajectories and groups and "
-        "posts its rewards, and nothing else (another policy's is a 404); repeatable, one key may be named for "
-        "several policies. Prefer TRACETRAIN_POLICY_KEYS=NAME=KEY,... (a flag shows in ps)",
-    )
-    p.add_argument(
-        "--adapter-keys", metavar="K1,K2", help="keys that only read adapter files (what vLLM's resolver sends)"
-    )
-    p.add_argument(
-        "--admin-token",
-        metavar="TOKEN",
-        help="the token of the dashboard (/admin) and the admin API; prefer TRACETRAIN_ADMIN_TOKEN (a flag shows in "
-        "ps). Without one, serve makes one and keeps it in DATA_DIR/admin-token",
-    )
-
-
-def _add_door_flags(p: argparse.ArgumentParser) -> None:
-    """The front door's limits: bodies, connections, slow clients, stale seats, who reads /metrics (OPERATIONS.md)."""
-    p.add_argument(
-        "--max-body-mb",
-        type=float,
-        metavar="MB",
-        help="a request body longer than this many MB (10^6 bytes) is refused (413) before it is read"
-        + setting_default("max_body_mb"),
-    )
-    p.add_argument(
-        "--max-connections",
-        type=int,
-        metavar="N",
-        help="connections and requests served at once; past it a request is answered 503"
-        + setting_default("max_connections"),
-    )
-    p.add_argument(
-        "--header-timeout",
-        type=float,
-        metavar="SECONDS",
-        help="a request's line and headers must arrive within this time, or its connection is closed"
-        + setting_default("header_timeout_s"),
-    )
-    p.add_argument(
-        "--body-timeout",
-        type=float,
-        metavar="SECONDS",
-        help="a request's body must arrive within this time after its headers, or its connection is closed"
-        + setting_default("body_timeout_s"),
-    )
-    p.add_argument(
-        "--seat-timeout",
-        type=float,
-        metavar="SECONDS",
-        help="a new trajectory's seat in a derived group whose call was never recorded (its proxy died) is given "
-        "back after this long, so the group is not left waiting; keep it above the longest call"
-        + setting_default("seat_timeout_s"),
-    )
-    p.add_argument(
-        "--protect-metrics-and-docs",
-        action="store_true",
-        default=None,
-        help="/metrics, /docs, /redoc and /openapi.json then need 'Authorization: Bearer' with the admin token or a "
-        "reward key (default: open, like /healthz)",
-    )
-    p.add_argument(
-        "--forwarded-allow-ips",
-        metavar="IPS",
-        help="the reverse proxies (addresses or networks, comma-separated, e.g. 172.28.0.0/16) whose "
-        "X-Forwarded-For and X-Forwarded-Proto are believed: a request from one of them counts as its client's "
-        "(the admin log-in throttle, the Secure cookie). Default: none, not even loopback; env "
-        "TRACETRAIN_FORWARDED_ALLOW_IPS (docs/OPERATIONS.md)",
     )
 
 
