@@ -124,7 +124,7 @@ class Worker:
         policy = await self._first_policy()
         if self._run_log is not None:  # its run starts now: a backend that cannot start one stops the trainer here
             await asyncio.to_thread(self._run_log.of, policy)
-        version = await self._version_to_train_on(policy)
+        version = await self._store.adapters.version_to_train_on(policy)
         self._tell(Load(policy, version))
         await asyncio.to_thread(self._held.at, policy, version)
         if self._group is not None:
@@ -237,7 +237,7 @@ class Worker:
         began = time.monotonic()
         policy = str(job["policy"])
         holds = self._held.holds
-        base = await self._version_to_train_on(policy)
+        base = await self._store.adapters.version_to_train_on(policy)
         stored = await self._store.jobs.rewarded_trajectories(job["group_ids"], policy=policy)
         config = self.settings.config
         defaults = SamplingDefaults.of_model(self.settings.base_model, temperature=config.default_temperature)
@@ -285,11 +285,9 @@ class Worker:
         return metrics, version
 
     async def _turn_discount(self, policy: str) -> float:
-        """The policy's own turn discount (its stored settings), else the trainer's."""
-        row = await self._store.policies.get(policy)
-        own = (row or {}).get("config", {}) or {}
-        value = own.get("turn_discount")
-        return float(value) if isinstance(value, int | float) and 0 <= value <= 1 else self.settings.turn_discount
+        """The policy's own turn discount (its stored settings, checked when they were written), else the trainer's."""
+        own = ((await self._store.policies.get(policy)) or {}).get("config") or {}
+        return float(own.get("turn_discount", self.settings.turn_discount))
 
     async def _times(self, stored: list[Any], began: float) -> dict[str, float]:
         """How long sampling took (the step's first call to its last answer), and this job so far."""
@@ -324,9 +322,6 @@ class Worker:
         keepalive = (lambda: self._tell(Idle())) if self._group is not None else None
         return gpu_handed_over(self._store, job_id, self._name, keepalive=keepalive,
                                keepalive_s=self.settings.collective_timeout_s / 4)  # fmt: skip
-
-    async def _version_to_train_on(self, policy: str) -> int:
-        return await self._store.adapters.version_to_train_on(policy)
 
 
 class HeldLearner:
