@@ -36,6 +36,7 @@ from proxy.errors import Conflict, NotFound
 from proxy.gateway import PolicyRegistry
 from proxy.observability._metrics import Metrics
 from proxy.training._canary_verdict import CanaryConfig, Verdict, arm_view, decide
+from proxy.training._canary_windows import window_strata
 from proxy.training._publisher import Publisher
 from proxy.training._regression import watch_record
 from store import Store, TrialState
@@ -92,8 +93,12 @@ class Canary:
                       "guard rolled it back)")  # fmt: skip
             await self._end(trial, "rolled_back", "alias", reason, trial["verdict"], serving=active)
             return None
+        now, started = time.time(), float(trial["started_at"])
         groups = await self._store.trials.evidence(trial, min_group_size=settings.min_group_size)
-        verdict = decide(groups, cfg, elapsed_s=time.time() - float(trial["started_at"]))
+        windows = window_strata(await self._store.trials.units(trial), candidate=int(trial["candidate"]),
+                                started_at=started, now=now, windows=cfg.windows)  # fmt: skip
+        strata = sorted([*groups, *windows], key=lambda g: g.completed_at)
+        verdict = decide(strata, cfg, elapsed_s=now - started)
         record = await self._record(trial, verdict)
         if verdict.decision == "running":
             if trial["verdict"] != record:  # a replica's look that changes nothing writes nothing
