@@ -111,14 +111,15 @@ def traffic_trial(rng: random.Random, traffic: str, candidate_p: float, baseline
             else:  # a group one version served wholly: one unit of its window
                 on_trial = g.candidate_mean is not None
                 mean = g.candidate_mean if on_trial else g.baseline_mean
-                units.append(TrialUnit(g.group_id, int(on_trial), begun, True, mean or 0.0, begun))
+                units.append(TrialUnit(g.group_id, int(on_trial), begun, begun, True, mean or 0.0, begun))
         if traffic in ("ungrouped", "mixed"):
             expected = per_window if traffic == "ungrouped" else per_window / 2
             for i in range(_poisson(rng, expected)):
                 on_trial = rng.random() < CFG.fraction
                 effect = rng.gauss(0.0, effect_sd) if effect_sd else 0.0
-                units.append(TrialUnit(f"u{k}-{i}", int(on_trial), begun + rng.random() * windows.window_s, True,
-                                       reward(on_trial, rng.uniform(-0.3, 0.3), effect), begun))  # fmt: skip
+                at = begun + rng.random() * windows.window_s
+                units.append(TrialUnit(f"u{k}-{i}", int(on_trial), at, at, True,
+                                       reward(on_trial, rng.uniform(-0.3, 0.3), effect), at))  # fmt: skip
         now = begun + windows.window_s + windows.grace_s
         strata = sorted([*groups, *window_strata(units, candidate=1, started_at=0.0, now=now, windows=windows)],
                         key=lambda s: s.completed_at)  # fmt: skip
@@ -143,7 +144,8 @@ def main() -> int:
     p.add_argument("--traffic-trials", type=int, default=1000, help="simulated trials per scenario and traffic")
     p.add_argument("--per-window", type=float, default=8.0, help="ungrouped conversations begun per window (8)")
     args = p.parse_args()
-    print(f"{'scenario':44s} | {'within groups: rolled back, groups':36s} | t over groups: rolled back, groups")
+    if args.trials > 0:
+        print(f"{'scenario':44s} | {'within groups: rolled back, groups':36s} | t over groups: rolled back, groups")
     for name, candidate_p, baseline_p, effect_sd in SCENARIOS if args.trials > 0 else []:
         cells = []
         for test in (within_groups_test, t_over_groups):

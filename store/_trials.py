@@ -66,11 +66,13 @@ class GroupArms:
 @dataclass(frozen=True, slots=True)
 class TrialUnit:
     """A group of a trial's trajectories that one version served wholly (an ungrouped conversation is a group of
-    one): when its first began, whether every one is rewarded, their mean reward, and when the last came."""
+    one): when its first began and it was last active, whether every one is rewarded, their mean reward, and when
+    the last reward came."""
 
     group_id: str
     version: int
     begun_at: float
+    active_at: float  # its last call or reward
     complete: bool  # every trajectory rewarded
     mean: float  # over its rewarded trajectories (0.0 when none is)
     rewarded_at: float  # its last reward's time (0.0 when none came)
@@ -220,7 +222,8 @@ class Trials:
         closed = select(G.c.id).where(G.c.policy == trial["policy"], G.c.state == GroupState.UNREWARDED.value)
         query = (
             select(T.c.group_id, func.min(T.c.last_version), func.max(T.c.last_version), func.count(),
-                   func.count(T.c.reward), func.sum(T.c.reward), func.min(T.c.created_at), func.max(T.c.rewarded_at))
+                   func.count(T.c.reward), func.sum(T.c.reward), func.min(T.c.created_at), func.max(T.c.updated_at),
+                   func.max(T.c.rewarded_at))
             .where(*self._window(trial), ~served_by_other, T.c.group_id.not_in(closed))
             .group_by(T.c.group_id)
             .order_by(func.min(T.c.created_at), T.c.group_id)
@@ -228,9 +231,9 @@ class Trials:
         )  # fmt: skip
         async with self._engine.connect() as conn:
             rows = (await conn.execute(query)).all()
-        return [TrialUnit(str(group_id), int(low), float(begun), int(rewarded) == int(n),
+        return [TrialUnit(str(group_id), int(low), float(begun), float(active), int(rewarded) == int(n),
                           float(total or 0.0) / int(rewarded) if rewarded else 0.0, float(done or 0.0))
-                for group_id, low, high, n, rewarded, total, begun, done in rows if low == high]  # fmt: skip
+                for group_id, low, high, n, rewarded, total, begun, active, done in rows if low == high]  # fmt: skip
 
     async def arms(self, trial: dict[str, Any]) -> dict[int, ArmTotals]:
         """What each of the trial's versions served: trajectories, rewarded, and their rewards' sums."""

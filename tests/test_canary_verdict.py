@@ -153,9 +153,12 @@ def test_each_arm_is_shown_with_its_mean_and_95_percent_interval() -> None:
     assert t_quantile(0.975, 1000) == pytest.approx(1.962, abs=1e-3)
 
 
-def unit(version: int, begun_at: float, reward: float | None, rewarded_at: float = 0.0) -> TrialUnit:
-    """A conversation of its own (an ungrouped one) that ``version`` served, begun at ``begun_at``."""
-    return TrialUnit(f"u{next(_ids)}", version, begun_at, reward is not None, reward or 0.0, rewarded_at)
+def unit(version: int, begun_at: float, reward: float | None, rewarded_at: float = 0.0,
+         active_at: float | None = None) -> TrialUnit:  # fmt: skip
+    """A conversation of its own (an ungrouped one) that ``version`` served, begun at ``begun_at``, its last call
+    at ``active_at`` (a second after it began unless said)."""
+    active = begun_at + 1.0 if active_at is None else active_at
+    return TrialUnit(f"u{next(_ids)}", version, begun_at, active, reward is not None, reward or 0.0, rewarded_at)
 
 
 WINDOWS = Windows(window_s=10.0, wait_s=300.0, grace_s=2.0, min_each=2)
@@ -178,8 +181,11 @@ def test_a_window_counts_once_every_conversation_begun_in_it_is_rewarded_and_lat
         (2, 0.0, 3, pytest.approx(2 / 3)), (2, 0.0, 2, 0.5)]  # fmt: skip
     assert all(s.window for s in done) and done[0].completed_at == 40.0 and done[1].completed_at == 20.0
     assert done[0].baseline_ss == pytest.approx(2 / 3)  # the units' spread within the window
-    # A reward that never comes: the window counts without it once the conversation has waited wait_s.
-    assert len(strata(first + second, now=305.0)) == 2
+    # A reward that never comes: the window counts without it once the conversation has waited wait_s since its
+    # last call; a long conversation, still calling, holds its window however long ago it began.
+    assert len(strata(first + second, now=306.5)) == 2
+    still_calling = [*first[:4], unit(0, 5.0, None, active_at=400.0)]
+    assert strata(still_calling + second, now=500.0) == []
 
 
 def test_consecutive_windows_join_until_a_stratum_holds_two_of_each_version() -> None:

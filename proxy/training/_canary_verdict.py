@@ -14,7 +14,10 @@ degrees of freedom); where no cell has two trajectories, the spread of the d_g a
 (G - 1 degrees of freedom) stands in. se(D) = sigma / sqrt(sum w_g). A group counts once every
 trajectory in it is rewarded: rewards arrive late and unevenly, and a group read before it is
 complete would favour whichever version's attempts end (and are rewarded) sooner. Groups are
-taken in the order they completed.
+taken in the order they completed. Trajectories outside mixed groups (each conversation its own
+group, or a group one version served wholly) join strata of their own, the conversations begun
+in one time window (``proxy.training._canary_windows``): each such stratum is one more paired
+group here, weighed and pooled alike.
 
 Test. With the margin delta (reward units), H0: E[D] >= -delta (N is no worse than the margin
 allows) against H1: E[D] < -delta; t = (D + delta) / se(D), Student's t.

@@ -11,8 +11,8 @@ once all of it is rewarded; this does the same by start time:
   task's attempts are not independent; an ungrouped conversation is a group of one) falls in the
   window its first trajectory began in, windows of ``window_s`` seconds from the trial's start;
 - a window is complete once it has ended (``grace_s`` past its end, for the records to land) and
-  every unit in it is rewarded, or has waited ``wait_s`` since it began (left out: its reward is
-  not coming);
+  every unit in it is rewarded, or has waited ``wait_s`` since its last call (left out: its reward
+  is not coming; a long conversation still calling is not left out however long it runs);
 - complete windows are taken in time order, up to the first incomplete one, and consecutive ones
   join one stratum until it holds ``min_each`` units of each version.
 
@@ -37,7 +37,7 @@ class Windows:
     """How trajectories outside mixed groups are windowed (``CanaryConfig`` holds the trial's)."""
 
     window_s: float = 5.0  # each window's length
-    wait_s: float = 300.0  # a unit unrewarded this long after it began is left out of its window
+    wait_s: float = 300.0  # a unit unrewarded this long after its last call is left out of its window
     grace_s: float = 2.0  # past a window's end before it may count: a trajectory's record lands after its call
     min_each: int = 2  # units of each version a stratum holds at least
 
@@ -57,7 +57,7 @@ def window_strata(
         if end + windows.grace_s > now:
             break
         members = by_window[k]
-        if any(not u.complete and now - u.begun_at < windows.wait_s for u in members):
+        if any(not u.complete and now - u.active_at < windows.wait_s for u in members):
             break  # a reward still to come: this window, and every later one, waits
         for u in members:
             if u.complete:
