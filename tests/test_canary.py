@@ -115,21 +115,16 @@ def test_a_worse_version_is_rolled_back_after_serving_about_its_share(start_prox
 BENCH_PACE_S = 0.5 / 8  # bench/canary.py's pace: 8 trajectories begun every 0.5 s
 
 
-def play_ungrouped(proxy: RunningProxy, trial_id: int, reward_of: Callable[[int], float], most: int,
-                   grouped_every: int = 0) -> dict[str, Any]:  # fmt: skip
+def play_ungrouped(proxy: RunningProxy, trial_id: int, reward_of: Callable[[int], float], most: int) -> dict[str, Any]:
     """Conversations each its own group, begun at most at the bench's pace, each rewarded 8 conversations after
-    its answer (rewards come late), until the trial ends or ``most`` are played; the trial with ``played``.
-    ``grouped_every``: a group of 8 attempts in place of every that-many-th conversation (mixed traffic)."""
+    its answer (rewards come late), until the trial ends or ``most`` are played; the trial with ``played``."""
     pending: list[tuple[str, int]] = []
     played: list[int] = []
     for i in range(most):
         began = time.monotonic()
-        if grouped_every and i % grouped_every == grouped_every - 1:
-            played += play_group(proxy, reward_of)
-        else:
-            trajectory = f"u{i}"
-            played.append(version := call(proxy, trajectory, trajectory))
-            pending.append((trajectory, version))
+        trajectory = f"u{i}"
+        played.append(version := call(proxy, trajectory, trajectory))
+        pending.append((trajectory, version))
         if len(pending) > 8:
             trajectory, version = pending.pop(0)
             reward(proxy, trajectory, reward_of(version))
@@ -159,21 +154,21 @@ def test_a_worse_version_on_ungrouped_traffic_is_rolled_back_within_two_minutes_
     assert adapters(proxy)["active_version"] == 0 and {call(proxy, f"after-{i}") for i in range(12)} == {0}
 
 
-def test_on_mixed_traffic_groups_and_windows_both_count_and_an_equal_version_is_promoted(
-    start_proxy, tmp_path: Path
-) -> None:
+def test_on_mixed_traffic_groups_and_time_windows_both_count(start_proxy, tmp_path: Path) -> None:
     proxy = start_proxy(**{**CANARY, "canary": 0.3})
-    rng = random.Random(4)
     trial = put_on_trial(proxy, 1, tmp_path)
+    worse = lambda v: 0.0 if v == 1 else 1.0  # noqa: E731
 
-    ended = play_ungrouped(proxy, trial["id"], lambda v: bernoulli(rng, 0.6), most=3000, grouped_every=24)
+    # Groups first (g1 and g2 hold both versions on this trial; g0 the baseline's alone), complete at once; then
+    # conversations of their own, whose windows complete seconds later: the first look needs both kinds.
+    played = [play_group(proxy, worse) for _ in range(3)]
+    ended = play_ungrouped(proxy, trial["id"], worse, most=int(120 / BENCH_PACE_S))
 
-    assert ended["state"] == "promoted", ended["reason"]
-    look = ended["verdict"]["look"]
-    assert look["n"] >= 3 and look["difference"] is not None and abs(look["difference"]) < 0.3
+    assert [set(versions) for versions in played] == [{0}, {0, 1}, {0, 1}]
+    assert ended["state"] == "rolled_back" and ended["decided_by"] == "test", ended["reason"]
     windows = re.search(r"(\d+) paired groups \((\d+) of them time windows\)", ended["reason"])
-    assert windows and 0 < int(windows[2]) < int(windows[1]) == look["n"], ended["reason"]  # both kinds count
-    assert adapters(proxy)["active_version"] == 1
+    assert windows and 0 < int(windows[2]) < int(windows[1]) == ended["verdict"]["look"]["n"], ended["reason"]
+    assert adapters(proxy)["active_version"] == 0
 
 
 def test_an_equal_version_is_promoted_at_the_trials_bound(start_proxy, tmp_path: Path) -> None:
