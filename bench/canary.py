@@ -1,6 +1,7 @@
 """Canary trials on live traffic: how much a bad version serves, and how soon a trial decides.
 
-    .venv/bin/python bench/canary.py [--trials 20] [--fractions 0.5 0.1] [--out results.json]
+    .venv/bin/python bench/canary.py [--trials 20] [--fractions 0.5 0.1] [--traffic grouped ungrouped mixed]
+        [--no-guard] [--out results.json]
 
 Real parts but the model: the fake vLLM (tests/fake_vllm.py) in this process; the real proxy
 (``create_app``: the gateway's split, the publisher, the canary, the SQLite store) on loopback,
@@ -11,6 +12,11 @@ unevenly. Each attempt is rewarded by the version that served it:
 
 - ``bad``: the version on trial earns 0, the version before it a Bernoulli(0.6) draw;
 - ``equal``: both a Bernoulli(0.6) draw.
+
+Traffic (``--traffic``): ``grouped``, each tick one task attempted 8 times; ``ungrouped``, each
+tick 8 conversations each its own group (the canary compares them within time windows);
+``mixed``, the two ticks in turn. A wrong verdict: the bad version promoted, the equal one rolled
+back; each kind's count is printed.
 
 A trial: after 6 s of traffic on @0, version 1 is recorded as trained, the publisher puts it on
 trial against @0, the agent plays until the trial ends. Measured per trial, from its start to its
@@ -46,6 +52,8 @@ from proxy import Settings, create_app
 
 TASK = [{"role": "user", "content": "Which city does Ana need a hotel in?"}]
 GROUP = 8
+TRAFFIC = ("grouped", "ungrouped", "mixed")
+GUARD_ALONE = "none (the regression guard alone)"
 
 
 @dataclass
@@ -59,15 +67,17 @@ class Trial:
     share_on_trial: float  # of the trial's trajectories, those the version on trial served
     rewards_posted: int  # before the verdict
     rewards_on_trial: int  # of those, the version on trial's
-    rewards_in_evidence: int  # in the paired groups the verdict used
+    rewards_in_evidence: int  # in the paired groups the verdict used (grouped traffic; else 0: windows vary)
     seconds: float  # trial start to verdict
+    traffic: str = "grouped"
 
 
 class Agent:
     """Groups of attempts against the proxy; rewards posted late, by the version that served each attempt."""
 
-    def __init__(self, url: str, scenario: str, rng: random.Random, pace_s: float, delay_s: tuple[float, float]):
-        self.url, self.scenario, self.rng = url, scenario, rng
+    def __init__(self, url: str, scenario: str, rng: random.Random, pace_s: float, delay_s: tuple[float, float],
+                 traffic: str = "grouped"):  # fmt: skip
+        self.url, self.scenario, self.rng, self.traffic = url, scenario, rng, traffic
         self.pace_s, self.delay_s = pace_s, delay_s
         self.posted: list[tuple[float, int]] = []  # (when, version) of each reward posted
         self.served: list[tuple[float, int]] = []  # (when, version) of each attempt's answer
@@ -82,16 +92,18 @@ class Agent:
     async def run(self, client: httpx.AsyncClient) -> None:
         while True:
             self._groups += 1
-            task = asyncio.create_task(self._group(client, f"g{self._groups}"))
+            alone = self.traffic == "ungrouped" or (self.traffic == "mixed" and self._groups % 2 == 0)
+            task = asyncio.create_task(self._group(client, f"g{self._groups}", alone))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
             await asyncio.sleep(self.pace_s)
 
-    async def _group(self, client: httpx.AsyncClient, group: str) -> None:
-        await asyncio.gather(*(self._attempt(client, group, f"{group}-t{i}") for i in range(GROUP)))
+    async def _group(self, client: httpx.AsyncClient, group: str, alone: bool) -> None:
+        await asyncio.gather(*(self._attempt(client, group, f"{group}-t{i}", alone) for i in range(GROUP)))
 
-    async def _attempt(self, client: httpx.AsyncClient, group: str, trajectory: str) -> None:
-        headers = {"X-Group-Id": group, "X-Trajectory-Id": trajectory}
+    async def _attempt(self, client: httpx.AsyncClient, group: str, trajectory: str, alone: bool = False) -> None:
+        """One attempt; ``alone``: a conversation of its own, its group its own id."""
+        headers = {"X-Group-Id": trajectory if alone else group, "X-Trajectory-Id": trajectory}
         answer = await client.post("/v1/chat/completions", json={"model": "agent", "messages": TASK}, headers=headers)
         version = int(answer.headers["x-policy-version"])
         self.served.append((time.time(), version))
@@ -109,8 +121,9 @@ class Agent:
 
 
 async def one_trial(
-    fake_url: str, scenario: str, fraction: float | None, seed: int, args: argparse.Namespace
-) -> Trial:
+    fake_url: str, scenario: str, fraction: float | None, seed: int, args: argparse.Namespace,
+    traffic: str = "grouped",
+) -> Trial:  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp)
         # batch_groups: the most there is; no trial lasts that many groups, so none trains.
@@ -119,7 +132,7 @@ async def one_trial(
         with serve_in_thread(create_app(settings)) as url:
             async with httpx.AsyncClient(base_url=url, timeout=60) as client:
                 delay = (args.reward_delay[0], args.reward_delay[1])
-                agent = Agent(url, scenario, random.Random(seed), args.pace, delay)
+                agent = Agent(url, scenario, random.Random(seed), args.pace, delay, traffic)
                 playing = asyncio.create_task(agent.run(client))
                 await asyncio.sleep(6.0)  # traffic on @0 first: the guard's baseline, trajectories begun before
                 adapter = data / "adapters" / "agent" / "1"
@@ -136,7 +149,7 @@ async def one_trial(
     during = [v for when, v in agent.posted if start <= when <= end]
     return Trial(scenario, fraction, ended["state"], ended["decided_by"], ended["n"],
                  sum(v == 1 for _, v in agent.served), ended["share"], len(during), sum(v == 1 for v in during),
-                 GROUP * ended["n"], end - start)  # fmt: skip
+                 GROUP * ended["n"] if traffic == "grouped" else 0, end - start, traffic)  # fmt: skip
 
 
 async def _ended(client: httpx.AsyncClient, timeout_s: float) -> dict[str, Any]:
@@ -195,34 +208,44 @@ def main() -> int:
     p.add_argument("--reward-delay", type=float, nargs=2, default=[0.5, 5.0], metavar=("MIN", "MAX"),
                    help="each reward is posted this many seconds after its answer, uniform (default 0.5 5)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a trial may take (default 300)")
+    p.add_argument("--traffic", nargs="+", choices=TRAFFIC, default=["grouped"],
+                   help="grouped, ungrouped (each conversation its own group), mixed (default grouped)")  # fmt: skip
+    p.add_argument("--no-guard", action="store_true", help="leave out the bad version without a canary")
     p.add_argument("--out", type=Path, help="write every trial and the summary as JSON here")
     args = p.parse_args()
     fake = FakeVLLM(emit_eos=True)
     results: dict[str, Any] = {"args": {k: v if not isinstance(v, Path) else str(v) for k, v in vars(args).items()}}
     exposure: dict[str, float] = {}
     with serve_in_thread(fake.app) as fake_url:
-        for scenario, fractions in (("bad", [*args.fractions, None]), ("equal", args.fractions)):
-            for fraction in fractions:
-                trials = [asyncio.run(one_trial(fake_url, scenario, fraction, seed, args))
-                          for seed in range(args.trials)]  # fmt: skip
-                s = summary(trials)
-                name = f"{fraction:.2f}" if fraction is not None else "none (the regression guard alone)"
-                results[f"{scenario} {name}"] = {"summary": s, "trials": [asdict(t) for t in trials]}
-                if scenario == "bad":
-                    exposure[name] = s["attempts_on_trial"]["mean"]
-                print(f"{scenario:5s} canary {name}: {s['verdicts']}; attempts the new version answered "
-                      f"{s['attempts_on_trial']['mean']:.1f} (max {s['attempts_on_trial']['max']:.0f}), its share of "
-                      f"the trial's trajectories {s['share_on_trial']['mean']:.2f}; groups the verdict used "
-                      f"{s['paired_groups']['mean']:.1f} (max {s['paired_groups']['max']:.0f}) = "
-                      f"{s['rewards_in_evidence']['mean']:.1f} rewards; rewards posted before it "
-                      f"{s['rewards_posted']['mean']:.1f} ({s['rewards_on_trial']['mean']:.1f} on trial); "
-                      f"{s['seconds']['mean']:.1f} s (median {s['seconds']['median']:.1f}, max "
-                      f"{s['seconds']['max']:.1f})", flush=True)  # fmt: skip
-    alone = exposure.pop("none (the regression guard alone)")
-    for name, attempts in exposure.items():
-        print(f"bad version's attempts, canary {name} / the guard alone: {attempts:.1f} / {alone:.1f} = "
-              f"{attempts / alone:.2f}")
-    results["exposure"] = {**exposure, "guard alone": alone}
+        for traffic in args.traffic:
+            alone = [] if args.no_guard or traffic != "grouped" else [None]
+            for scenario, fractions in (("bad", [*args.fractions, *alone]), ("equal", args.fractions)):
+                for fraction in fractions:
+                    trials = [asyncio.run(one_trial(fake_url, scenario, fraction, seed, args, traffic))
+                              for seed in range(args.trials)]  # fmt: skip
+                    s = summary(trials)
+                    name = f"{fraction:.2f}" if fraction is not None else GUARD_ALONE
+                    results[f"{traffic} {scenario} {name}"] = {"summary": s, "trials": [asdict(t) for t in trials]}
+                    if scenario == "bad":
+                        exposure[f"{traffic} {name}"] = s["attempts_on_trial"]["mean"]
+                    wrong = sum(t.verdict == ("promoted" if scenario == "bad" else "rolled_back") for t in trials)
+                    evidence = f" = {s['rewards_in_evidence']['mean']:.1f} rewards" if traffic == "grouped" else ""
+                    print(f"{traffic:9s} {scenario:5s} canary {name}: {s['verdicts']}; wrong verdicts {wrong} of "
+                          f"{len(trials)}; attempts the new version answered {s['attempts_on_trial']['mean']:.1f} "
+                          f"(max {s['attempts_on_trial']['max']:.0f}), its share of the trial's trajectories "
+                          f"{s['share_on_trial']['mean']:.2f}; strata the verdict used "
+                          f"{s['paired_groups']['mean']:.1f} (max {s['paired_groups']['max']:.0f}){evidence}; rewards "
+                          f"posted before it {s['rewards_posted']['mean']:.1f} ({s['rewards_on_trial']['mean']:.1f} "
+                          f"on trial); {s['seconds']['mean']:.1f} s (median {s['seconds']['median']:.1f}, max "
+                          f"{s['seconds']['max']:.1f})", flush=True)  # fmt: skip
+    if "grouped " + GUARD_ALONE in exposure:
+        alone_attempts = exposure.pop("grouped " + GUARD_ALONE)
+        for name, attempts in exposure.items():
+            if name.startswith("grouped "):
+                print(f"bad version's attempts, {name} canary / the guard alone: {attempts:.1f} / "
+                      f"{alone_attempts:.1f} = {attempts / alone_attempts:.2f}")  # fmt: skip
+        exposure["guard alone"] = alone_attempts
+    results["exposure"] = exposure
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
     return 0

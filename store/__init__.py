@@ -50,7 +50,7 @@ from store._sessions import Sessions
 from store._store import Store
 from store._tables import Call
 from store._timeouts import RewardTimeouts
-from store._trials import TRIAL_FIELDS, ArmTotals, GroupArms, Trials
+from store._trials import TRIAL_FIELDS, ArmTotals, GroupArms, Trials, TrialUnit
 
 __all__ = [
     "ADAPTER_FIELDS",
@@ -115,6 +115,7 @@ __all__ = [
     "TrajectoryRecord",
     "TransitionRefused",
     "TrialState",
+    "TrialUnit",
     "Trials",
     "UnknownCalls",
     "UnknownTrajectories",

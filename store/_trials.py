@@ -60,6 +60,22 @@ class GroupArms:
     baseline_mean: float | None
     baseline_ss: float
     completed_at: float  # when its last reward came
+    window: bool = False  # a stratum of trajectories begun in one time window, not a group (``_canary_windows``)
+
+
+@dataclass(frozen=True, slots=True)
+class TrialUnit:
+    """A group of a trial's trajectories that one version served wholly (an ungrouped conversation is a group of
+    one): when its first began and it was last active, whether every one is rewarded, their mean reward, and when
+    the last reward came."""
+
+    group_id: str
+    version: int
+    begun_at: float
+    active_at: float  # its last call or reward
+    complete: bool  # every trajectory rewarded
+    mean: float  # over its rewarded trajectories (0.0 when none is)
+    rewarded_at: float  # its last reward's time (0.0 when none came)
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +213,27 @@ class Trials:
             arms["completed_at"] = max(arms["completed_at"], float(done))
         groups = [GroupArms(group_id, **arms) for group_id, arms in by_group.items()]
         return sorted(groups, key=lambda g: (g.completed_at, g.group_id))
+
+    async def units(self, trial: dict[str, Any]) -> list[TrialUnit]:
+        """The trial's groups that one version served wholly, oldest begun first (a group holding both versions
+        is the paired evidence, ``evidence``). A trajectory served by both versions does not count, nor does a
+        group closed unrewarded (its rewards are not coming)."""
+        served_by_other = exists().where(C.c.trajectory_id == T.c.id, C.c.version != T.c.last_version)
+        closed = select(G.c.id).where(G.c.policy == trial["policy"], G.c.state == GroupState.UNREWARDED.value)
+        query = (
+            select(T.c.group_id, func.min(T.c.last_version), func.max(T.c.last_version), func.count(),
+                   func.count(T.c.reward), func.sum(T.c.reward), func.min(T.c.created_at), func.max(T.c.updated_at),
+                   func.max(T.c.rewarded_at))
+            .where(*self._window(trial), ~served_by_other, T.c.group_id.not_in(closed))
+            .group_by(T.c.group_id)
+            .order_by(func.min(T.c.created_at), T.c.group_id)
+            .limit(_MAX_EVIDENCE_ROWS)
+        )  # fmt: skip
+        async with self._engine.connect() as conn:
+            rows = (await conn.execute(query)).all()
+        return [TrialUnit(str(group_id), int(low), float(begun), float(active), int(rewarded) == int(n),
+                          float(total or 0.0) / int(rewarded) if rewarded else 0.0, float(done or 0.0))
+                for group_id, low, high, n, rewarded, total, begun, active, done in rows if low == high]  # fmt: skip
 
     async def arms(self, trial: dict[str, Any]) -> dict[int, ArmTotals]:
         """What each of the trial's versions served: trajectories, rewarded, and their rewards' sums."""

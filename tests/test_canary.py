@@ -9,6 +9,7 @@ base model) serves before; the "trainer" records adapter 1 and the publisher put
 from __future__ import annotations
 
 import random
+import re
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -109,6 +110,65 @@ def test_a_worse_version_is_rolled_back_after_serving_about_its_share(start_prox
     assert {call(proxy, f"after-{i}") for i in range(12)} == {0}  # the baseline serves every new trajectory
     training = httpx.get(f"{proxy.url}/admin/training").json()
     assert not training["paused"]  # a canary's rollback is routine: training goes on, from @0
+
+
+BENCH_PACE_S = 0.5 / 8  # bench/canary.py's pace: 8 trajectories begun every 0.5 s
+
+
+def play_ungrouped(proxy: RunningProxy, trial_id: int, reward_of: Callable[[int], float], most: int) -> dict[str, Any]:
+    """Conversations each its own group, begun at most at the bench's pace, each rewarded 8 conversations after
+    its answer (rewards come late), until the trial ends or ``most`` are played; the trial with ``played``."""
+    pending: list[tuple[str, int]] = []
+    played: list[int] = []
+    for i in range(most):
+        began = time.monotonic()
+        trajectory = f"u{i}"
+        played.append(version := call(proxy, trajectory, trajectory))
+        pending.append((trajectory, version))
+        if len(pending) > 8:
+            trajectory, version = pending.pop(0)
+            reward(proxy, trajectory, reward_of(version))
+        if i % 16 == 15:
+            ended = next(t for t in trials(proxy)["data"] if t["id"] == trial_id)
+            if ended["state"] != "running":
+                return {**ended, "played": played}
+        time.sleep(max(0.0, BENCH_PACE_S - (time.monotonic() - began)))
+    return {**next(t for t in trials(proxy)["data"] if t["id"] == trial_id), "played": played}
+
+
+def test_a_worse_version_on_ungrouped_traffic_is_rolled_back_within_two_minutes_at_the_bench_pace(
+    start_proxy, tmp_path: Path
+) -> None:
+    proxy = start_proxy(**{**CANARY, "canary": 0.3})
+    trial = put_on_trial(proxy, 1, tmp_path)
+
+    # Two minutes of the bench's traffic, at most: a slower machine plays fewer conversations a minute, and the
+    # windows (seconds long) then hold fewer each, so the count bounds the trial however loaded the machine is.
+    ended = play_ungrouped(proxy, trial["id"], lambda v: 0.0 if v == 1 else 1.0, most=int(120 / BENCH_PACE_S))
+
+    assert ended["state"] == "rolled_back" and ended["decided_by"] == "test", ended["reason"]
+    assert "3 paired groups (3 of them time windows)" in ended["reason"]
+    look = ended["verdict"]["look"]
+    assert look["difference"] == -1.0 and look["p_worse"] == 0.0
+    assert 0.15 < ended["verdict"]["shares"]["candidate"] < 0.45 and 1 in ended["played"]
+    assert adapters(proxy)["active_version"] == 0 and {call(proxy, f"after-{i}") for i in range(12)} == {0}
+
+
+def test_on_mixed_traffic_groups_and_time_windows_both_count(start_proxy, tmp_path: Path) -> None:
+    proxy = start_proxy(**{**CANARY, "canary": 0.3})
+    trial = put_on_trial(proxy, 1, tmp_path)
+    worse = lambda v: 0.0 if v == 1 else 1.0  # noqa: E731
+
+    # Groups first (g1 and g2 hold both versions on this trial; g0 the baseline's alone), complete at once; then
+    # conversations of their own, whose windows complete seconds later: the first look needs both kinds.
+    played = [play_group(proxy, worse) for _ in range(3)]
+    ended = play_ungrouped(proxy, trial["id"], worse, most=int(120 / BENCH_PACE_S))
+
+    assert [set(versions) for versions in played] == [{0}, {0, 1}, {0, 1}]
+    assert ended["state"] == "rolled_back" and ended["decided_by"] == "test", ended["reason"]
+    windows = re.search(r"(\d+) paired groups \((\d+) of them time windows\)", ended["reason"])
+    assert windows and 0 < int(windows[2]) < int(windows[1]) == ended["verdict"]["look"]["n"], ended["reason"]
+    assert adapters(proxy)["active_version"] == 0
 
 
 def test_an_equal_version_is_promoted_at_the_trials_bound(start_proxy, tmp_path: Path) -> None:

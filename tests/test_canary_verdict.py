@@ -10,7 +10,8 @@ from proxy.gateway import Split
 from proxy.gateway._split import draw
 from proxy.training import CanaryConfig
 from proxy.training._canary_verdict import arm_view, decide, paired, t_quantile, within_groups
-from store import ArmTotals, GroupArms
+from proxy.training._canary_windows import Windows, window_strata
+from store import ArmTotals, GroupArms, TrialUnit
 
 CFG = CanaryConfig(fraction=0.5)  # min 3, max 8 paired groups, margin 0.05, alpha 0.05
 _ids = iter(range(10**9))
@@ -150,6 +151,55 @@ def test_each_arm_is_shown_with_its_mean_and_95_percent_interval() -> None:
                                                                      abs=1e-3)  # fmt: skip
     assert arm_view(ArmTotals(3, 0, 0.0, 0.0)) == {"trajectories": 3, "rewarded": 0, "mean": None, "interval": None}
     assert t_quantile(0.975, 1000) == pytest.approx(1.962, abs=1e-3)
+
+
+def unit(version: int, begun_at: float, reward: float | None, rewarded_at: float = 0.0,
+         active_at: float | None = None) -> TrialUnit:  # fmt: skip
+    """A conversation of its own (an ungrouped one) that ``version`` served, begun at ``begun_at``, its last call
+    at ``active_at`` (a second after it began unless said)."""
+    active = begun_at + 1.0 if active_at is None else active_at
+    return TrialUnit(f"u{next(_ids)}", version, begun_at, active, reward is not None, reward or 0.0, rewarded_at)
+
+
+WINDOWS = Windows(window_s=10.0, wait_s=300.0, grace_s=2.0, min_each=2)
+
+
+def strata(units: list[TrialUnit], now: float) -> list[GroupArms]:
+    return window_strata(units, candidate=1, started_at=0.0, now=now, windows=WINDOWS)
+
+
+def test_a_window_counts_once_every_conversation_begun_in_it_is_rewarded_and_later_ones_wait_for_it() -> None:
+    # Window 0 (0-10 s): the candidate's conversations end fast, rewarded 0; one of the baseline's is slow.
+    first = [unit(1, 1.0, 0.0, 3.0), unit(1, 2.0, 0.0, 4.0), unit(0, 3.0, 1.0, 6.0), unit(0, 4.0, 1.0, 8.0),
+             unit(0, 5.0, None)]  # fmt: skip
+    second = [unit(1, 11.0, 0.0, 13.0), unit(1, 12.0, 0.0, 14.0), unit(0, 13.0, 1.0, 15.0), unit(0, 14.0, 0.0, 16.0)]
+    assert strata(first + second, now=9.0) == []  # window 0 has not ended
+    assert strata(first + second, now=30.0) == []  # its slow conversation's reward: window 1 waits with it
+    rewarded = [*first[:4], unit(0, 5.0, 0.0, 40.0)]
+    done = strata(rewarded + second, now=41.0)
+    assert [(s.candidate_n, s.candidate_mean, s.baseline_n, s.baseline_mean) for s in done] == [
+        (2, 0.0, 3, pytest.approx(2 / 3)), (2, 0.0, 2, 0.5)]  # fmt: skip
+    assert all(s.window for s in done) and done[0].completed_at == 40.0 and done[1].completed_at == 20.0
+    assert done[0].baseline_ss == pytest.approx(2 / 3)  # the units' spread within the window
+    # A reward that never comes: the window counts without it once the conversation has waited wait_s since its
+    # last call; a long conversation, still calling, holds its window however long ago it began.
+    assert len(strata(first + second, now=306.5)) == 2
+    still_calling = [*first[:4], unit(0, 5.0, None, active_at=400.0)]
+    assert strata(still_calling + second, now=500.0) == []
+
+
+def test_consecutive_windows_join_until_a_stratum_holds_two_of_each_version() -> None:
+    units = [unit(1, 1.0, 0.0, 2.0), unit(0, 2.0, 1.0, 3.0), unit(0, 12.0, 1.0, 13.0), unit(1, 25.0, 0.0, 26.0),
+             unit(0, 31.0, 1.0, 32.0), unit(0, 32.0, 1.0, 33.0)]  # fmt: skip
+    only = strata(units, now=100.0)
+    assert [(s.group_id, s.candidate_n, s.baseline_n) for s in only] == [("window 0-2", 2, 2)]  # window 3: 0 and 2
+
+
+def test_windows_of_a_version_rewarded_0_against_1_roll_it_back_at_the_first_look() -> None:
+    units = [unit(v, 10.0 * k + i, 1.0 - v, 10.0 * k + i + 1) for k in range(3) for i, v in enumerate([1, 0, 0, 1, 0])]
+    verdict = decide(strata(units, now=40.0), CFG, elapsed_s=40.0)
+    assert verdict.decision == "rolled_back" and verdict.n == 3 and verdict.difference == -1.0
+    assert "within 3 paired groups (3 of them time windows)" in verdict.reason
 
 
 REFUSED: list[dict[str, float]] = [

@@ -72,8 +72,8 @@ def test_store_public_names() -> None:
         "Reads", "RecordRefused", "RewardIn", "RewardRecord", "RewardSummary", "RewardTimeouts", "RewardedTrajectory",
         "SchemaTooNew", "Sessions", "Store", "StoreError", "StoreFull", "StoreUnavailable", "StoredCall",
         "TRAINING_FIELDS", "TRIAL_FIELDS", "TrainingState", "TrajectoryFilter", "TrajectoryRecord", "TransitionRefused",
-        "TrialState", "Trials", "UnknownCalls", "UnknownTrajectories", "allowed", "connect", "is_disk_full", "redact",
-        "store_error_of", "without_userinfo",
+        "TrialState", "TrialUnit", "Trials", "UnknownCalls", "UnknownTrajectories", "allowed", "connect",
+        "is_disk_full", "redact", "store_error_of", "without_userinfo",
     ]  # fmt: skip
 
 

@@ -10,11 +10,12 @@ import asyncio
 import time
 
 import pytest
-from sqlalchemy import update
+from sqlalchemy import insert, update
 from test_replicas import database, replicas
 
 from store import AdapterState, Store, TrialState
 from store._tables import adapters as A
+from store._tables import trajectories as T
 
 __all__ = ["database", "replicas"]
 
@@ -139,3 +140,32 @@ async def test_a_policy_keeps_its_newest_trials_and_forgets_the_older_ended_ones
         assert await a.trials.promote(trial["id"], by="test", reason="not worse", verdict=None)
     assert [t["id"] for t in await a.trials.newest("agent", 100)] == ids[::-1][:3]
     assert await a.trials.counts("agent") == {"promoted": 3}
+
+
+async def test_the_units_outside_mixed_groups_are_the_groups_one_version_served_wholly(
+    replicas: tuple[Store, Store],
+) -> None:
+    a, b = replicas
+    await trained(a, 1)
+    trial = await a.trials.start("agent", await claimed(a, "a"), "a", 0.5)
+    assert isinstance(trial, dict)
+    t0 = float(trial["started_at"])
+    rows = [  # (id, group, version, begun after the trial's start, reward, calls recorded)
+        ("alone-1", "alone-1", 1, 1.0, 0.0, 1), ("alone-0", "alone-0", 0, 2.0, None, 2),
+        ("mixed-a", "mixed", 0, 3.0, 1.0, 1), ("mixed-b", "mixed", 1, 3.0, 0.0, 1),
+        ("one-a", "one", 0, 4.0, 1.0, 1), ("one-b", "one", 0, 5.0, 0.5, 1),
+        ("before", "before", 1, -5.0, 0.0, 1), ("no-call", "no-call", 1, 6.0, None, 0),
+    ]  # fmt: skip
+    async with a.engine.begin() as conn:
+        for trajectory, group, version, at, reward, n_calls in rows:
+            await conn.execute(insert(T).values(
+                id=trajectory, group_id=group, policy="agent", keyed_by="header", created_at=t0 + at,
+                updated_at=t0 + at + 1, n_calls=n_calls, last_version=version, reward=reward,
+                rewarded_at=None if reward is None else t0 + at + 2, metrics={},
+            ))  # fmt: skip
+
+    units = await b.trials.units(trial)
+
+    assert [(u.group_id, u.version, u.complete, u.mean) for u in units] == [
+        ("alone-1", 1, True, 0.0), ("alone-0", 0, False, 0.0), ("one", 0, True, 0.75)]  # fmt: skip
+    assert units[2].begun_at == t0 + 4.0 and units[2].active_at == t0 + 6.0 and units[2].rewarded_at == t0 + 7.0

@@ -4,7 +4,8 @@
         every replica's router splits new trajectories: N for about FRACTION of them, B for the rest
         (each trajectory keeps its version; ``policy@N`` pins bypass it: ``proxy.gateway._split``)
     this canary, every second on every replica, for each served policy's running trial (its own settings):
-        complete groups holding both versions ──▶ proxy.training._canary_verdict.decide
+        complete groups holding both versions, and time windows of the trajectories outside them
+        (proxy.training._canary_windows) ──▶ proxy.training._canary_verdict.decide
         ──▶ running | promoted | rolled_back   (the look is kept in the trial's row for the dashboard)
     promoted:    one store transaction ends the trial and flips the alias to N; the regression guard
                  watches N from then on (against B)
@@ -36,6 +37,7 @@ from proxy.errors import Conflict, NotFound
 from proxy.gateway import PolicyRegistry
 from proxy.observability._metrics import Metrics
 from proxy.training._canary_verdict import CanaryConfig, Verdict, arm_view, decide
+from proxy.training._canary_windows import Windows, window_strata
 from proxy.training._publisher import Publisher
 from proxy.training._regression import watch_record
 from store import Store, TrialState
@@ -47,8 +49,12 @@ def canary_config(settings: PolicySettings) -> CanaryConfig | None:
     """A policy's canary trial, from its settings (``--canary*`` or its own); None: its versions go untried."""
     if settings.canary is None:
         return None
+    # Outside mixed groups, a conversation unrewarded this long after its last call is left out of its window:
+    # the policy's reward timeout where it has one (its rewards are late past it), else the windows' own wait.
+    wait = settings.reward_timeout_s or Windows().wait_s
     return CanaryConfig(fraction=settings.canary, margin=settings.canary_margin, alpha=settings.canary_alpha,
-                        max_groups=settings.canary_groups, max_s=settings.canary_minutes * 60)  # fmt: skip
+                        max_groups=settings.canary_groups, max_s=settings.canary_minutes * 60,
+                        windows=Windows(wait_s=wait))  # fmt: skip
 
 
 class Canary:
@@ -92,8 +98,12 @@ class Canary:
                       "guard rolled it back)")  # fmt: skip
             await self._end(trial, "rolled_back", "alias", reason, trial["verdict"], serving=active)
             return None
+        now, started = time.time(), float(trial["started_at"])
         groups = await self._store.trials.evidence(trial, min_group_size=settings.min_group_size)
-        verdict = decide(groups, cfg, elapsed_s=time.time() - float(trial["started_at"]))
+        windows = window_strata(await self._store.trials.units(trial), candidate=int(trial["candidate"]),
+                                started_at=started, now=now, windows=cfg.windows)  # fmt: skip
+        strata = sorted([*groups, *windows], key=lambda g: g.completed_at)
+        verdict = decide(strata, cfg, elapsed_s=now - started)
         record = await self._record(trial, verdict)
         if verdict.decision == "running":
             if trial["verdict"] != record:  # a replica's look that changes nothing writes nothing

@@ -14,7 +14,10 @@ degrees of freedom); where no cell has two trajectories, the spread of the d_g a
 (G - 1 degrees of freedom) stands in. se(D) = sigma / sqrt(sum w_g). A group counts once every
 trajectory in it is rewarded: rewards arrive late and unevenly, and a group read before it is
 complete would favour whichever version's attempts end (and are rewarded) sooner. Groups are
-taken in the order they completed.
+taken in the order they completed. Trajectories outside mixed groups (each conversation its own
+group, or a group one version served wholly) join strata of their own, the conversations begun
+in one time window (``proxy.training._canary_windows``): each such stratum is one more paired
+group here, weighed and pooled alike.
 
 Test. With the margin delta (reward units), H0: E[D] >= -delta (N is no worse than the margin
 allows) against H1: E[D] < -delta; t = (D + delta) / se(D), Student's t.
@@ -42,9 +45,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from proxy.training._canary_windows import Windows
 from proxy.training._regression import student_t_cdf
 from store import ArmTotals, GroupArms
 
@@ -62,6 +66,7 @@ class CanaryConfig:
     min_groups: int = 3  # the first look, in paired groups
     max_groups: int = 8  # the size bound, in paired groups
     max_s: float = 1800.0  # the time bound
+    windows: Windows = field(default_factory=Windows)  # strata outside mixed groups (``_canary_windows``)
 
     def __post_init__(self) -> None:
         if not 0 < self.fraction < 1:
@@ -164,10 +169,16 @@ def _look(used: Sequence[GroupArms], cfg: CanaryConfig, *, elapsed_s: float) -> 
     half = t_quantile(0.5 + _CONFIDENCE / 2, df) * se
     t, p = _t_worse(mean, se, df, cfg.margin)
     summary = (f"candidate - baseline = {mean:+.3f} (95% interval {mean - half:+.3f} to {mean + half:+.3f}) within "
-               f"{n} paired groups; margin {cfg.margin:g}, t = {t:.2f}, df = {df:.0f}, P(worse) = {p:.2g}, alpha per "
-               f"look {cfg.alpha_per_look:.2g}")  # fmt: skip
+               f"{n} paired groups{_windows_of(used)}; margin {cfg.margin:g}, t = {t:.2f}, df = {df:.0f}, "
+               f"P(worse) = {p:.2g}, alpha per look {cfg.alpha_per_look:.2g}")  # fmt: skip
     decision, why, by = _verdict_of(p, cfg, at_bound, bound)
     return Verdict(decision, n, mean, (mean - half, mean + half), t, df, p, f"{why}: {summary}", by)
+
+
+def _windows_of(used: Sequence[GroupArms]) -> str:
+    """How many of the strata are time windows of trajectories outside mixed groups, when any are."""
+    windows = sum(g.window for g in used)
+    return f" ({windows} of them time windows)" if windows else ""
 
 
 def _verdict_of(
