@@ -3,8 +3,6 @@ the connection's peer unless the operator names the reverse proxy that forwards 
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,11 +10,11 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from conftest import RunningProxy
 from fake_vllm import FakeVLLM
+from test_slow_clients import served
 
-from proxy import Settings, create_app
+from proxy import Settings
 from tracetrain_cli._http_server import server_config
 
 ADMIN = "admin-" + "t" * 30
@@ -58,18 +56,8 @@ def test_wrong_tokens_for_protected_metrics_are_throttled(start_proxy: Callable[
 @contextmanager
 def served_as_serve_does(settings: Settings) -> Iterator[str]:
     """The proxy under the uvicorn configuration ``tracetrain serve`` builds (``server_config``), in a thread."""
-    server = uvicorn.Server(server_config(create_app(settings), settings, log_level="warning", loop="asyncio"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the proxy did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    with served(settings) as (host, port):
+        yield f"http://{host}:{port}"
 
 
 def from_client(address: str, i: int) -> dict[str, str]:
