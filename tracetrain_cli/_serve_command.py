@@ -20,6 +20,9 @@ if TYPE_CHECKING:  # the serving modules load at `serve`, not for every command'
     from tracetrain_cli._vllm_process import Device, VLLMLaunch
 
 
+_LOG_TO_CHECK_S = 180  # the trainer's imports (torch) and one request to each tracker
+
+
 def settings_from(args: argparse.Namespace) -> Any:
     from proxy import Settings
 
@@ -172,6 +175,7 @@ def run_serve(args: argparse.Namespace) -> int:
         )
     )
     plan = ServePlan(settings=settings, vllm=launch, trainer_argv=trainer, log_level=args.log_level, devices=devices)
+    _refuse_log_to_that_cannot_start(plan)
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(serve(plan))
@@ -193,6 +197,30 @@ def _refuse_missing_extras(args: argparse.Namespace, device: Device) -> None:
         if missing_modules([LOG_BACKENDS[backend]]):
             raise SystemExit(f"tracetrain serve: --log-to {backend} needs the {backend} package: "
                              f"pip install 'tracetrain[{backend}]'")  # fmt: skip
+
+
+def _refuse_log_to_that_cannot_start(plan: Any) -> None:
+    """Exit with the reason when a ``--log-to`` backend cannot start a run, before anything starts: the trainer
+    checks (``--check-log-to``) with the command line and environment it will run with. Once training runs, a
+    backend that fails is reported with each step and training goes on (trainer._run_log)."""
+    import subprocess
+
+    from tracetrain_cli._serve import _trainer_env
+
+    if plan.trainer_argv is None or not any(a.startswith("--log-to=") for a in plan.trainer_argv):
+        return
+    print("checking where --log-to writes", flush=True)
+    try:
+        done = subprocess.run([*plan.trainer_argv, "--check-log-to"], env=_trainer_env(plan), capture_output=True,
+                              text=True, timeout=_LOG_TO_CHECK_S, check=False)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"tracetrain serve: checking --log-to took over {_LOG_TO_CHECK_S} s; nothing was started "
+                         "(is MLFLOW_TRACKING_URI's server answering?)") from None  # fmt: skip
+    if done.returncode != 0:
+        said = [line for line in done.stderr.splitlines() if line.startswith("--log-to")]
+        said = said or done.stderr.strip().splitlines()[-5:]
+        raise SystemExit("tracetrain serve: --log-to cannot start a run, so nothing was started:\n  "
+                         + "\n  ".join(said))  # fmt: skip
 
 
 def _log_args(args: argparse.Namespace) -> list[str]:

@@ -32,7 +32,15 @@ from trainer import _distributed
 from trainer._attention import ATTN_CHOICES
 from trainer._config import TrainConfig
 from trainer._distributed import Ranks
-from trainer._run_log import MissingExtra, RunLog, RunLogs, check_installed, default_run_name, parse_log_to
+from trainer._run_log import (
+    MissingExtra,
+    RunLog,
+    RunLogs,
+    check_destinations,
+    check_installed,
+    default_run_name,
+    parse_log_to,
+)
 from trainer._worker import COLLECTIVE_TIMEOUT_S, Worker, WorkerSettings, follow
 
 
@@ -190,6 +198,10 @@ def _add_log_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--log-dir", type=Path, help="where runs go (default DATA_DIR/runs)")
     p.add_argument("--run-name", help="the run's name in every backend (default POLICY-YYYYmmdd-HHMMSS)")
+    p.add_argument("--check-log-to", action="store_true",
+                   help="check that every --log-to backend can start a run here (a writable directory, W&B's key "
+                   "or offline mode, MLflow's URI answering), print what cannot and exit (1) or not (0); "
+                   "tracetrain serve asks this before it starts anything")  # fmt: skip
 
 
 def _backends(text: str) -> tuple[str, ...]:
@@ -222,6 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"python -m trainer: --collective-timeout {args.collective_timeout}: seconds, more than 0")
     if args.shard and args.procs == 1 and not _distributed.under_torchrun():
         raise SystemExit("python -m trainer: --shard splits the model over the processes of --procs N (N > 1)")
+    if args.check_log_to:
+        return _check_log_to(args)
     if args.procs > 1 and not _distributed.under_torchrun():
         return _relaunch(args.procs, sys.argv[1:] if argv is None else argv)
     device = args.device
@@ -261,8 +275,8 @@ def _policy_name(text: str) -> str:
 
 def _run_log(args: argparse.Namespace, settings: WorkerSettings) -> RunLogs | None:
     """The runs' loggers (``--log-to``), one run per policy trained, each started with the run's configuration;
-    None without the flag. The first policy's run starts before the model loads (``Worker.prepare``), so a
-    backend that cannot start a run stops the trainer with what to check before any step."""
+    None without the flag. A backend that cannot start a run is reported and tried again while training goes on
+    (``RunLog``): ``tracetrain serve`` checked the destinations before it started (``--check-log-to``)."""
     if not args.log_to:
         return None
     try:
@@ -275,16 +289,18 @@ def _run_log(args: argparse.Namespace, settings: WorkerSettings) -> RunLogs | No
         config = {"policy": policy, "base_model": str(settings.base_model), "device": settings.device,
                   "procs": args.procs, "shard": settings.shard, "train": settings.config.to_dict()}  # fmt: skip
         name = f"{args.run_name}-{policy}" if args.run_name and several else args.run_name
-        try:
-            return RunLog.open(args.log_to, args.log_dir or settings.data_dir / "runs",
-                               name or default_run_name(policy), config)  # fmt: skip
-        except Exception as exc:  # a backend that cannot start a run: W&B without a key, MLflow's server down
-            raise SystemExit(
-                f"python -m trainer: --log-to could not start the run: {type(exc).__name__}: {exc} "
-                "(W&B: set WANDB_API_KEY, or WANDB_MODE=offline; MLflow: check MLFLOW_TRACKING_URI)"
-            ) from exc
+        return RunLog.open(args.log_to, args.log_dir or settings.data_dir / "runs", name or default_run_name(policy),
+                           config)  # fmt: skip
 
     return RunLogs(open_run)
+
+
+def _check_log_to(args: argparse.Namespace) -> int:
+    """``--check-log-to``: 0 when every backend can start a run, else 1 with what to do, one line each."""
+    problems = check_destinations(args.log_to, args.log_dir or args.data_dir / "runs")
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    return 1 if problems else 0
 
 
 def _at_least_one(text: str) -> int:

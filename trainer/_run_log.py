@@ -14,7 +14,11 @@ at the start.
 
 Evaluations come from other processes (the demo's held-out runs, a user's benchmark), through the store:
 the worker reads what is new at each beat and logs it as ``eval/<name>`` at the version it measured.
-Logging never fails a step: a backend that raises is logged (once a minute) and the step goes on.
+Logging never fails a step: a backend that raises, or cannot start its run, is logged (once a minute), its
+trouble is recorded with each step (the dashboard's Training page, ``/metrics``), and training goes on; a run that
+could not start is tried again every five minutes. What can be known before a run starts (a directory not
+writable, W&B online without a key, an MLflow URI that MLflow refuses or that does not answer) is checked by
+``check_destinations`` when ``tracetrain serve`` starts, before it starts anything.
 
 The writers, one per backend, each through its library's own API:
 
@@ -33,15 +37,20 @@ Each library is imported only when asked for; a missing one is a ``MissingExtra`
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.util
 import json
 import logging
 import math
+import netrc
 import os
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from store import redact
 
 if TYPE_CHECKING:
     from store import Store
@@ -49,6 +58,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("tracetrain.trainer.runlog")
 
 _WARN_EVERY_S = 60.0
+_RETRY_START_S = 300.0  # a run that could not start is tried again this often (W&B may take a minute to give up)
+_PROBLEM_CHARS = 500  # what a step records of a backend's failure
+# What to check when a backend fails, in its own words.
+_HINTS = {
+    "tensorboard": "check that --log-dir is a directory this process can write",
+    "wandb": "set WANDB_API_KEY (wandb login), or WANDB_MODE=offline to keep runs on disk for `wandb sync`",
+    "mlflow": "check MLFLOW_TRACKING_URI and that its server answers",
+}
 
 Backend = Literal["tensorboard", "wandb", "mlflow"]
 BACKENDS: tuple[Backend, ...] = ("tensorboard", "wandb", "mlflow")
@@ -82,25 +99,32 @@ def default_run_name(policy: str) -> str:
 
 
 class RunLog:
-    """The run's writers; ``step`` and ``evaluation`` block on them (call from a thread)."""
+    """The run's writers; ``step`` and ``evaluation`` block on them (call from a thread).
 
-    def __init__(self, writers: Mapping[Backend, Writer]) -> None:
+    A backend that cannot start the run, or stops taking metrics, never stops training: what went wrong is in
+    ``problems`` (the worker records it with each step, for the dashboard and ``/metrics``), logged once a
+    minute, and a run that could not start is tried again every few minutes. The store keeps every step anyway.
+    """
+
+    def __init__(
+        self, writers: Mapping[Backend, Writer], openers: Mapping[Backend, Callable[[], Writer]] | None = None
+    ) -> None:
         self.writers = dict(writers)
+        self.problems: dict[Backend, str] = {}
+        self._openers = dict(openers or {})  # backends whose run has not started yet
+        self._tried_at: dict[Backend, float] = {}
         self._warned_at: dict[str, float] = {}
+        for backend in list(self._openers):
+            self._start(backend, time.monotonic())
 
     @classmethod
     def open(cls, backends: Sequence[Backend], log_dir: Path, run_name: str, config: Mapping[str, Any]) -> RunLog:
         """Start a run in each backend (``MissingExtra`` first, before any starts)."""
         check_installed(tuple(backends))
-        writers: dict[Backend, Writer] = {}
-        try:
-            for backend in backends:
-                writers[backend] = open_writer(backend, log_dir, run_name, config)
-        except BaseException:
-            RunLog(writers).close()
-            raise
-        log.info("logging the run %s to %s", run_name, ", ".join(backends))
-        return cls(writers)
+        run = cls({}, {b: functools.partial(open_writer, b, log_dir, run_name, config) for b in backends})
+        if run.writers:
+            log.info("logging the run %s to %s", run_name, ", ".join(run.writers))
+        return run
 
     def step(self, version: int, metrics: Mapping[str, Any]) -> None:
         """A recorded step's numbers, as ``train/<name>`` at ``version``."""
@@ -121,15 +145,35 @@ class RunLog:
             except Exception:
                 log.exception("closing the %s run failed", backend)
 
+    def _start(self, backend: Backend, now: float) -> None:
+        self._tried_at[backend] = now
+        try:
+            self.writers[backend] = self._openers[backend]()
+        except Exception as exc:  # W&B without a key, MLflow's server down: the steps go on without it
+            self._failed(backend, "starting the run", exc)
+        else:
+            del self._openers[backend]
+            self.problems.pop(backend, None)
+
     def _write(self, values: Mapping[str, float], version: int) -> None:
+        now = time.monotonic()
+        for backend in [b for b in self._openers if now - self._tried_at[b] >= _RETRY_START_S]:
+            self._start(backend, now)
         for backend, writer in self.writers.items():
             try:
                 writer.scalars(values, version)
-            except Exception:  # a logger's trouble is never the step's
-                now = time.monotonic()
-                if now - self._warned_at.get(backend, -_WARN_EVERY_S) >= _WARN_EVERY_S:
-                    self._warned_at[backend] = now
-                    log.exception("logging to %s failed; training goes on", backend)
+            except Exception as exc:  # a logger's trouble is never the step's
+                self._failed(backend, "logging", exc)
+            else:
+                self.problems.pop(backend, None)
+
+    def _failed(self, backend: Backend, doing: str, exc: Exception) -> None:
+        self.problems[backend] = redact(f"{doing} failed: {type(exc).__name__}: {exc}")[:_PROBLEM_CHARS]
+        now = time.monotonic()
+        if now - self._warned_at.get(backend, -_WARN_EVERY_S) >= _WARN_EVERY_S:
+            self._warned_at[backend] = now
+            log.error("%s to %s failed; training goes on without it (%s): %s", doing, backend, _HINTS[backend],
+                      self.problems[backend])  # fmt: skip
 
 
 class RunLogs:
@@ -150,6 +194,11 @@ class RunLogs:
         if policy not in self._runs:
             self._runs[policy] = self._open_run(policy)
         return self._runs[policy]
+
+    def problem(self, policy: str) -> str | None:
+        """What keeps ``policy``'s metrics from its backends now (``mlflow: logging failed: ...``), or None."""
+        run = self._runs.get(policy)
+        return "; ".join(f"{b}: {text}" for b, text in run.problems.items()) if run and run.problems else None
 
     def log_step(self, policy: str, version: int, metrics: Mapping[str, Any]) -> None:
         """A recorded step of ``policy`` into its run (blocks: call from a thread)."""
@@ -175,6 +224,69 @@ class RunLogs:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# -- the destinations, checked before anything starts ----------------------------------------------------
+
+
+def check_destinations(backends: Sequence[Backend], log_dir: Path) -> list[str]:
+    """What keeps each backend from starting a run here, with what to do (empty: all can): ``tracetrain serve``
+    asks before it starts anything (``python -m trainer --check-log-to``). It starts no run: a directory that
+    cannot be written, W&B online without a key, an MLflow URI MLflow refuses or a server that does not answer."""
+    problems: list[str] = []
+    for backend in backends:
+        try:
+            if importlib.util.find_spec(_NEEDS[backend]) is None:
+                raise MissingExtra(f"the {backend} package is missing: pip install 'tracetrain[{backend}]'")
+            if backend == "wandb":
+                _check_wandb(log_dir)
+            elif backend == "mlflow":
+                _check_mlflow(log_dir)
+            else:
+                _check_writable(log_dir)
+        except Exception as exc:
+            problems.append(redact(f"--log-to {backend}: {type(exc).__name__}: {exc} ({_HINTS[backend]})"))
+    return problems
+
+
+def _check_writable(directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=directory):
+        pass
+
+
+def _check_wandb(log_dir: Path) -> None:
+    """Online W&B needs a key, as ``wandb.init`` reads it (environment, identity token, ``~/.netrc``)."""
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun"):
+        _check_writable(Path(os.environ.get("WANDB_DIR") or log_dir))
+        return
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return
+    host = (os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").split("://")[-1].split("/")[0]
+    try:
+        if netrc.netrc(os.environ.get("NETRC")).authenticators(host):
+            return
+    except (OSError, netrc.NetrcParseError):
+        pass
+    raise RuntimeError(f"W&B runs online (WANDB_MODE is not offline) and has no API key for {host}")
+
+
+def _check_mlflow(log_dir: Path) -> None:
+    """The tracking URI answers (one request, no retries), and the experiment is not deleted."""
+    from mlflow import MlflowClient
+
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # this process only checks, then exits
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    client = MlflowClient(tracking_uri=_mlflow_uri(log_dir))
+    name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or "tracetrain"
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None and experiment.lifecycle_stage == "deleted":
+        raise RuntimeError(f"the experiment {name!r} is deleted: restore it, or set MLFLOW_EXPERIMENT_NAME")
+
+
+def _mlflow_uri(log_dir: Path) -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{log_dir.resolve() / 'mlflow.db'}"
 
 
 # -- the writers ---------------------------------------------------------------------------------------
@@ -239,8 +351,7 @@ class _MLflow:
         from mlflow.entities import Param
 
         log_dir.mkdir(parents=True, exist_ok=True)
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{log_dir.resolve() / 'mlflow.db'}"
-        self._client = MlflowClient(tracking_uri=uri)
+        self._client = MlflowClient(tracking_uri=_mlflow_uri(log_dir))
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or "tracetrain"
         experiment = self._client.get_experiment_by_name(name)
         experiment_id = experiment.experiment_id if experiment else self._client.create_experiment(name)

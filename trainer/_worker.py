@@ -122,7 +122,7 @@ class Worker:
         """
         await self._requeue_orphans()
         policy = await self._first_policy()
-        if self._run_log is not None:  # its run starts now: a backend that cannot start one stops the trainer here
+        if self._run_log is not None:  # its run starts now (one that cannot start is reported with each step)
             await asyncio.to_thread(self._run_log.of, policy)
         version = await self._store.adapters.version_to_train_on(policy)
         self._tell(Load(policy, version))
@@ -201,6 +201,12 @@ class Worker:
             release_step_memory(exc)  # a GPU of its own too: the next step needs what this one left
         else:
             ok = True
+            if self._run_log is not None:  # --log-to's trouble, for the dashboard and /metrics (0 once it is over)
+                await asyncio.to_thread(self._run_log.of, str(job["policy"]))  # its run, started if not yet
+                problem = self._run_log.problem(str(job["policy"]))
+                metrics["run_log_failing"] = int(problem is not None)
+                if problem:
+                    metrics["run_log_error"] = problem
         finally:
             renewing.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -31,7 +31,7 @@ LAST_STEP_METRICS = (
     "calls_per_trajectory", "samples_per_trajectory", "samples_merged_retokenized", "samples_split_rerendered",
     "samples_split_not_extended", "trained_tokens", "trained_token_share", "forwarded_tokens",
     "forwarded_per_sampled_token", "constrained_tokens", "logprob_mismatch_constrained",
-    "logprob_mismatch_unconstrained", "grammar_fallbacks", "mask_ms",
+    "logprob_mismatch_unconstrained", "grammar_fallbacks", "mask_ms", "run_log_failing",
 )  # fmt: skip
 _HANDOVER_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
@@ -116,7 +116,8 @@ class Metrics:
             "forwarded_per_sampled_token; structured outputs: constrained_tokens (sampled under a grammar), "
             "logprob_mismatch_constrained and _unconstrained (the on-policy gap of those tokens and of the others), "
             "grammar_fallbacks (constrained calls whose grammar could not be rebuilt, scored unmasked) and mask_ms "
-            "(building the masks).", ["policy", "metric"], registry=r,
+            "(building the masks); run_log_failing (1 while a --log-to backend takes no metrics: the step's Error "
+            "on the dashboard says why).", ["policy", "metric"], registry=r,
         )  # fmt: skip
         self.components = Gauge(
             "tracetrain_training_reward_component_mean", "The newest training step's mean of each reward component "
