@@ -144,3 +144,21 @@ def subcommands(*command: str) -> list[str]:
     shown = subprocess.run([sys.executable, "-m", "tracetrain_cli", *command, "--help"], capture_output=True,
                            text=True, check=True).stdout  # fmt: skip
     return re.findall(r"^    (\w+)\s", shown, re.M)
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, blanks to dashes."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_to_a_section_of_the_docs_finds_it() -> None:
+    pages = {"README.md": README, **{f"docs/{name}": text for name, text in DOCS.items()}}
+    anchors = {name: {anchor(h) for h in re.findall(r"^#+ (.*)$", text, re.M)} for name, text in pages.items()}
+    broken = []
+    for name, text in pages.items():
+        here = Path(name).parent
+        for target, fragment in re.findall(r"\]\(([\w./-]*\.md)?#([\w-]+)\)", text):
+            page = name if not target else str(Path(here, target)).removeprefix("docs/../")
+            if page in anchors and fragment not in anchors[page]:
+                broken.append(f"{name}: {target}#{fragment}")
+    assert not broken
