@@ -9,6 +9,7 @@ answer; W&B online has no key here (``NETRC`` names an empty file); TensorBoard'
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -17,7 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+from conftest import RunningProxy
 from test_run_log import STEP
 from test_serve import free_port
 from test_trainer_worker import seed_store, settings_for
@@ -159,3 +162,17 @@ def test_serve_refuses_a_tracker_that_cannot_start_a_run_before_it_starts_anythi
     assert "ready" not in serve.stdout
     with socket.socket() as s:  # the proxy never listened
         assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_the_dashboard_and_metrics_show_a_step_the_tracker_did_not_take(proxy: RunningProxy) -> None:
+    failing = {"loss": 0.1, "run_log_failing": 1, "run_log_error": "mlflow: logging failed: ConnectionError: refused"}
+    for version, metrics in enumerate([failing, {"loss": 0.2, "run_log_failing": 0}], start=1):
+        proxy.rows(
+            "INSERT INTO training_jobs (policy, state, group_ids, version, metrics, progress, created_at, finished_at)"
+            " VALUES ('agent', 'succeeded', '[]', ?, ?, 1.0, 0, ?)",
+            version, json.dumps(metrics), version,
+        )  # fmt: skip
+    page = httpx.get(f"{proxy.url}/admin/ui/training").text
+    assert page.count("not logged to --log-to") == 1 and "mlflow: logging failed: ConnectionError: refused" in page
+    scraped = httpx.get(f"{proxy.url}/metrics").text
+    assert 'tracetrain_training_last_step{metric="run_log_failing",policy="agent"} 0.0' in scraped  # it recovered
