@@ -115,8 +115,8 @@ def test_a_run_that_cannot_start_is_reported_tried_again_and_never_stops_the_ste
     runs = RunLogs(lambda policy: RunLog({}, {"mlflow": mlflow_down}))
     tries.clear()
     runs.log_step("agent", 1, STEP)
-    assert (runs.problem("agent") or "").startswith("mlflow: starting the run failed")
-    assert runs.problem("another") is None
+    trouble = runs.trouble("agent")
+    assert trouble["run_log_failing"] == 1 and trouble["run_log_error"].startswith("mlflow: starting the run failed")
 
 
 def test_a_failing_tracker_is_recorded_with_the_step_and_the_step_is_kept(tmp_path: Path, tiny_model_dir: Path) -> None:

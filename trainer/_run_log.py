@@ -195,10 +195,13 @@ class RunLogs:
             self._runs[policy] = self._open_run(policy)
         return self._runs[policy]
 
-    def problem(self, policy: str) -> str | None:
-        """What keeps ``policy``'s metrics from its backends now (``mlflow: logging failed: ...``), or None."""
-        run = self._runs.get(policy)
-        return "; ".join(f"{b}: {text}" for b, text in run.problems.items()) if run and run.problems else None
+    def trouble(self, policy: str) -> dict[str, Any]:
+        """What keeps ``policy``'s metrics from its backends now, as a step's metrics: ``run_log_failing`` (1 or 0:
+        a number, so that ``/metrics`` shows its end too) and ``run_log_error`` (``mlflow: logging failed: ...``).
+        Starts the policy's run if it is not yet (blocks: call from a thread)."""
+        problems = self.of(policy).problems
+        said = {"run_log_error": "; ".join(f"{b}: {text}" for b, text in problems.items())} if problems else {}
+        return {"run_log_failing": int(bool(problems)), **said}
 
     def log_step(self, policy: str, version: int, metrics: Mapping[str, Any]) -> None:
         """A recorded step of ``policy`` into its run (blocks: call from a thread)."""

@@ -201,12 +201,8 @@ class Worker:
             release_step_memory(exc)  # a GPU of its own too: the next step needs what this one left
         else:
             ok = True
-            if self._run_log is not None:  # --log-to's trouble, for the dashboard and /metrics (0 once it is over)
-                await asyncio.to_thread(self._run_log.of, str(job["policy"]))  # its run, started if not yet
-                problem = self._run_log.problem(str(job["policy"]))
-                metrics["run_log_failing"] = int(problem is not None)
-                if problem:
-                    metrics["run_log_error"] = problem
+            if self._run_log is not None:  # --log-to's trouble, shown with the step (the dashboard, /metrics)
+                metrics |= await asyncio.to_thread(self._run_log.trouble, str(job["policy"]))
         finally:
             renewing.cancel()
             with contextlib.suppress(asyncio.CancelledError):
