@@ -59,22 +59,8 @@ class SSEDecoder:
         if b"\r" in buffer:
             self._skip_lf = buffer.endswith(b"\r")
             buffer = buffer.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        events: list[ServerSentEvent] = []
-        if not self._data and not self._event:
-            # Between events: whole events at once, and vLLM's are each one ``data: ...`` line and a blank
-            # line (any other block is read line by line). The tail keeps the unfinished event's bytes.
-            *blocks, self._tail = buffer.split(b"\n\n")
-            for block in blocks:
-                if block[:6] == b"data: " and b"\n" not in block:
-                    events.append(ServerSentEvent(block[6:], "message", self.last_event_id))
-                else:
-                    self._lines([*block.split(b"\n"), b""], events)
-            return events
         *lines, self._tail = buffer.split(b"\n")
-        self._lines(lines, events)
-        return events
-
-    def _lines(self, lines: list[bytes], events: list[ServerSentEvent]) -> None:
+        events: list[ServerSentEvent] = []
         for line in lines:
             if line:
                 self._field(line)
@@ -83,6 +69,7 @@ class SSEDecoder:
                 self._data, self._event = [], ""
             else:
                 self._event = ""
+        return events
 
     def _field(self, line: bytes) -> None:
         if line[0] == 0x3A:  # ":" a comment
