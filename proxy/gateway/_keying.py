@@ -133,9 +133,10 @@ class Keyer:
         is left to the caller, alone or not. A non-streamed call's record takes it (one commit instead of
         two: its group is told to the client only once it is recorded; the group is then known, ``seated``);
         a stream takes it (``seat``) while vLLM starts on the call. Another call of the same trajectory keyed
-        meanwhile seats it, and the later seat finds that one. ``group_size``: the policy's derived groups' size (default: the keyer's).
-        A trajectory or group of another policy is a 404; a new id named by the call is taken for ``policy``
-        here and now (see the module's docstring), and left again if the call is refused.
+        meanwhile seats it, and the later seat finds that one. ``group_size``: the policy's derived groups'
+        size (default: the keyer's). A trajectory or group of another policy is a 404; a new id named by the
+        call is taken for ``policy`` here and now (see the module's docstring), and left again if the call is
+        refused.
         """
         size = group_size or self._group_size
         trajectory_id = hints.header_trajectory or hints.path_trajectory
