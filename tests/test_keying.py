@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -283,3 +284,33 @@ async def test_a_lone_stream_is_sent_upstream_before_its_seat_and_closed_if_the_
     conn = sqlite3.connect(tmp_path / "tt.db")
     assert conn.execute("SELECT trajectory_id FROM calls ORDER BY pk").fetchall() == [("warm",), ("seated",)]
     conn.close()
+
+
+def test_concurrent_calls_new_trajectories_are_seated_in_their_records(
+    proxy: RunningProxy, fake: FakeVLLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not only a lone call: each non-streamed call's seat is taken in its record's transaction (no commit of its
+    own), and calls of one task still fill one derived group."""
+    import store._writer as writer
+
+    seat_commits: list[str] = []
+    seat_all = writer.seat_all_sqlite
+
+    def seating(conn, seats):  # type: ignore[no-untyped-def]
+        seat_commits.extend(seat.trajectory_id for seat in seats)
+        return seat_all(conn, seats)
+
+    monkeypatch.setattr(writer, "seat_all_sqlite", seating)
+    fake.script(*[Reply(content="Lima.", delay_s=0.3) for _ in range(4)])  # all four in flight at once
+    client = proxy.client()
+
+    def ask(_: int) -> httpx.Headers:
+        return client.chat.completions.with_raw_response.create(model="agent", messages=TASK).headers
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(ask, range(4)))
+    assert seat_commits == []
+    groups = {headers["x-group-id"] for headers in answers}
+    assert len(groups) == 1 and next(iter(groups)).startswith("grp-")
+    rows = proxy.rows("SELECT id, group_id FROM trajectories")
+    assert {r["id"]: r["group_id"] for r in rows} == {h["x-trajectory-id"]: h["x-group-id"] for h in answers}

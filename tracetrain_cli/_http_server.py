@@ -125,13 +125,40 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
 
 class _ClosedByProtocol:
     """A connection's transport as uvicorn sees it: closing it is the protocol's ``close_connection``; lingering,
-    it is closing already."""
+    it is closing already.
+
+    A response's head leaves with the first bytes of its body: uvicorn writes each in a ``write`` of its own, and
+    each is a system call (a non-streamed answer's head and body, 2 -> 1). The head is held only until the loop's
+    next turn, so a stream whose first event is not ready yet still sends its head at once.
+    """
 
     def __init__(self, transport: asyncio.Transport, protocol: TimedHttpToolsProtocol) -> None:
         self._transport = transport
         self._protocol = protocol
+        self._held: bytes | None = None  # a response's head, not written yet
+        self._headed: object = None  # the request cycle whose head was held last
+
+    def write(self, data: bytes) -> None:
+        if self._held is not None:
+            data, self._held = self._held + data, None
+        else:
+            cycle = self._protocol.cycle
+            if cycle is not None and cycle.response_started and cycle is not self._headed and data:
+                # uvicorn's first write once a cycle's response started is its status line and headers
+                self._headed, self._held = cycle, data
+                self._protocol.loop.call_soon(self.flush)
+                return
+        self._transport.write(data)
+
+    def flush(self) -> None:
+        """Write a held head (nothing followed it in the same turn of the loop)."""
+        if self._held is not None:
+            held, self._held = self._held, None
+            if not self._transport.is_closing():
+                self._transport.write(held)
 
     def close(self) -> None:
+        self.flush()
         self._protocol.close_connection()
 
     def is_closing(self) -> bool:

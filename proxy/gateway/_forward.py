@@ -145,7 +145,7 @@ class Forwarder:
         return await server.upstream.count_prompt_tokens({**chat, "model": route.served_model})
 
     async def _key(self, policy: str, hints: KeyHints, conversation: Conversation) -> Key:
-        """The call's key; a lone call's new trajectory is seated later (``Keyer.resolve``'s ``defer_seat``)."""
+        """The call's key; on SQLite a new trajectory is seated later (``Keyer.resolve``'s ``defer_seat``)."""
         size = self._registry.get(policy).settings.group_size if policy in self._registry else None
         with store_errors():  # the call cannot be keyed, so it is not answered: a 503 in OpenAI's shape
             try:

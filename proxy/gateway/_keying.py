@@ -129,13 +129,14 @@ class Keyer:
     ) -> Key:  # fmt: skip
         """``alone``: the only call in flight: a seat is written on this thread (``Store.join_task_group``).
 
-        ``defer_seat`` (with ``alone``): a new trajectory's seat is left to the caller. A non-streamed
-        call's record takes it (one commit instead of two: its group is told to the client only once
-        it is recorded; the group is then known, ``seated``); a stream takes it (``seat``) while vLLM
-        starts on the call. Another call of the same trajectory keyed meanwhile seats it, and the
-        later seat finds that one. ``group_size``: the policy's derived groups' size (default: the keyer's).
-        A trajectory or group of another policy is a 404; a new id named by the call is taken for ``policy``
-        here and now (see the module's docstring), and left again if the call is refused.
+        ``defer_seat`` (where the store seats with records: one process writes it): a new trajectory's seat
+        is left to the caller, alone or not. A non-streamed call's record takes it (one commit instead of
+        two: its group is told to the client only once it is recorded; the group is then known, ``seated``);
+        a stream takes it (``seat``) while vLLM starts on the call. Another call of the same trajectory keyed
+        meanwhile seats it, and the later seat finds that one. ``group_size``: the policy's derived groups'
+        size (default: the keyer's). A trajectory or group of another policy is a 404; a new id named by the
+        call is taken for ``policy`` here and now (see the module's docstring), and left again if the call is
+        refused.
         """
         size = group_size or self._group_size
         trajectory_id = hints.header_trajectory or hints.path_trajectory
@@ -170,7 +171,7 @@ class Keyer:
             group_id = await self._named_group(policy, trajectory_id, keyed_by, group_hint)
             return self._remember(Key(trajectory_id, group_id, keyed_by, None), policy)
         task_key = conversation.task_key
-        if alone and defer_seat and self._store.seats_with_records:
+        if defer_seat and self._store.seats_with_records:
             return Key(trajectory_id, "", keyed_by, task_key, seat_in=group_size)
         try:
             group_id = await self._store.join_task_group(

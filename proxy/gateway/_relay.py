@@ -64,6 +64,7 @@ class Relay:
         self._ttft: float | None = None
         self._recorded = False
         self._done = False  # [DONE] came: the upstream's body ends next
+        self.ending = False  # the chunk being yielded is the stream's last (its closing events)
 
     async def events(self) -> AsyncIterator[bytes]:
         """Forward each SSE event as it arrives; commit the record before the closing event (chat: ``[DONE]``)."""
@@ -97,6 +98,7 @@ class Relay:
         except (UpstreamError, orjson.JSONDecodeError) as exc:
             closing = await self._fail(exc if isinstance(exc, UpstreamError) else UpstreamError(
                 f"the upstream stream broke: {exc!r}"))  # fmt: skip
+            self.ending = True
             yield b"".join(out) + closing  # the events that arrived before the failure first
             return
         self._recorded = True
@@ -108,6 +110,7 @@ class Relay:
         finally:
             self._admission.recorded()  # before the closing event
         self._done = True
+        self.ending = True
         yield b"".join(translator.finish())
 
     async def _fail(self, error: UpstreamError) -> bytes:
@@ -167,6 +170,16 @@ class RelayResponse(StreamingResponse):
             await self._relay.finish()
         finally:
             self._relay.close()
+
+    async def stream_response(self, send: Send) -> None:
+        """Starlette's, but the closing events end the body in the same message (one write, not two)."""
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        relay, more = self._relay, True
+        async for chunk in self.body_iterator:
+            more = not relay.ending
+            await send({"type": "http.response.body", "body": chunk, "more_body": more})
+        if more:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _stream_until_hang_up(self, receive: Receive, send: Send) -> None:
         streaming = asyncio.current_task()

@@ -72,6 +72,10 @@ class Exchange:
     async def finish(self, within_s: float) -> None:
         """Read what is left of a body whose end is due (a stream after its last event), so the connection
         is kept; if it does not end within ``within_s``, ``release`` closes it."""
+        connection = self._connection
+        connection.take()
+        if connection.complete:
+            return  # the end came with the last event (most streams): no timer to set
         try:
             async with asyncio.timeout(within_s):
                 while await self.next_chunk():
@@ -180,6 +184,8 @@ class _Connection(asyncio.Protocol):
         self.complete = False
         self._error: TransportError | None = None
         self._closed = False
+        self._deadline = 0.0  # the loop's clock by which the wait under way must get bytes
+        self._timer: asyncio.TimerHandle | None = None
 
     # -- the exchange, as Exchange and Http1Pool drive it --
 
@@ -207,16 +213,31 @@ class _Connection(asyncio.Protocol):
         return chunk
 
     async def wait(self) -> None:
-        """Until more of the answer arrived; raises what ended the connection, or ``TimeoutError``."""
+        """Until more of the answer arrived; raises what ended the connection, or ``TimeoutError``.
+
+        One timer per connection, not one per wait (a stream waits once per read): the timer, when it
+        fires, times out a wait that began ``timeout_s`` ago, or sleeps again until the current wait's
+        deadline."""
         if self._error is not None:
             raise self._error
         waiter = self._waiter = self._loop.create_future()
-        timer = self._loop.call_later(self._pool.timeout_s, self._time_out, waiter)
+        self._deadline = self._loop.time() + self._pool.timeout_s
+        if self._timer is None:
+            self._timer = self._loop.call_at(self._deadline, self._check_deadline)
         try:
             await waiter
         finally:
-            timer.cancel()
             self._waiter = None
+
+    def _check_deadline(self) -> None:
+        self._timer = None
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return  # no wait under way: the next one starts the timer again
+        if self._loop.time() < self._deadline:
+            self._timer = self._loop.call_at(self._deadline, self._check_deadline)
+        else:
+            self._time_out(waiter)
 
     def release(self) -> None:
         if not self._busy:
@@ -230,6 +251,9 @@ class _Connection(asyncio.Protocol):
 
     def abort(self) -> None:
         self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._transport is not None:
             self._transport.close()
         self._pool._forget(self)

@@ -1,0 +1,55 @@
+"""`tracetrain serve`'s HTTP server writes each answer in as few socket writes as it can: every write is a system
+call, on the proxy's one core, for every call."""
+
+from __future__ import annotations
+
+import asyncio.selector_events
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+from fake_vllm import FakeVLLM
+from test_slow_clients import served, settings
+
+from tracetrain_cli._http_server import TimedHttpToolsProtocol
+
+_Transport = asyncio.selector_events._SelectorSocketTransport
+
+
+@pytest.fixture
+def writes(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """Every write of the proxy's HTTP server to its clients' sockets, in order."""
+    written: list[bytes] = []
+    lock = threading.Lock()
+    write = _Transport.write
+
+    def recorded(self: _Transport, data: bytes) -> None:
+        if isinstance(self._protocol, TimedHttpToolsProtocol):
+            with lock:
+                written.append(bytes(data))
+        write(self, data)
+
+    monkeypatch.setattr(_Transport, "write", recorded)
+    return written
+
+
+def test_a_non_streamed_answer_leaves_in_one_write(fake: FakeVLLM, tmp_path: Path, writes: list[bytes]) -> None:
+    with served(settings(fake, tmp_path)) as (host, port):
+        body = {"model": "agent", "messages": [{"role": "user", "content": "Name a colour."}]}
+        reply = httpx.post(f"http://{host}:{port}/v1/chat/completions", json=body, timeout=10)
+    assert reply.status_code == 200
+    assert len(writes) == 1, writes  # the status line, the headers and the body together
+    assert writes[0].startswith(b"HTTP/1.1 200 OK\r\n") and writes[0].endswith(reply.content)
+
+
+def test_a_streams_closing_events_and_the_end_of_its_body_leave_in_one_write(
+    fake: FakeVLLM, tmp_path: Path, writes: list[bytes]
+) -> None:
+    with served(settings(fake, tmp_path)) as (host, port):
+        body = {"model": "agent", "messages": [{"role": "user", "content": "Name a colour."}], "stream": True}
+        with httpx.stream("POST", f"http://{host}:{port}/v1/chat/completions", json=body, timeout=10) as reply:
+            events = b"".join(reply.iter_bytes())
+    assert reply.status_code == 200 and events.endswith(b"data: [DONE]\n\n")
+    assert writes[-1].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), writes[-3:]  # no write of its own for the end
+    assert b"0\r\n\r\n" not in writes
