@@ -16,10 +16,17 @@ from store import POLICY_NAME_PATTERN, redact
 
 
 def items(value: object) -> object:
-    """``"a, b,,c"`` -> ``("a", "b", "c")``; anything else as it is."""
+    """``"a, b,,c"`` -> ``("a", "b", "c")``; a sequence's text items split alike (a repeated flag, each given
+    ``a,b``); anything else as it is."""
     if isinstance(value, str):
-        return tuple(part.strip() for part in value.split(",") if part.strip())
+        return _split(value)
+    if isinstance(value, tuple | list):
+        return tuple(part for item in value for part in (_split(item) if isinstance(item, str) else (item,)))
     return value
+
+
+def _split(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
 def pairs(values: object, pair: Callable[[str], tuple[str, Any]]) -> object:

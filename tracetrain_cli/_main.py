@@ -12,9 +12,11 @@ tracetrain db current | upgrade                          the store's schema revi
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
+from tracetrain_cli._config import apply
 from tracetrain_cli._data_commands import add_export_parser, add_sft_parser, run_export, run_sft
 from tracetrain_cli._db_commands import add_db_parser, run_db
 from tracetrain_cli._models import add_model_parser, missing_modules, run_model_pull
@@ -43,7 +45,8 @@ def _demo(argv: Sequence[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tracetrain", description=_DESCRIPTION)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    add_serve_parser(sub)
+    serve_parser = add_serve_parser(sub)
+    serve_parser.set_defaults(parser=serve_parser)  # --print-config lists its flags
     model_parser = add_model_parser(sub)
     add_export_parser(sub)
     add_sft_parser(sub)
@@ -57,7 +60,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv = sys.argv[1:]
     if argv[:1] == ["demo"]:
         return _demo(argv[1:])
+    origins = apply(parser, argv, os.environ)
     args = parser.parse_args(argv)
+    args.origins = origins
     if args.command == "serve":
         return run_serve(args)
     if args.command == "model":
