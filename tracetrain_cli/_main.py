@@ -42,25 +42,33 @@ def _demo(argv: Sequence[str]) -> int:
     return demo_main(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Every command's parser (``demo`` has its own, ``tracetrain_demo.run.parser``)."""
     parser = argparse.ArgumentParser(prog="tracetrain", description=_DESCRIPTION)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     serve_parser = add_serve_parser(sub)
     serve_parser.set_defaults(parser=serve_parser)  # --print-config lists its flags
     model_parser = add_model_parser(sub)
+    model_parser.set_defaults(help_of=model_parser)
     add_export_parser(sub)
     add_sft_parser(sub)
     db_parser = add_db_parser(sub)
+    db_parser.set_defaults(help_of=db_parser)
     sub.add_parser(
         "demo",
         help="the end-to-end demo: an agent learns its task while it runs (make demo)",
         add_help=False,  # `tracetrain demo --help` is the demo's own
     )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
     if argv[:1] == ["demo"]:
         return _demo(argv[1:])
-    origins = apply(parser, argv, os.environ)
+    parser = build_parser()
+    origins = apply(parser, argv, os.environ)  # TRACETRAIN_<FLAG> and serve's --config under the flags
     args = parser.parse_args(argv)
     args.origins = origins
     if args.command == "serve":
@@ -68,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "model":
         if args.model_command == "pull":
             return run_model_pull(args)
-        model_parser.print_help()
+        args.help_of.print_help()
         return 2
     if args.command == "export":
         return run_export(args)
@@ -76,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_sft(args)
     if args.command == "db":
         if args.db_command is None:
-            db_parser.print_help()
+            args.help_of.print_help()
             return 2
         return run_db(args)
     parser.print_help()

@@ -11,6 +11,8 @@ SFT and the trainer can never disagree:
   proxy records with a constrained call and the trainer rebuilds its grammar from;
 - where a command's flags take their values: the command line, ``TRACETRAIN_<FLAG>``, a configuration file
   (``apply_sources``);
+- the trainer's configuration (``TrainConfig``) and the flags that make it, read by the trainer and by
+  ``tracetrain serve`` alike;
 - group-relative advantages (``group_advantages``; with call rewards ``call_returns`` and ``call_advantages``):
   what the trainer trains on and the dashboard shows.
 """
@@ -44,12 +46,27 @@ from tracetrain_core._flag_sources import (
 )
 from tracetrain_core._responses_api import responses_chat_messages, responses_reply
 from tracetrain_core._structured import structured_outputs
+from tracetrain_core._train_config import (
+    LossVariant,
+    SamplerCorrection,
+    SamplerDType,
+    TrainConfig,
+    TrainDType,
+    add_train_config_flags,
+    train_config_from,
+)
 
 __all__ = [
     "ADVANTAGE_EPS",
     "CallAdvantages",
     "GroupAdvantages",
+    "LossVariant",
+    "SamplerCorrection",
+    "SamplerDType",
     "SourceError",
+    "TrainConfig",
+    "TrainDType",
+    "add_train_config_flags",
     "anthropic_chat_messages",
     "anthropic_reply",
     "apply_sources",
@@ -71,4 +88,5 @@ __all__ = [
     "same_message",
     "structured_outputs",
     "subcommand_chain",
+    "train_config_from",
 ]
