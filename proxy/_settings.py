@@ -98,7 +98,7 @@ class Settings(BaseSettings, PolicyFields):
     upstreams: Annotated[tuple[str, ...], NoDecode, AfterValidator(values.upstream_urls)] = Field(
         default=("http://127.0.0.1:8000/v1",),
         min_length=1,
-        validation_alias=AliasChoices("upstreams", "tracetrain_upstreams", "tracetrain_upstream"),
+        validation_alias=AliasChoices("tracetrain_upstreams", "tracetrain_upstream"),
         description="use an OpenAI-compatible server you run instead of starting vLLM, e.g. "
         "http://127.0.0.1:8000/v1 (vLLM started with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True); "
         "repeat it for several vLLM servers: the calls of one trajectory go to one server (by a hash of its id, the "
@@ -147,7 +147,7 @@ class Settings(BaseSettings, PolicyFields):
     # served as well: the store holds them (docs/POLICIES.md).
     policies: Annotated[tuple[str, ...], NoDecode, AfterValidator(values.policy_names)] = Field(
         default=("agent",), min_length=1,
-        validation_alias=AliasChoices("policies", "tracetrain_policies", "tracetrain_policy"),
+        validation_alias=AliasChoices("tracetrain_policies", "tracetrain_policy"),
         description="a model name agents use: a policy, one LoRA line on the base model; repeat it for several "
         "agents, each trained on its own groups, served by the one vLLM. Policies added through the admin API "
         "(POST /admin/policies) are served too",
