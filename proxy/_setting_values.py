@@ -53,6 +53,27 @@ def judge_pair(item: str) -> tuple[str, str | None]:
     return model.strip(), url.strip() or None
 
 
+def alias_pair(item: str) -> tuple[str, str]:
+    """``NAME=POLICY`` -> (name, policy)."""
+    name, sep, policy = item.rpartition("=")
+    if not sep or not name.strip() or not policy.strip():
+        raise ValueError("a model alias is NAME=POLICY (the model name an agent asks for, '=', a policy)")
+    return name.strip(), policy.strip()
+
+
+def aliases(values: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
+    """``--model-alias``: each name once, each policy a valid name."""
+    names = [name for name, _ in values]
+    if twice := sorted({name for name in names if names.count(name) > 1}):
+        raise ValueError(f"--model-alias names {', '.join(twice)} twice")
+    for name, policy in values:
+        if not re.fullmatch(POLICY_NAME_PATTERN, policy):
+            raise ValueError(f"--model-alias {name}={policy[:100]}: {policy[:100]!r} is not a policy name")
+        if len(name) > 200:
+            raise ValueError("--model-alias: a model name is at most 200 characters")
+    return values
+
+
 def proxy_addresses(values: tuple[str, ...]) -> tuple[str, ...]:
     """``--forwarded-allow-ips``: addresses or networks, or ``*``."""
     for value in values:

@@ -153,6 +153,12 @@ class Settings(BaseSettings, PolicyFields):
         "(POST /admin/policies) are served too",
         json_schema_extra=flag("--policy", "NAME", group=POLICIES),
     )  # fmt: skip
+    # An agent's own model names (gpt-4o-mini, claude-sonnet-4-5, ...) served by a policy, so that its code never
+    # changes; the record keeps the name it asked for (proxy.gateway._policies).
+    model_aliases: Annotated[tuple[tuple[str, str], ...], NoDecode, AfterValidator(values.aliases)] = Field(
+        default=(), description="serve model NAME (what an agent asks for: gpt-4o-mini, claude-sonnet-4-5, ...) by "
+        "policy POLICY; *=POLICY serves every name no policy or alias has; repeatable. The record keeps the name "
+        "asked for", json_schema_extra=flag("--model-alias", "NAME=POLICY", group=POLICIES))  # fmt: skip
     # Written into the store when the proxy starts, for every replica and the trainer to apply.
     policy_configs: Annotated[dict[str, PolicyOverrides], BeforeValidator(_policy_files)] = Field(
         default_factory=dict,
@@ -356,6 +362,11 @@ class Settings(BaseSettings, PolicyFields):
     @classmethod
     def _policy_key_pairs(cls, value: object) -> object:
         return values.pairs(value, values.policy_key_pair)
+
+    @field_validator("model_aliases", mode="before")
+    @classmethod
+    def _alias_pairs(cls, value: object) -> object:
+        return values.pairs(value, values.alias_pair)
 
     @field_validator("judges", mode="before")
     @classmethod
