@@ -219,3 +219,12 @@ def test_every_command_is_walked() -> None:
     names = {" ".join(words) for words, _ in commands()}
     assert {"serve", "model pull", "export", "sft", "db current", "db upgrade", "db prune", "demo"} <= names
     assert list(subcommand_chain(build_parser(), ["db", "prune", "--dry-run"]))[-1][1] == ["--dry-run"]
+
+
+def test_a_policys_table_names_the_model_names_it_serves(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text('policy = ["agent", "sql"]\nmodel-alias = ["*=agent"]\n'
+                      '[policies.sql]\nmodel-alias = ["gpt-4o-mini", "claude-haiku-4-5"]\n')  # fmt: skip
+    settings = _settings("--config", str(config))
+    assert settings.model_aliases == (("*", "agent"), ("gpt-4o-mini", "sql"), ("claude-haiku-4-5", "sql"))
+    assert settings.policy_configs == {}

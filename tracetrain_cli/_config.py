@@ -8,6 +8,7 @@ A configuration file is TOML keyed by serve's flags, each policy's own settings 
     reward-source = "judge"
 
     [policies.sql]
+    model-alias = ["gpt-4o-mini"]  # the model names an agent asks for that this policy serves
     group-size = 4
     judge-rubric = "@rubric.md"   # read beside this file
     sampling = { temperature = 0.7 }
@@ -61,8 +62,21 @@ def read_config_file(path: Path) -> dict[str, Any]:
     if policies is not None:
         if not isinstance(policies, dict) or not all(isinstance(v, dict) for v in policies.values()):
             raise SystemExit(f"tracetrain serve: --config {path}: policies holds one [policies.NAME] table per policy")
-        table["policy-config"] = {name: _policy_table(path, name, t) for name, t in policies.items()}
+        # A policy's own model names (``model-alias = ["gpt-4o-mini"]`` in its table) are serve's --model-alias.
+        aliases = [f"{alias}={name}" for name, t in policies.items() for alias in _names(path, name, t)]
+        if aliases:
+            top = table.get("model-alias", table.pop("model_alias", []))
+            table["model-alias"] = [*(top if isinstance(top, list) else [top]), *aliases]
+        table["policy-config"] = {name: _policy_table(path, name, t) for name, t in policies.items() if t}
     return table
+
+
+def _names(path: Path, name: str, table: dict[str, Any]) -> list[str]:
+    aliases = table.pop("model-alias", table.pop("model_alias", []))
+    aliases = [aliases] if isinstance(aliases, str) else aliases
+    if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
+        raise SystemExit(f"tracetrain serve: --config {path}: [policies.{name}] model-alias is a list of model names")
+    return aliases
 
 
 def _policy_table(path: Path, name: str, table: dict[str, Any]) -> PolicyOverrides:
