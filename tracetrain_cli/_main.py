@@ -7,6 +7,7 @@ tracetrain demo                                          the end-to-end demo (st
 tracetrain export --min-reward 0.5 -o best.parquet       captured trajectories as a dataset (JSONL or Parquet)
 tracetrain sft --min-reward 0.8                          a LoRA warm start from the best trajectories (TRL SFT)
 tracetrain db current | upgrade                          the store's schema revision; bring it to this release's
+tracetrain config docs                                   every command's settings (docs/CONFIGURATION.md)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from tracetrain_cli._config import apply
+from tracetrain_cli._config_docs import add_config_parser, run_config_docs
 from tracetrain_cli._data_commands import add_export_parser, add_sft_parser, run_export, run_sft
 from tracetrain_cli._db_commands import add_db_parser, run_db
 from tracetrain_cli._models import add_model_parser, missing_modules, run_model_pull
@@ -54,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_sft_parser(sub)
     db_parser = add_db_parser(sub)
     db_parser.set_defaults(help_of=db_parser)
+    config_parser = add_config_parser(sub)
+    config_parser.set_defaults(help_of=config_parser)
     sub.add_parser(
         "demo",
         help="the end-to-end demo: an agent learns its task while it runs (make demo)",
@@ -82,6 +86,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_export(args)
     if args.command == "sft":
         return run_sft(args)
+    if args.command == "config":
+        if args.config_command != "docs":
+            args.help_of.print_help()
+            return 2
+        return run_config_docs(parser)
     if args.command == "db":
         if args.db_command is None:
             args.help_of.print_help()
