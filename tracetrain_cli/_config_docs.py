@@ -69,7 +69,7 @@ def _one_line(text: str | None) -> str:
 
 def _default(action: argparse.Action) -> str:
     value = action.default
-    if value in (None, [], (), argparse.SUPPRESS) or action.nargs == 0 and value is False:
+    if value in (None, [], (), argparse.SUPPRESS) or (action.nargs == 0 and value is False):
         return ""
     if isinstance(value, list | tuple):
         value = ",".join(map(str, value))
