@@ -9,7 +9,6 @@ so is a non-loopback bind address with no keys configured.
 from __future__ import annotations
 
 import ipaddress
-import os
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -18,12 +17,10 @@ from pydantic import AfterValidator, AliasChoices, BeforeValidator, Field, Secre
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from proxy import _setting_values as values
+from proxy._access_fields import AccessFields
 from proxy._declare import (
     ADDRESS,
-    DOOR,
     GPUS,
-    KEYS,
-    OBSERVABILITY,
     POLICIES,
     RETENTION,
     REWARDS,
@@ -32,7 +29,7 @@ from proxy._declare import (
     VLLM,
     flag,
 )
-from proxy._otel_env import endpoint_from_env, traces_url
+from proxy._export_fields import ExportFields
 from proxy._policy_config import (
     PolicyFields,
     PolicyOverrides,
@@ -48,8 +45,6 @@ _PLACEHOLDER_SECRETS = frozenset(
 )
 _MIN_SECRET_LENGTH = 16
 _URL_FIELDS = frozenset({"upstreams", "database_url", "judge_api_base", "langfuse_base_url"})
-
-Secrets = Annotated[tuple[SecretStr, ...], NoDecode]
 
 
 def _policy_files(value: object) -> object:
@@ -83,7 +78,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-class Settings(BaseSettings, PolicyFields):
+class Settings(BaseSettings, ExportFields, AccessFields, PolicyFields):
     """Everything the proxy needs to run. Build it once; pass it to ``create_app``.
 
     Each field is a setting, declared once: its type, default, bounds, help and flag (``proxy._declare``); the
@@ -234,90 +229,6 @@ class Settings(BaseSettings, PolicyFields):
     judge_concurrency: int = Field(default=2, ge=1, description="groups judged at once", json_schema_extra=flag(
         "--judge-concurrency", "N", group=REWARDS))
 
-    # The front door (docs/OPERATIONS.md). The server's own limits (connections, header and body timeouts) are
-    # tracetrain serve's (tracetrain_cli._http_server).
-    max_body_mb: float = Field(default=32.0, gt=0, allow_inf_nan=False, description="a request body longer than "
-                               "this many MB (10^6 bytes) is refused (413) before it is read", json_schema_extra=flag(
-                                   "--max-body-mb", "MB", group=DOOR))  # fmt: skip
-    seat_timeout_s: float = Field(default=900.0, gt=0, allow_inf_nan=False, description="a new trajectory's seat in "
-                                  "a derived group whose call was never recorded (its proxy died) is given back after "
-                                  "this long, so the group is not left waiting; keep it above the longest call",
-                                  json_schema_extra=flag("--seat-timeout", "SECONDS", group=DOOR))
-    protect_metrics_and_docs: bool = Field(default=False, description="/metrics, /docs, /redoc and /openapi.json then "
-                                           "need 'Authorization: Bearer' with the admin token or a reward key "
-                                           "(default: open, like /healthz)", json_schema_extra=flag(
-                                               "--protect-metrics-and-docs", group=DOOR))  # fmt: skip
-    max_connections: int = Field(default=1024, ge=1, description="connections and requests served at once; past it a "
-                                 "request is answered 503", json_schema_extra=flag("--max-connections", "N",
-                                                                                   group=DOOR))  # fmt: skip
-    header_timeout_s: float = Field(default=15.0, gt=0, allow_inf_nan=False, description="a request's line and "
-                                    "headers must arrive within this time, or its connection is closed",
-                                    json_schema_extra=flag("--header-timeout", "SECONDS", group=DOOR))
-    body_timeout_s: float = Field(default=60.0, gt=0, allow_inf_nan=False, description="a request's body must "
-                                  "arrive within this time after its headers, or its connection is closed",
-                                  json_schema_extra=flag("--body-timeout", "SECONDS", group=DOOR))
-    # The log-in throttle counts per client address (proxy._throttle). Empty: the connection's peer is the client,
-    # whatever a header says (uvicorn alone would believe any loopback sender).
-    forwarded_allow_ips: Annotated[tuple[str, ...], NoDecode, AfterValidator(values.proxy_addresses)] = Field(
-        default=(), description="the reverse proxies (addresses or networks, e.g. 172.28.0.0/16) whose "
-        "X-Forwarded-For and X-Forwarded-Proto are believed: a request from one of them counts as its client's (the "
-        "admin log-in throttle, the Secure cookie). Default: none, not even loopback (docs/OPERATIONS.md)",
-        json_schema_extra=flag("--forwarded-allow-ips", "IPS", group=DOOR))  # fmt: skip
-
-    # Credentials: inference keys authorize /v1 generation calls, reward keys /v1/rewards; both for every policy.
-    api_keys: Secrets = Field(default=(), description="inference keys agents must send as Bearer tokens (every "
-                              "policy)", json_schema_extra=flag("--api-keys", "K1,K2", group=KEYS, secret=True))
-    reward_keys: Secrets = Field(default=(), description="keys reward services must send to POST /v1/rewards (every "
-                                 "policy)", json_schema_extra=flag("--reward-keys", "K1,K2", group=KEYS, secret=True))
-    # A key named for several policies reaches each of them (proxy._policy_keys).
-    policy_keys: Annotated[tuple[tuple[str, SecretStr], ...], NoDecode] = Field(
-        default=(), description="a key bound to policy NAME: it calls that policy's model, reads its trajectories and "
-        "groups and posts its rewards, and nothing else (another policy's is a 404); repeatable, one key may be "
-        "named for several policies. Prefer the environment (a flag shows in ps)",
-        json_schema_extra=flag("--policy-key", "NAME=KEY", group=KEYS, secret=True))  # fmt: skip
-    admin_token: SecretStr | None = Field(default=None, description="the token of the dashboard (/admin) and the "
-                                          "admin API; prefer the environment (a flag shows in ps). Without one, serve "
-                                          "makes one and keeps it in DATA_DIR/admin-token", json_schema_extra=flag(
-                                              "--admin-token", "TOKEN", group=KEYS, secret=True))  # fmt: skip
-    # What vLLM's resolver sends (TRACETRAIN_ADAPTERS_KEY there). The admin token reads them too; without adapter
-    # keys it alone does.
-    adapter_keys: Secrets = Field(default=(), description="keys that only read adapter files (what vLLM's resolver "
-                                  "sends)", json_schema_extra=flag("--adapter-keys", "K1,K2", group=KEYS, secret=True))
-
-    # Export trajectories, calls and rewards to Langfuse (proxy.observability._langfuse). The keys and the URL are
-    # read from Langfuse's usual variables: LANGFUSE_PUBLIC_KEY, LANGFUSE_SECRET_KEY, LANGFUSE_BASE_URL
-    # (or LANGFUSE_HOST).
-    langfuse: bool = Field(default=False, description="also send each trajectory to Langfuse as a trace (calls as "
-                           "generations, rewards as scores), in the background; keys from LANGFUSE_PUBLIC_KEY and "
-                           "LANGFUSE_SECRET_KEY, server from LANGFUSE_BASE_URL (default https://cloud.langfuse.com)",
-                           json_schema_extra=flag("--langfuse", group=OBSERVABILITY))
-    langfuse_public_key: str | None = Field(default=None, validation_alias="langfuse_public_key")
-    langfuse_secret_key: SecretStr | None = Field(default=None, validation_alias="langfuse_secret_key")
-    langfuse_base_url: str = Field(
-        default="https://cloud.langfuse.com", validation_alias=AliasChoices("langfuse_base_url", "langfuse_host")
-    )
-    # Export each call as an OpenTelemetry span (the GenAI semantic conventions) over OTLP/HTTP
-    # (proxy.observability._otlp). Unset: the standard OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or
-    # OTEL_EXPORTER_OTLP_ENDPOINT, unless OTEL_SDK_DISABLED=true or OTEL_TRACES_EXPORTER names no otlp.
-    otlp_endpoint: str | None = Field(
-        default=None, description="also export each captured call as an OpenTelemetry span (GenAI semantic "
-        "conventions; a trajectory is a trace, a reward a span with evaluation events) over OTLP/HTTP to this "
-        "collector, e.g. http://127.0.0.1:4318 (/v1/traces is appended), in the background. Default: "
-        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT when set; headers from "
-        "OTEL_EXPORTER_OTLP_HEADERS", json_schema_extra=flag("--otlp-endpoint", "URL", group=OBSERVABILITY,
-                                                             url=True))  # fmt: skip
-    # Opt-in, as the conventions make them. Langfuse always gets them.
-    otlp_content: bool = Field(
-        default=False,
-        validation_alias=AliasChoices(
-            "otlp_content", "tracetrain_otlp_content", "otel_instrumentation_genai_capture_message_content"
-        ),
-        description="with the OTLP export: put prompts and replies in the spans (gen_ai.input.messages, "
-        "gen_ai.output.messages); off by default, as the conventions say (also "
-        "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true)",
-        json_schema_extra=flag("--otlp-content", group=OBSERVABILITY),
-    )
-
     @model_validator(mode="before")
     @classmethod
     def _one_list_each(cls, data: object) -> object:
@@ -337,20 +248,6 @@ class Settings(BaseSettings, PolicyFields):
             if given:
                 data[field] = given[0]
         return data
-
-    @model_validator(mode="before")
-    @classmethod
-    def _otlp_from_otel_variables(cls, data: object) -> object:
-        """No endpoint named: OpenTelemetry's standard variables name it (``proxy._otel_env``)."""
-        if not isinstance(data, dict) or data.get("otlp_endpoint") or os.environ.get("TRACETRAIN_OTLP_ENDPOINT"):
-            return data
-        url = endpoint_from_env()
-        return {**data, "otlp_endpoint": url} if url else data
-
-    @field_validator("otlp_endpoint")
-    @classmethod
-    def _otlp_traces_url(cls, value: str | None) -> str | None:
-        return traces_url(value)
 
     @field_validator("api_keys", "reward_keys", "adapter_keys", "upstreams", "policies", "forwarded_allow_ips",
                      mode="before")  # fmt: skip
@@ -433,17 +330,6 @@ class Settings(BaseSettings, PolicyFields):
         for name, overrides in self.policy_configs.items():
             if problem := unconfigured_judge(overrides.judge_model, self.judge_endpoints):
                 raise ValueError(f"--policy-config {name}: {problem}")
-        return self
-
-    @model_validator(mode="after")
-    def _check_langfuse(self) -> Settings:
-        if self.langfuse and not (self.langfuse_public_key and self.langfuse_secret_key):
-            raise ValueError(
-                "--langfuse needs the project's keys: set LANGFUSE_PUBLIC_KEY and LANGFUSE_SECRET_KEY "
-                "(and LANGFUSE_BASE_URL unless the project is on https://cloud.langfuse.com)"
-            )
-        if self.langfuse and not self.langfuse_base_url.startswith(("http://", "https://")):
-            raise ValueError(f"LANGFUSE_BASE_URL must be an http(s) URL, got {redact(self.langfuse_base_url)!r}")
         return self
 
     @property
