@@ -16,7 +16,8 @@ Inside, imports run one way, top to bottom (import-linter holds it; docs/ARCHITE
 """
 
 from proxy._app import create_app
+from proxy._declare import GROUPS, Declared, declared
 from proxy._policy_config import PolicyOverrides, SamplingDefaults
 from proxy._settings import Settings
 
-__all__ = ["PolicyOverrides", "SamplingDefaults", "Settings", "create_app"]
+__all__ = ["GROUPS", "Declared", "PolicyOverrides", "SamplingDefaults", "Settings", "create_app", "declared"]

@@ -26,15 +26,17 @@ its overrides. ``canary = 0`` turns the server's ``--canary`` off for one policy
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import tomllib
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model, field_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import NoDecode
+
+from proxy._declare import CANARY, GUARD, POLICIES, RETENTION, REWARDS, flag
 
 log = logging.getLogger("tracetrain.proxy")
 
@@ -85,39 +87,125 @@ class SamplingDefaults(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
 
 
-class PolicyOverrides(BaseModel):
-    """The settings one policy overrides; each has the meaning and the bounds of ``Settings``' field of that name."""
+class PolicyFields(BaseModel):
+    """The settings a policy may override, declared once: the server's value (``Settings`` inherits these) is what a
+    policy that overrides none runs with (``PolicySettings``); ``PolicyOverrides`` holds a policy's own."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     # Groups and training: how groups fill and when a step is due.
-    group_size: int | None = Field(default=None, ge=1, le=MAX_GROUP)
-    min_group_size: int | None = Field(default=None, ge=1, le=MAX_GROUP)
-    batch_groups: int | None = Field(default=None, ge=1, le=MAX_GROUP)
-    # Retention: the versions kept loaded in vLLM and on disk.
-    keep_versions: int | None = Field(default=None, ge=1, le=MAX_KEEP_VERSIONS)
-    # The regression guard.
-    regression_guard: bool | None = None
-    regression_margin: float | None = Field(default=None, ge=0, le=MAX_MARGIN, allow_inf_nan=False)
-    regression_alpha: float | None = Field(default=None, gt=0, lt=1)
-    regression_groups: int | None = Field(default=None, ge=3, le=64)
-    # Canary trials of its new versions (0: none, where the server's --canary would try them).
-    canary: float | None = Field(default=None, ge=0, lt=1)
-    canary_margin: float | None = Field(default=None, ge=0, le=MAX_MARGIN, allow_inf_nan=False)
-    canary_alpha: float | None = Field(default=None, gt=0, lt=1)
-    canary_groups: int | None = Field(default=None, ge=3, le=256)
-    canary_minutes: float | None = Field(default=None, gt=0, le=MAX_MINUTES, allow_inf_nan=False)
+    group_size: int = Field(default=8, ge=1, le=MAX_GROUP, description="most trajectories in a group derived from "
+                            "a task prompt; then a new one opens", json_schema_extra=flag("--group-size", "N",
+                                                                                       group=POLICIES, policy=True))
+    min_group_size: int = Field(default=2, ge=1, le=MAX_GROUP, description="fewest rewarded trajectories for a group "
+                                "to train (a group of one has no baseline)", json_schema_extra=flag(
+                                    "--min-group-size", "N", group=POLICIES, policy=True))
+    batch_groups: int = Field(default=4, ge=1, le=MAX_GROUP, description="ready groups that trigger a training step",
+                              json_schema_extra=flag("--batch-groups", "N", group=POLICIES, policy=True))
+    keep_versions: int = Field(default=3, ge=1, le=MAX_KEEP_VERSIONS, description="adapter versions kept loaded in "
+                               "vLLM, and kept on disk by retention (also the served one, every published one and the "
+                               "regression guard's last kept one); older versions are pruned: files deleted, rows and "
+                               "metrics kept", json_schema_extra=flag("--keep-versions", "N", group=POLICIES,
+                                                                      policy=True))  # fmt: skip
+    # The regression guard (proxy.training._guard); defaults and their reasons: docs/TRAINING.md.
+    regression_guard: bool = Field(default=True, description="watch each new version's rewards: a version that serves "
+                                   "worse rewards than the one before it is rolled back and training pauses until an "
+                                   "admin resumes it (docs/TRAINING.md); --no-regression-guard turns it off",
+                                   json_schema_extra=flag("--regression-guard", group=GUARD, policy=True))
+    regression_margin: float = Field(default=0.05, ge=0, le=MAX_MARGIN, allow_inf_nan=False, description="how much "
+                                     "lower a new version's mean group reward may be and still count as not worse",
+                                     json_schema_extra=flag("--regression-margin", "REWARD", group=GUARD,
+                                                            policy=True))  # fmt: skip
+    regression_alpha: float = Field(default=0.05, gt=0, lt=1, description="the chance the guard rolls back a version "
+                                    "that is not worse, over all its looks", json_schema_extra=flag(
+                                        "--regression-alpha", "P", group=GUARD, policy=True))
+    regression_groups: int = Field(default=8, ge=3, le=64, description="the guard decides within this many rewarded "
+                                   "groups of a new version", json_schema_extra=flag("--regression-groups", "N",
+                                                                                     group=GUARD, policy=True))
+    # Canary trials of its new versions (proxy.training._canary); defaults and their reasons: docs/TRAINING.md.
+    canary: float | None = Field(default=None, gt=0, lt=1, description="try each new version on this share of new "
+                                 "trajectories (e.g. 0.1) before it serves everyone: the version before it serves the "
+                                 "rest, and a paired test of their rewards within groups promotes it or rolls it back "
+                                 "(docs/TRAINING.md, 'Trying a version'). Each policy's trial is its own; a policy's "
+                                 "own canary (0: none) overrides this. Default: a new version serves everything at "
+                                 "once", json_schema_extra=flag("--canary", "FRACTION", group=CANARY, policy=True))
+    canary_margin: float = Field(default=0.05, ge=0, le=MAX_MARGIN, allow_inf_nan=False, description="how much lower "
+                                 "the new version's rewards may be than the current one's and still count as not "
+                                 "worse", json_schema_extra=flag("--canary-margin", "REWARD", group=CANARY,
+                                                                 policy=True))  # fmt: skip
+    canary_alpha: float = Field(default=0.05, gt=0, lt=1, description="the chance a trial rolls back a version that "
+                                "is not worse (and, alike, promotes early one that is), over all its looks",
+                                json_schema_extra=flag("--canary-alpha", "P", group=CANARY, policy=True))
+    canary_groups: int = Field(default=8, ge=3, le=256, description="a trial decides within this many complete groups "
+                               "holding both versions", json_schema_extra=flag("--canary-groups", "N", group=CANARY,
+                                                                               policy=True))  # fmt: skip
+    canary_minutes: float = Field(default=30.0, gt=0, le=MAX_MINUTES, allow_inf_nan=False, description="a trial "
+                                  "decides within this many minutes, on the evidence it has", json_schema_extra=flag(
+                                      "--canary-minutes", "MINUTES", group=CANARY, policy=True))
     # Rewards and the judge.
-    reward_source: RewardSource | None = None
-    reward_timeout_s: float | None = Field(default=None, gt=0, le=MAX_SECONDS, allow_inf_nan=False)
-    reward_weights: RewardWeights | None = None
-    turn_discount: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)
-    # One of the judges the operator configured (``Settings.judge_endpoints``): where it is served and with which
-    # key is the operator's to say (flags and environment), never a policy's.
-    judge_model: str | None = Field(default=None, min_length=1, max_length=200)
+    reward_source: RewardSource = Field(default="external", description="where rewards come from: POST /v1/rewards "
+                                        "(external), an LLM judge that scores each group's trajectories against each "
+                                        "other (judge; no reward function needed), both (posted rewards train, the "
+                                        "judge's scores are recorded beside them), or people (human: the dashboard's "
+                                        "review queue). Whatever the source, a person's score on the dashboard "
+                                        "overrides a posted or judged reward", json_schema_extra=flag(
+                                            "--reward-source", group=REWARDS, policy=True))
+    reward_timeout_s: float | None = Field(default=None, gt=0, le=MAX_SECONDS, allow_inf_nan=False, description="a "
+                                           "complete group still missing rewards this long after its last call or "
+                                           "reward is judged if a judge is configured (--judge-model), else closed as "
+                                           "unrewarded and never trained (default: wait forever)",
+                                           json_schema_extra=flag("--reward-timeout", "SECONDS", group=RETENTION,
+                                                                  policy=True))  # fmt: skip
+    reward_weights: Annotated[RewardWeights | None, NoDecode] = Field(default=None, description="a reward's "
+        "components and their weights: a reward posted with metrics and no reward is the weighted sum of those "
+        "metrics (each named one required), and each component's mean is shown per step (docs/APIS.md, 'Rewards'). "
+        "Default: none; a reward must then be given", json_schema_extra=flag("--reward-weights", "NAME=W,...",
+                                                                             group=RETENTION, policy=True))  # fmt: skip
+    turn_discount: float = Field(default=1.0, ge=0, le=1, allow_inf_nan=False, description="a call's reward (POST "
+                                 "/v1/rewards with a call_id) counts for the calls before it discounted by G per call, "
+                                 "from 0 to 1; the trajectory's reward counts fully for every call (docs/TRAINING.md)",
+                                 json_schema_extra=flag("--turn-discount", "G", group=RETENTION, policy=True))
+    # A policy chooses one of the judges the operator configured (``Settings.judge_endpoints``): where it is served
+    # and with which key is the operator's to say (flags and environment), never a policy's.
+    judge_model: str | None = Field(default=None, min_length=1, max_length=200, description="the judge, as a litellm "
+                                    "model name: openai/gpt-4o-mini (reads OPENAI_API_KEY), anthropic/..., "
+                                    "hosted_vllm/NAME (default: the base model vLLM serves, no key needed)",
+                                    json_schema_extra=flag("--judge-model", "MODEL", group=REWARDS, policy=True))
+    judge_rubric: str | None = Field(default=None, min_length=1, description="what makes one trajectory better than "
+                                     "another, as text or @path/to/rubric.md (default: a generic rubric for agent "
+                                     "tasks)", json_schema_extra=flag("--judge-rubric", "TEXT_OR_@FILE",
+                                                                      group=REWARDS, policy=True))  # fmt: skip
+    # A group is judged once it has group_size trajectories and none changed for judge_quiet_s, or once it has
+    # min_group_size and none changed for judge_idle_s.
+    judge_quiet_s: float = Field(default=10.0, gt=0, le=MAX_SECONDS, allow_inf_nan=False, description="a full group "
+                                 "is judged once none of its trajectories changed for this long", json_schema_extra=
+                                 flag("--judge-quiet", "SECONDS", group=REWARDS, policy=True))  # fmt: skip
+    judge_idle_s: float = Field(default=300.0, gt=0, le=MAX_SECONDS, allow_inf_nan=False, description="a group of "
+                                "--min-group-size or more is judged once none of its trajectories changed for this "
+                                "long", json_schema_extra=flag("--judge-idle", "SECONDS", group=REWARDS, policy=True))
+
+
+def _overridable(fields: type[PolicyFields]) -> Any:
+    """``PolicyFields`` with every field optional (None: the server's value), each with its bounds."""
+    optional: dict[str, Any] = {
+        name: (info.annotation | None, FieldInfo.merge_field_infos(info, default=None))  # type: ignore[operator]
+        for name, info in fields.model_fields.items()
+    }
+    return create_model("PolicyOverridesBase", __config__=ConfigDict(frozen=True, extra="forbid"), **optional)
+
+
+if TYPE_CHECKING:  # mypy reads the fields' types from the declaration; each is optional at run time
+    _OverridesBase = PolicyFields
+else:
+    _OverridesBase = _overridable(PolicyFields)
+
+
+class PolicyOverrides(_OverridesBase):
+    """The settings one policy overrides (``PolicyFields``, each optional), and its sampling defaults."""
+
+    # 0: the policy's versions go without a trial where the server's --canary would try them.
+    canary: float | None = Field(default=None, ge=0, lt=1)
     judge_rubric: str | None = Field(default=None, min_length=1, max_length=_MAX_RUBRIC)
-    judge_quiet_s: float | None = Field(default=None, gt=0, le=MAX_SECONDS, allow_inf_nan=False)
-    judge_idle_s: float | None = Field(default=None, gt=0, le=MAX_SECONDS, allow_inf_nan=False)
     # Sampling defaults of its calls.
     sampling: SamplingDefaults | None = None
 
@@ -145,15 +233,22 @@ class PolicyOverrides(BaseModel):
             raise ValueError(f"{path} is not valid {kind}: {exc}") from None
         if not isinstance(data, dict):
             raise ValueError(f"{path}: the settings must be a table of names and values")
+        return cls.from_table(data, path.parent, where=str(path))
+
+    @classmethod
+    def from_table(cls, data: dict[str, Any], directory: Path, *, where: str) -> PolicyOverrides:
+        """Overrides from a table (keys the settings' names, or their flags': ``group-size``); a judge rubric
+        ``"@FILE"`` is read from ``directory``. Raises ``ValueError`` naming ``where``."""
+        data = {key.replace("-", "_"): value for key, value in data.items()}
         rubric = data.get("judge_rubric")
         if isinstance(rubric, str) and rubric.startswith("@"):
-            data["judge_rubric"] = _read_rubric(path.parent / rubric[1:])
+            data["judge_rubric"] = read_rubric(directory / rubric[1:])
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
             first = exc.errors()[0]
-            where = ".".join(str(part) for part in first["loc"])
-            raise ValueError(f"{path}: {where}: {first['msg']}") from None
+            loc = ".".join(str(part) for part in first["loc"])
+            raise ValueError(f"{where}: {loc}: {first['msg']}") from None
 
     def stored(self) -> dict[str, Any]:
         """What the store keeps: only the settings given."""
@@ -161,10 +256,10 @@ class PolicyOverrides(BaseModel):
 
     def over(self, name: str, defaults: PolicySettings) -> PolicySettings:
         """The settings policy ``name`` runs with: these overrides over ``defaults`` (the server's)."""
-        given = {field: value for field in _RESOLVED if (value := getattr(self, field)) is not None}
+        given = {field: value for field in PolicyFields.model_fields if (value := getattr(self, field)) is not None}
         if given.get("canary") == 0:
             given["canary"] = None  # the policy's versions go without a trial where the server's would have one
-        return dataclasses.replace(defaults, name=name, **given, sampling=self.sampling or defaults.sampling)
+        return defaults.model_copy(update={**given, "name": name, "sampling": self.sampling or defaults.sampling})
 
 
 def unconfigured_judge(model: str | None, endpoints: dict[str, str | None]) -> str | None:
@@ -177,7 +272,7 @@ def unconfigured_judge(model: str | None, endpoints: dict[str, str | None]) -> s
             f"--judge-model, --judge); configured: {offered}")  # fmt: skip
 
 
-def _read_rubric(path: Path) -> str:
+def read_rubric(path: Path) -> str:
     try:
         text = path.expanduser().read_text(encoding="utf-8").strip()
     except OSError as exc:
@@ -187,33 +282,11 @@ def _read_rubric(path: Path) -> str:
     return text
 
 
-@dataclass(frozen=True, slots=True)
-class PolicySettings:
-    """What one policy runs with: ``PolicyOverrides.resolve`` of its overrides over the server's settings."""
+class PolicySettings(PolicyFields):
+    """What one policy runs with: its overrides over the server's settings (``PolicyOverrides.over``)."""
 
     name: str
-    group_size: int
-    min_group_size: int
-    batch_groups: int
-    keep_versions: int
-    regression_guard: bool
-    regression_margin: float
-    regression_alpha: float
-    regression_groups: int
-    canary: float | None  # the share of new trajectories a new version is tried on; None: no trial
-    canary_margin: float
-    canary_alpha: float
-    canary_groups: int
-    canary_minutes: float
-    reward_source: RewardSource
-    reward_timeout_s: float | None
-    reward_weights: dict[str, float] | None  # a reward's components and their weights; None: none weighed
-    turn_discount: float  # how a call's reward reaches the calls before it (read by the trainer)
-    judge_model: str | None
-    judge_rubric: str | None
-    judge_quiet_s: float
-    judge_idle_s: float
-    sampling: SamplingDefaults
+    sampling: SamplingDefaults = SamplingDefaults()
 
     @property
     def judge_configured(self) -> bool:
@@ -221,8 +294,6 @@ class PolicySettings:
         return self.judge_model is not None or self.reward_source in ("judge", "both")
 
 
-# The settings a policy takes from the server unless it overrides them (every field but its name and sampling).
-_RESOLVED = tuple(name for name in PolicySettings.__dataclass_fields__ if name not in ("name", "sampling"))
 
 
 def policy_settings(name: str, defaults: PolicySettings, stored: dict[str, Any] | None = None) -> PolicySettings:

@@ -82,7 +82,7 @@ async def build_services(
         store = await Store.open(settings.resolved_database_url)
         stack.push_async_callback(store.close)
         router = await _router(settings, transport, stack)
-        registry = PolicyRegistry(settings.served_model)
+        registry = PolicyRegistry(settings.served_model, aliases=settings.model_aliases)
         if registry.base_model is None:
             try:
                 registry.base_model = await router.base_model()

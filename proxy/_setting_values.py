@@ -16,10 +16,17 @@ from store import POLICY_NAME_PATTERN, redact
 
 
 def items(value: object) -> object:
-    """``"a, b,,c"`` -> ``("a", "b", "c")``; anything else as it is."""
+    """``"a, b,,c"`` -> ``("a", "b", "c")``; a sequence's text items split alike (a repeated flag, each given
+    ``a,b``); anything else as it is."""
     if isinstance(value, str):
-        return tuple(part.strip() for part in value.split(",") if part.strip())
+        return _split(value)
+    if isinstance(value, tuple | list):
+        return tuple(part for item in value for part in (_split(item) if isinstance(item, str) else (item,)))
     return value
+
+
+def _split(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
 def pairs(values: object, pair: Callable[[str], tuple[str, Any]]) -> object:
@@ -44,6 +51,27 @@ def judge_pair(item: str) -> tuple[str, str | None]:
     if not model.strip() or (sep and not url.strip()):
         raise ValueError("a judge is MODEL or MODEL=BASE_URL (a litellm model name, then its server's URL)")
     return model.strip(), url.strip() or None
+
+
+def alias_pair(item: str) -> tuple[str, str]:
+    """``NAME=POLICY`` -> (name, policy)."""
+    name, sep, policy = item.rpartition("=")
+    if not sep or not name.strip() or not policy.strip():
+        raise ValueError("a model alias is NAME=POLICY (the model name an agent asks for, '=', a policy)")
+    return name.strip(), policy.strip()
+
+
+def aliases(values: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
+    """``--model-alias``: each name once, each policy a valid name."""
+    names = [name for name, _ in values]
+    if twice := sorted({name for name in names if names.count(name) > 1}):
+        raise ValueError(f"--model-alias names {', '.join(twice)} twice")
+    for name, policy in values:
+        if not re.fullmatch(POLICY_NAME_PATTERN, policy):
+            raise ValueError(f"--model-alias {name}={policy[:100]}: {policy[:100]!r} is not a policy name")
+        if len(name) > 200:
+            raise ValueError("--model-alias: a model name is at most 200 characters")
+    return values
 
 
 def proxy_addresses(values: tuple[str, ...]) -> tuple[str, ...]:

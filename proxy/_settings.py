@@ -1,26 +1,43 @@
-"""The proxy's settings: one frozen, validated object built at start-up.
+"""The proxy's settings: one frozen, validated object built at start-up, each setting declared once below.
 
-Values come from command-line flags (passed as keyword arguments) over environment
-variables prefixed ``TRACETRAIN_`` over the defaults below. Secrets are ``SecretStr``
-so they never print; placeholder secrets are rejected when the object is built, and
+``tracetrain serve`` builds it from its flags over ``TRACETRAIN_<FLAG>`` over ``--config`` over the defaults
+below (``tracetrain_cli._config``); built directly, keyword arguments win over ``TRACETRAIN_<FIELD>``.
+Secrets are ``SecretStr`` so they never print; placeholder secrets are rejected when the object is built, and
 so is a non-loopback bind address with no keys configured.
 """
 
 from __future__ import annotations
 
 import ipaddress
-import os
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, AliasChoices, Field, SecretStr, field_validator, model_validator
+from pydantic import AfterValidator, AliasChoices, BeforeValidator, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from proxy import _policy_config as bounds  # each per-policy setting's bounds, declared there once
 from proxy import _setting_values as values
-from proxy._otel_env import endpoint_from_env, traces_url
-from proxy._policy_config import PolicyOverrides, PolicySettings, RewardWeights, SamplingDefaults, unconfigured_judge
+from proxy._access_fields import AccessFields
+from proxy._declare import (
+    ADDRESS,
+    GPUS,
+    POLICIES,
+    RETENTION,
+    REWARDS,
+    SERVED,
+    STORAGE,
+    VLLM,
+    flag,
+)
+from proxy._export_fields import ExportFields
+from proxy._policy_config import (
+    PolicyFields,
+    PolicyOverrides,
+    PolicySettings,
+    SamplingDefaults,
+    read_rubric,
+    unconfigured_judge,
+)
 from store import POLICY_NAME_PATTERN, redact
 
 _PLACEHOLDER_SECRETS = frozenset(
@@ -29,7 +46,26 @@ _PLACEHOLDER_SECRETS = frozenset(
 _MIN_SECRET_LENGTH = 16
 _URL_FIELDS = frozenset({"upstreams", "database_url", "judge_api_base", "langfuse_base_url"})
 
-Secrets = Annotated[tuple[SecretStr, ...], NoDecode]
+
+def _policy_files(value: object) -> object:
+    """``--policy-config NAME=FILE`` items (flags, a comma-separated variable) as each policy's overrides, read from
+    its file; a mapping (a --config file's [policies.NAME] tables, JSON) as it is."""
+    value = values.items(value)
+    if not isinstance(value, tuple | list):
+        return value
+    configs: dict[str, PolicyOverrides] = {}
+    for item in value:
+        name, sep, path = str(item).partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--policy-config {str(item)[:200]!r}: give NAME=FILE (the policy, '=', a .toml or .json "
+                             "file)")  # fmt: skip
+        if name in configs:
+            raise ValueError(f"--policy-config names {name} twice")
+        try:
+            configs[name] = PolicyOverrides.from_file(Path(path))
+        except ValueError as exc:
+            raise ValueError(f"--policy-config {name}: {exc}") from None
+    return configs
 
 
 def is_loopback(host: str) -> bool:
@@ -42,189 +78,156 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-class Settings(BaseSettings):
-    """Everything the proxy needs to run. Build it once; pass it to ``create_app``."""
+class Settings(BaseSettings, ExportFields, AccessFields, PolicyFields):
+    """Everything the proxy needs to run. Build it once; pass it to ``create_app``.
+
+    Each field is a setting, declared once: its type, default, bounds, help and flag (``proxy._declare``); the
+    settings a policy may override are ``PolicyFields``'.
+    """
 
     model_config = SettingsConfigDict(env_prefix="TRACETRAIN_", frozen=True, extra="forbid", populate_by_name=True)
 
     # Where requests go: OpenAI-compatible base URLs ending in /v1 (vLLM servers in production). Calls of one
     # trajectory go to one server, chosen by hashing its id (the same on every replica listing the same URLs) with
-    # a bound on load (proxy.gateway.upstream._placement); every server loads every adapter. `upstream=URL` is accepted
-    # for one; env TRACETRAIN_UPSTREAMS (comma-separated) or TRACETRAIN_UPSTREAM.
+    # a bound on load (proxy.gateway.upstream._placement); every server loads every adapter.
     upstreams: Annotated[tuple[str, ...], NoDecode, AfterValidator(values.upstream_urls)] = Field(
         default=("http://127.0.0.1:8000/v1",),
         min_length=1,
         validation_alias=AliasChoices("tracetrain_upstreams", "tracetrain_upstream"),
+        description="use an OpenAI-compatible server you run instead of starting vLLM, e.g. "
+        "http://127.0.0.1:8000/v1 (vLLM started with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True); "
+        "repeat it for several vLLM servers: the calls of one trajectory go to one server (by a hash of its id, the "
+        "same on every proxy replica given the same URLs, unless that server is overloaded), every server loads "
+        "every adapter. The trainer still needs --model to be its base model. Default: a vLLM child on --model",
+        json_schema_extra=flag("--upstream", "URL", group=SERVED, url=True),
     )
-    # The upstream's name for the base model; discovered from GET /v1/models when unset.
-    served_model: str | None = None
-    upstream_timeout_s: float = Field(default=600.0, gt=0)
-    # The reasoning parser the upstream vLLM runs (`serve --reasoning-parser`: qwen3, deepseek_r1, ...); None: none.
-    # With one, a chat answer carries the model's thinking in `message.reasoning` (a stream in `delta.reasoning`)
-    # and its content without it; the sampled token ids hold both, and train both. The Responses and Messages
-    # APIs read this to answer with reasoning items and thinking blocks.
-    reasoning_parser: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.\-]+$", max_length=100)
-    # The served model reads images (`serve` reads it in the model's config.json; --reads-images for an
-    # --upstream). Without it, an image an agent sends (Anthropic's image blocks, the Responses API's
-    # input_image) reaches the model as a text placeholder, never as a failed call.
-    reads_images: bool = False
+    served_model: str | None = Field(default=None, description="the upstream's name for the base model (default: "
+                                     "the first model it lists)", json_schema_extra=flag("--served-model", "NAME",
+                                                                                         group=SERVED))  # fmt: skip
+    upstream_timeout_s: float = Field(default=600.0, gt=0, description="a call to an upstream that sends nothing for "
+                                      "this long fails", json_schema_extra=flag("--upstream-timeout", "SECONDS",
+                                                                                group=SERVED))  # fmt: skip
+    # With a reasoning parser, a chat answer carries the model's thinking in `message.reasoning` (a stream in
+    # `delta.reasoning`) and its content without it; the sampled token ids hold both, and train both. The
+    # Responses and Messages APIs read this to answer with reasoning items and thinking blocks.
+    reasoning_parser: str | None = Field(
+        default=None, pattern=r"^[A-Za-z0-9_.\-]+$", max_length=100,
+        description="vLLM's parser for a reasoning model's thinking, as vLLM names it: qwen3 (Qwen3, QwQ), "
+        "deepseek_r1 (DeepSeek-R1 and its distills), ... (vLLM lists them all when it refuses a name). A chat answer "
+        "then carries the thinking in message.reasoning and its content without it; every sampled token, thinking "
+        "included, still trains. With --upstream, name the parser your vLLM runs. Such templates drop earlier turns' "
+        "thinking, so each call of a trajectory trains as a sample of its own; the trainer forwards the prefix they "
+        "share once (docs/TRAINING.md) (default: none)",
+        json_schema_extra=flag("--reasoning-parser", "NAME", group=VLLM),
+    )  # fmt: skip
+    # Without it, an image an agent sends (Anthropic's image blocks, the Responses API's input_image) reaches the
+    # model as a text placeholder, never as a failed call.
+    reads_images: bool = Field(default=False, description="the served model reads images: the Responses and "
+                               "Messages APIs hand it the images agents send. Without it each image reaches the model "
+                               "as a text placeholder (never a failed call). Default: read in the model's config.json "
+                               "(a vision_config); with --upstream, off (docs/APIS.md)", json_schema_extra=flag(
+                                   "--reads-images", group=VLLM))  # fmt: skip
 
-    host: str = "127.0.0.1"
-    port: int = Field(default=8100, ge=0, le=65535)
-    data_dir: Path = Path(".tracetrain")
-    # SQLAlchemy async URL; defaults to SQLite (WAL) in the data directory.
-    database_url: str | None = None
+    host: str = Field(default="127.0.0.1", description="address to listen on (any other than loopback needs "
+                      "--api-keys)", json_schema_extra=flag("--host", group=ADDRESS))
+    port: int = Field(default=8100, ge=0, le=65535, description="port to listen on", json_schema_extra=flag(
+        "--port", group=ADDRESS))
+    data_dir: Path = Field(default=Path(".tracetrain"), description="where the database, models, adapters and logs "
+                           "live", json_schema_extra=flag("--data-dir", group=STORAGE))
+    database_url: str | None = Field(default=None, description="SQLAlchemy async URL, e.g. "
+                                     "postgresql+asyncpg://user@host/db (default: SQLite in the data directory)",
+                                     json_schema_extra=flag("--database-url", "URL", group=STORAGE, url=True))
 
-    # The names agents use as `model`, one per policy (an agent's LoRA line on the base model); each one's versions
-    # are `NAME@N` (`NAME@0` is the base model). `policy=NAME` is accepted for one; env TRACETRAIN_POLICIES
-    # (comma-separated) or TRACETRAIN_POLICY. Policies added through the admin API are served as well: the store
-    # holds them (docs/POLICIES.md).
+    # Each policy's versions are `NAME@N` (`NAME@0` is the base model). Policies added through the admin API are
+    # served as well: the store holds them (docs/POLICIES.md).
     policies: Annotated[tuple[str, ...], NoDecode, AfterValidator(values.policy_names)] = Field(
-        default=("agent",), min_length=1, validation_alias=AliasChoices("tracetrain_policies", "tracetrain_policy")
+        default=("agent",), min_length=1,
+        validation_alias=AliasChoices("tracetrain_policies", "tracetrain_policy"),
+        description="a model name agents use: a policy, one LoRA line on the base model; repeat it for several "
+        "agents, each trained on its own groups, served by the one vLLM. Policies added through the admin API "
+        "(POST /admin/policies) are served too",
+        json_schema_extra=flag("--policy", "NAME", group=POLICIES),
+    )  # fmt: skip
+    # An agent's own model names (gpt-4o-mini, claude-sonnet-4-5, ...) served by a policy, so that its code never
+    # changes; the record keeps the name it asked for (proxy.gateway._policies).
+    model_aliases: Annotated[tuple[tuple[str, str], ...], NoDecode, AfterValidator(values.aliases)] = Field(
+        default=(), description="serve model NAME (what an agent asks for: gpt-4o-mini, claude-sonnet-4-5, ...) by "
+        "policy POLICY; *=POLICY serves every name no policy or alias has; repeatable. The record keeps the name "
+        "asked for", json_schema_extra=flag("--model-alias", "NAME=POLICY", group=POLICIES))  # fmt: skip
+    # Written into the store when the proxy starts, for every replica and the trainer to apply.
+    policy_configs: Annotated[dict[str, PolicyOverrides], BeforeValidator(_policy_files)] = Field(
+        default_factory=dict,
+        description="the settings policy NAME overrides, from a TOML (.toml) or JSON file: the per-policy settings "
+        "(docs/CONFIGURATION.md), by their names (group_size, ...), and a [sampling] table (temperature, top_p, "
+        "max_tokens: what its calls sample with when they do not say); the flags are every other policy's "
+        "(docs/POLICIES.md); repeatable. A --config file holds them as [policies.NAME] tables",
+        json_schema_extra=flag("--policy-config", "NAME=FILE", group=POLICIES, repeat=True),
     )
-    # The settings a policy overrides (`--policy-config NAME=FILE`; env TRACETRAIN_POLICY_CONFIGS as JSON, name to
-    # settings): written into the store when the proxy starts, for every replica and the trainer to apply.
-    policy_configs: dict[str, PolicyOverrides] = Field(default_factory=dict)
-    # A derived group (same task prompt) takes at most this many trajectories, then a new one opens.
-    group_size: int = Field(default=8, ge=1, le=bounds.MAX_GROUP)
-    # A group is ready for training when all its trajectories are rewarded and it has this many.
-    min_group_size: int = Field(default=2, ge=1, le=bounds.MAX_GROUP)
     # How long an unkeyed trajectory stays open for threading (seconds since its last call).
-    thread_ttl_s: float = Field(default=1800.0, gt=0)
-
-    # Training: a job is created when this many groups are ready; adapters beyond the newest
-    # keep_versions are unloaded from vLLM, and the trainer prunes their files (retention, docs/OPERATIONS.md).
-    batch_groups: int = Field(default=4, ge=1, le=bounds.MAX_GROUP)
-    keep_versions: int = Field(default=3, ge=1, le=bounds.MAX_KEEP_VERSIONS)
-    # A version that left the window stays loaded this long: other proxy replicas may still
-    # have requests running on it.
-    unload_grace_s: float = Field(default=30.0, ge=0)
-    # How often each upstream's /health is asked; a server that fails it leaves the rotation.
-    health_check_s: float = Field(default=2.0, gt=0)
-    # How vLLM gets an adapter: "path" sends the directory the trainer wrote (vLLM sees that disk);
+    thread_ttl_s: float = Field(default=1800.0, gt=0, description="an unkeyed trajectory stays open this long after "
+                                "its last call for the next call that extends it to join it", json_schema_extra=flag(
+                                    "--thread-ttl", "SECONDS", group=POLICIES))  # fmt: skip
+    # A version that left the window stays loaded this long: other proxy replicas may still have requests on it.
+    unload_grace_s: float = Field(default=30.0, ge=0, description="a version that left --keep-versions stays loaded "
+                                  "this long, for requests other proxy replicas still run on it", json_schema_extra=
+                                  flag("--unload-grace", "SECONDS", group=POLICIES))  # fmt: skip
+    health_check_s: float = Field(default=2.0, gt=0, description="how often each upstream's /health is asked; a "
+                                  "server that fails it leaves the rotation", json_schema_extra=flag(
+                                      "--health-check-interval", "SECONDS", group=SERVED))
     # "resolver" asks vLLM for `policy@N` by name and its tracetrain resolver fetches the files from
-    # GET /v1/adapters/... (a trainer on another machine); "auto": by path when the directory is here.
-    adapter_delivery: Literal["auto", "path", "resolver"] = "auto"
+    # GET /v1/adapters/... (a trainer on another machine).
+    adapter_delivery: Literal["auto", "path", "resolver"] = Field(
+        default="auto", description="how vLLM gets an adapter: by the path the trainer wrote (vLLM sees that disk), "
+        "or fetched from this proxy by tracetrain_vllm's resolver (a trainer on another machine); auto: by path "
+        "when it is on this machine", json_schema_extra=flag("--adapter-delivery", group=POLICIES))  # fmt: skip
 
-    # Disk (proxy.observability._disk): a warning in the log and on /readyz while free space is under this
-    # many MiB; trajectories whose last call is older than keep_trajectories_days are deleted (unset: kept).
-    min_free_disk_mb: int = Field(default=1024, ge=0)
-    keep_trajectories_days: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    # Disk (proxy.observability._disk).
+    min_free_disk_mb: int = Field(default=1024, ge=0, description="warn in the log and on /readyz while the data "
+                                  "directory's disk has less free space than this many MiB", json_schema_extra=flag(
+                                      "--min-free-disk", "MB", group=RETENTION))
+    keep_trajectories_days: float | None = Field(
+        default=None, gt=0, allow_inf_nan=False,
+        description="delete trajectories (their calls, rewards, judgements) whose last call is older than DAYS, in "
+        "small batches every minute; never one whose group is open or training. Export first to archive "
+        "(tracetrain export; docs/OPERATIONS.md) (default: keep everything)",
+        json_schema_extra=flag("--keep-trajectories", "DAYS", group=RETENTION),
+    )  # fmt: skip
 
-    # One GPU for vLLM and the trainer (proxy.training._handover): around each training step new calls wait
-    # in the proxy, vLLM finishes what runs, sleeps, the trainer steps, vLLM wakes with the new adapter.
-    share_gpu: bool = False
-    # A call held through a step longer than this is answered 503 with Retry-After.
-    handover_wait_s: float = Field(default=300.0, gt=0)
-    # A step that keeps the GPU longer than this loses it: vLLM is woken and serves again.
-    handover_timeout_s: float = Field(default=1800.0, gt=0)
-
-    # The regression guard (proxy.training._guard): each published version's group-mean rewards are compared
-    # with those of the versions before it (one-sided Welch t-test); a version worse by more than
-    # regression_margin (reward units) is rolled back and training pauses until an admin resumes it. It decides
-    # within regression_groups rewarded groups; regression_alpha bounds the chance of rolling back a version
-    # that is not worse. Defaults and their reasons: docs/TRAINING.md.
-    regression_guard: bool = True
-    regression_margin: float = Field(default=0.05, ge=0, le=bounds.MAX_MARGIN, allow_inf_nan=False)
-    regression_alpha: float = Field(default=0.05, gt=0, lt=1)
-    regression_groups: int = Field(default=8, ge=3, le=64)
-
-    # Canary trials (proxy.training._canary): with `canary` (a share in (0, 1)) a newly published version serves
-    # that share of new trajectories, the version before it the rest, until a paired test of their rewards within
-    # groups promotes it or rolls it back (margin and alpha as the guard's), within canary_groups paired groups or
-    # canary_minutes. Unset: a new version serves everything at once. Defaults and their reasons: docs/TRAINING.md.
-    canary: float | None = Field(default=None, gt=0, lt=1)
-    canary_margin: float = Field(default=0.05, ge=0, le=bounds.MAX_MARGIN, allow_inf_nan=False)
-    canary_alpha: float = Field(default=0.05, gt=0, lt=1)
-    canary_groups: int = Field(default=8, ge=3, le=256)
-    canary_minutes: float = Field(default=30.0, gt=0, le=bounds.MAX_MINUTES, allow_inf_nan=False)
-
-    # A complete group (min_group_size trajectories or more) still missing rewards after this many seconds
-    # with no call and no reward is judged when a judge is configured (judge_model, or a reward_source that
-    # judges), else closed "unrewarded": never trained, counted (proxy.judge._timeout). Unset: groups
-    # wait for their rewards as long as it takes.
-    reward_timeout_s: float | None = Field(default=None, gt=0, le=bounds.MAX_SECONDS, allow_inf_nan=False)
-
-    # Rewards: POSTed by the user's service ("external"), scored by an LLM judge over each group
-    # ("judge"), or both: external rewards train, the judge's scores are recorded beside them; or scored by
-    # people only ("human": the dashboard's review queue, POST /admin/trajectories/{id}/feedback). A person's
-    # score is the trajectory's reward whatever the source: it overrides a service's or the judge's.
-    reward_source: Literal["external", "judge", "both", "human"] = "external"
-    # A reward's components and their weights (`--reward-weights correct=1,format=0.2`): a reward posted with
-    # metrics and no reward is the weighted sum of those metrics; each component's mean is a step metric.
-    reward_weights: Annotated[RewardWeights | None, NoDecode] = None
-    # How a call's reward (POST /v1/rewards with a call_id) reaches the calls before it: discounted by this per
-    # call (the trainer's --turn-discount; tracetrain_core.call_returns). The trajectory's reward counts fully.
-    turn_discount: float = Field(default=1.0, ge=0, le=1, allow_inf_nan=False)
-    # A litellm model name: openai/gpt-4o-mini, anthropic/claude-..., hosted_vllm/NAME. Unset: the
-    # base model served by `upstream`, with no external key (see proxy.judge._service).
-    judge_model: str | None = None
-    # Where judge_model is served, when not at its provider's usual URL (an OpenAI-compatible gateway).
-    judge_api_base: str | None = Field(default=None, pattern=r"^https?://", max_length=2000)
-    # Further judges a policy may choose as its judge_model (--policy-config, the admin API), beside judge_model:
-    # each `MODEL` (its provider's usual URL and key variable) or `MODEL=BASE_URL` (`--judge`, repeatable; env
-    # TRACETRAIN_JUDGES, comma-separated). Where a judge is served, and with which key, is only ever the operator's
-    # to say: the admin API names one of these models, never a URL (docs/OPERATIONS.md, "The judge").
-    judges: Annotated[tuple[tuple[str, str | None], ...], NoDecode, AfterValidator(values.judge_urls)] = ()
-    # What makes a trajectory better than another; "@path" reads a file. Unset: a generic rubric.
-    judge_rubric: str | None = None
-    # A group is judged once it has group_size trajectories and none changed for judge_quiet_s,
-    # or once it has min_group_size and none changed for judge_idle_s.
-    judge_quiet_s: float = Field(default=10.0, gt=0, le=bounds.MAX_SECONDS, allow_inf_nan=False)
-    judge_idle_s: float = Field(default=300.0, gt=0, le=bounds.MAX_SECONDS, allow_inf_nan=False)
-    judge_max_attempts: int = Field(default=3, ge=1, le=10)
-    judge_concurrency: int = Field(default=2, ge=1)
-
-    # The front door (docs/OPERATIONS.md): a body longer than max_body_mb (10^6 bytes) is refused (413) before it
-    # is read; a derived group's seat whose call was never recorded (its process died) is given back after
-    # seat_timeout_s; /metrics, /docs, /redoc and /openapi.json need the admin token (or a reward key) when
-    # protect_metrics_and_docs. The server's own limits (connections, header and body timeouts) are
-    # tracetrain serve's (tracetrain_cli._http_server).
-    max_body_mb: float = Field(default=32.0, gt=0, allow_inf_nan=False)
-    seat_timeout_s: float = Field(default=900.0, gt=0, allow_inf_nan=False)
-    protect_metrics_and_docs: bool = False
-    max_connections: int = Field(default=1024, ge=1)
-    header_timeout_s: float = Field(default=15.0, gt=0, allow_inf_nan=False)
-    body_timeout_s: float = Field(default=60.0, gt=0, allow_inf_nan=False)
-    # The reverse proxies (addresses or networks) whose X-Forwarded-For / -Proto name the client: the log-in
-    # throttle counts per client address (proxy._throttle). Empty: the connection's peer is the client, whatever
-    # a header says (uvicorn alone would believe any loopback sender). `--forwarded-allow-ips`, comma-separated.
-    forwarded_allow_ips: Annotated[tuple[str, ...], NoDecode, AfterValidator(values.proxy_addresses)] = ()
-
-    # Credentials. Inference keys authorize /v1 generation calls, reward keys /v1/rewards; both for every policy.
-    api_keys: Secrets = ()
-    reward_keys: Secrets = ()
-    # Keys bound to a policy (`--policy-key NAME=KEY`, repeatable; env TRACETRAIN_POLICY_KEYS="NAME=KEY,..."): such
-    # a key calls that policy's model, reads its trajectories and groups and posts its rewards, and nothing else
-    # (proxy._policy_keys). A key named for several policies reaches each of them.
-    policy_keys: Annotated[tuple[tuple[str, SecretStr], ...], NoDecode] = ()
-    admin_token: SecretStr | None = None
-    # Keys that may only read adapter files (GET /v1/adapters/...): what vLLM's resolver sends
-    # (TRACETRAIN_ADAPTERS_KEY there). The admin token reads them too; without adapter keys it alone does.
-    adapter_keys: Secrets = ()
-
-    # Export trajectories, calls and rewards to Langfuse (proxy.observability._langfuse). The keys and the URL are
-    # read from Langfuse's usual variables: LANGFUSE_PUBLIC_KEY, LANGFUSE_SECRET_KEY, LANGFUSE_BASE_URL
-    # (or LANGFUSE_HOST).
-    langfuse: bool = False
-    langfuse_public_key: str | None = Field(default=None, validation_alias="langfuse_public_key")
-    langfuse_secret_key: SecretStr | None = Field(default=None, validation_alias="langfuse_secret_key")
-    langfuse_base_url: str = Field(
-        default="https://cloud.langfuse.com", validation_alias=AliasChoices("langfuse_base_url", "langfuse_host")
-    )
-    # Export each call as an OpenTelemetry span (the GenAI semantic conventions) over OTLP/HTTP
-    # (proxy.observability._otlp): a collector's address (http://collector:4318; /v1/traces is appended) or its
-    # full traces URL. Unset: the standard OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT,
-    # unless OTEL_SDK_DISABLED=true or OTEL_TRACES_EXPORTER names no otlp.
-    otlp_endpoint: str | None = None
-    # Prompts and replies in those spans (gen_ai.input.messages, gen_ai.output.messages): opt-in, as the conventions
-    # make them; also OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true. Langfuse always gets them.
-    otlp_content: bool = Field(
+    # One GPU for vLLM and the trainer (proxy.training._handover).
+    share_gpu: bool = Field(
         default=False,
-        validation_alias=AliasChoices(
-            "otlp_content", "tracetrain_otlp_content", "otel_instrumentation_genai_capture_message_content"
-        ),
-    )
+        description="force vLLM and the trainer onto the same GPU(s), or onto GPUs of their own (--no-share-gpu) "
+        "(default: shared with one GPU, dedicated with several). Shared: around each training step new calls "
+        "wait in the proxy, vLLM finishes what it runs and sleeps, the trainer steps, vLLM wakes with the new "
+        "adapter and the calls go on (vLLM gets VLLM_SERVER_DEV_MODE=1 and, on CUDA, --enable-sleep-mode). With "
+        "--upstream, the same hand-over with your vLLM: start it with VLLM_SERVER_DEV_MODE=1 and, on CUDA, "
+        "--enable-sleep-mode",
+        json_schema_extra=flag("--share-gpu", group=GPUS),
+    )  # fmt: skip
+    handover_wait_s: float = Field(default=300.0, gt=0, description="with --share-gpu: a call held through a training "
+                                   "step longer than this is answered 503 with Retry-After", json_schema_extra=flag(
+                                       "--handover-wait", "SECONDS", group=GPUS))  # fmt: skip
+    handover_timeout_s: float = Field(default=1800.0, gt=0, description="with --share-gpu: a step that keeps the GPU "
+                                      "longer than this loses it, and vLLM serves again", json_schema_extra=flag(
+                                          "--handover-timeout", "SECONDS", group=GPUS))  # fmt: skip
+
+    # Where judge_model is served, when not at its provider's usual URL (an OpenAI-compatible gateway).
+    judge_api_base: str | None = Field(default=None, pattern=r"^https?://", max_length=2000, description="where "
+                                       "--judge-model is served, when not at its provider's usual URL (an "
+                                       "OpenAI-compatible gateway)", json_schema_extra=flag(
+                                           "--judge-api-base", "URL", group=REWARDS, url=True))  # fmt: skip
+    # Where a judge is served, and with which key, is only ever the operator's to say: the admin API names one of
+    # these models, never a URL (docs/OPERATIONS.md, "The judge").
+    judges: Annotated[tuple[tuple[str, str | None], ...], NoDecode, AfterValidator(values.judge_urls)] = Field(
+        default=(), description="a further judge a policy may choose as its judge_model (--policy-config, the admin "
+        "API), at its provider's usual URL with its usual key variable, or at BASE_URL; repeatable. A policy names "
+        "one of these or --judge-model, never a URL (docs/OPERATIONS.md)",
+        json_schema_extra=flag("--judge", "MODEL[=BASE_URL]", group=REWARDS, url=True))  # fmt: skip
+    judge_max_attempts: int = Field(default=3, ge=1, le=10, description="times the judge is asked for one group "
+                                    "before it is given up", json_schema_extra=flag("--judge-max-attempts", "N",
+                                                                                    group=REWARDS))  # fmt: skip
+    judge_concurrency: int = Field(default=2, ge=1, description="groups judged at once", json_schema_extra=flag(
+        "--judge-concurrency", "N", group=REWARDS))
 
     @model_validator(mode="before")
     @classmethod
@@ -246,20 +249,6 @@ class Settings(BaseSettings):
                 data[field] = given[0]
         return data
 
-    @model_validator(mode="before")
-    @classmethod
-    def _otlp_from_otel_variables(cls, data: object) -> object:
-        """No endpoint named: OpenTelemetry's standard variables name it (``proxy._otel_env``)."""
-        if not isinstance(data, dict) or data.get("otlp_endpoint") or os.environ.get("TRACETRAIN_OTLP_ENDPOINT"):
-            return data
-        url = endpoint_from_env()
-        return {**data, "otlp_endpoint": url} if url else data
-
-    @field_validator("otlp_endpoint")
-    @classmethod
-    def _otlp_traces_url(cls, value: str | None) -> str | None:
-        return traces_url(value)
-
     @field_validator("api_keys", "reward_keys", "adapter_keys", "upstreams", "policies", "forwarded_allow_ips",
                      mode="before")  # fmt: skip
     @classmethod
@@ -270,6 +259,11 @@ class Settings(BaseSettings):
     @classmethod
     def _policy_key_pairs(cls, value: object) -> object:
         return values.pairs(value, values.policy_key_pair)
+
+    @field_validator("model_aliases", mode="before")
+    @classmethod
+    def _alias_pairs(cls, value: object) -> object:
+        return values.pairs(value, values.alias_pair)
 
     @field_validator("judges", mode="before")
     @classmethod
@@ -287,16 +281,7 @@ class Settings(BaseSettings):
     @field_validator("judge_rubric")
     @classmethod
     def _rubric_from_file(cls, value: str | None) -> str | None:
-        if value is None or not value.startswith("@"):
-            return value
-        path = Path(value[1:]).expanduser()
-        try:
-            text = path.read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            raise ValueError(f"cannot read the judge rubric from {path}: {exc.strerror}") from None
-        if not text:
-            raise ValueError(f"the judge rubric file {path} is empty")
-        return text
+        return read_rubric(Path(value[1:])) if value is not None and value.startswith("@") else value
 
     def __repr_args__(self) -> Any:
         """URLs shown without their passwords (``store.redact``); secrets are ``SecretStr`` already."""
@@ -347,23 +332,11 @@ class Settings(BaseSettings):
                 raise ValueError(f"--policy-config {name}: {problem}")
         return self
 
-    @model_validator(mode="after")
-    def _check_langfuse(self) -> Settings:
-        if self.langfuse and not (self.langfuse_public_key and self.langfuse_secret_key):
-            raise ValueError(
-                "--langfuse needs the project's keys: set LANGFUSE_PUBLIC_KEY and LANGFUSE_SECRET_KEY "
-                "(and LANGFUSE_BASE_URL unless the project is on https://cloud.langfuse.com)"
-            )
-        if self.langfuse and not self.langfuse_base_url.startswith(("http://", "https://")):
-            raise ValueError(f"LANGFUSE_BASE_URL must be an http(s) URL, got {redact(self.langfuse_base_url)!r}")
-        return self
-
     @property
     def policy_defaults(self) -> PolicySettings:
         """Every policy's settings where it overrides none (``proxy._policy_config``): the server's."""
-        fields = PolicySettings.__dataclass_fields__
-        return PolicySettings(**{name: getattr(self, name) for name in fields if name not in ("name", "sampling")},
-                              name="", sampling=SamplingDefaults())  # fmt: skip
+        return PolicySettings.model_construct(**{name: getattr(self, name) for name in PolicyFields.model_fields},
+                                              name="", sampling=SamplingDefaults())  # fmt: skip
 
     @property
     def policy(self) -> str:

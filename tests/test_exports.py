@@ -6,7 +6,9 @@ import proxy
 
 
 def test_proxy_public_names() -> None:
-    assert sorted(proxy.__all__) == ["PolicyOverrides", "SamplingDefaults", "Settings", "create_app"]
+    assert sorted(proxy.__all__) == [
+        "Declared", "GROUPS", "PolicyOverrides", "SamplingDefaults", "Settings", "create_app", "declared"
+    ]
 
 
 def test_the_serving_path_never_imports_torch() -> None:
@@ -81,10 +83,12 @@ def test_the_pure_core_public_names() -> None:
     import tracetrain_core
 
     assert sorted(tracetrain_core.__all__) == [
-        "ADVANTAGE_EPS", "CallAdvantages", "GroupAdvantages", "anthropic_chat_messages", "anthropic_reply",
-        "call_advantages", "call_messages", "call_reply", "call_returns", "call_tools", "canonical_message",
-        "common_prefix", "first_choice", "group_advantages",
-        "reply_message", "responses_chat_messages", "responses_reply", "same_message", "structured_outputs",
+        "ADVANTAGE_EPS", "CallAdvantages", "GroupAdvantages", "LossVariant", "SamplerCorrection", "SamplerDType",
+        "SourceError", "TrainConfig", "TrainDType", "add_train_config_flags", "anthropic_chat_messages",
+        "anthropic_reply", "apply_sources", "call_advantages", "call_messages", "call_reply", "call_returns",
+        "call_tools", "canonical_message", "common_prefix", "env_name", "first_choice", "flag_actions",
+        "group_advantages", "long_flag", "reply_message", "responses_chat_messages", "responses_reply",
+        "same_message", "structured_outputs", "subcommand_chain", "train_config_from",
     ]  # fmt: skip
 
 

@@ -197,7 +197,7 @@ def test_the_proxies_list_every_vllm_pod_by_its_stable_name() -> None:
     headless = one(objects, "Service", vllm["spec"]["serviceName"])
     assert headless["spec"]["clusterIP"] == "None"
     port = next(p["containerPort"] for p in container(vllm, "vllm")["ports"] if p["name"] == "http")
-    upstreams = resolved_env(objects, container(one(objects, "Deployment", "proxy"), "proxy"))["TRACETRAIN_UPSTREAMS"]
+    upstreams = resolved_env(objects, container(one(objects, "Deployment", "proxy"), "proxy"))["TRACETRAIN_UPSTREAM"]
     expected = [f"http://vllm-{i}.vllm:{port}/v1" for i in range(vllm["spec"]["replicas"])]
     assert upstreams.split(",") == expected
 
@@ -347,7 +347,7 @@ def test_compose_files_parse_with_compose_1_29_and_v2(variant: str, clean_env: p
             settings.database_url
             == f"postgresql+asyncpg://tracetrain:{KEYS['POSTGRES_PASSWORD']}@postgres:5432/tracetrain"
         )
-        assert proxy["environment"]["TRACETRAIN_UPSTREAMS"] == "http://vllm-a:8000/v1,http://vllm-b:8000/v1"
+        assert proxy["environment"]["TRACETRAIN_UPSTREAM"] == "http://vllm-a:8000/v1,http://vllm-b:8000/v1"
         assert services["vllm-a"]["environment"]["TRACETRAIN_ADAPTERS_URL"] == "http://lb:8100"
 
 

@@ -31,6 +31,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from tracetrain_core import TrainConfig
+
 MiB = 1024**2
 GiB = 1024**3
 
@@ -70,7 +72,8 @@ DEDICATED_PERCENT = 90
 MARGIN_MIN = 2 * GiB
 MARGIN_PERCENT = 5
 
-DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_TRAINER = TrainConfig()  # the trainer's defaults, from its own declaration
+DEFAULT_TARGET_MODULES = _TRAINER.target_modules
 # The input each targeted linear casts to fp32 under peft, in units of (hidden, attention output, intermediate).
 _PEFT_INPUT = {"q_proj": "h", "k_proj": "h", "v_proj": "h", "o_proj": "q", "gate_proj": "h", "up_proj": "h",
                "down_proj": "i"}  # fmt: skip
@@ -158,12 +161,12 @@ class VllmLora:
 
 @dataclass(frozen=True)
 class TrainerNeeds:
-    """The trainer's settings that size its memory (TrainConfig's defaults; a test pins them)."""
+    """The trainer's settings that size its memory (by default, TrainConfig's)."""
 
-    lora_r: int = 16
+    lora_r: int = _TRAINER.lora_r
     target_modules: tuple[str, ...] = DEFAULT_TARGET_MODULES
-    micro_batch_tokens: int = 4096
-    logprob_chunk_tokens: int = 1024
+    micro_batch_tokens: int = _TRAINER.micro_batch_tokens
+    logprob_chunk_tokens: int = _TRAINER.logprob_chunk_tokens
     bytes_per_param: int = 2  # 4 with TrainConfig.dtype "float32"
     procs: int = 1
 

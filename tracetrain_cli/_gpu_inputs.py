@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tracetrain_cli._gpu_estimate import Gpu, ModelShape, PlanError, TrainerNeeds
+from tracetrain_core import TrainConfig, add_train_config_flags, train_config_from
 
 NVIDIA_SMI = ("nvidia-smi", "--query-gpu=index,name,memory.total,memory.used", "--format=csv,noheader,nounits")
 
@@ -166,38 +167,40 @@ def _from_config(
 
 
 def trainer_needs(trainer_args: Sequence[str], procs: int = 1) -> TrainerNeeds:
-    """The settings that size the trainer, from the flags serve passes it (``--trainer-arg``).
+    """The settings that size the trainer, read by the trainer's own flags (``--trainer-arg``) into its own
+    configuration (``TrainConfig``: its defaults where they say nothing), as ``python -m trainer`` reads them.
 
-    ``--lora-r`` and ``--micro-batch-tokens`` override ``--config``'s JSON, as in ``python -m trainer``;
-    an ``--init-adapter`` (a warm start) brings its own rank and targets, which then win, as in the learner.
+    An ``--init-adapter`` (a warm start) brings its own rank and targets, which then win, as in the learner.
     """
+    config = trainer_config(trainer_args)
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
-    parser.add_argument("--config", type=Path)
-    parser.add_argument("--lora-r", type=int)
-    parser.add_argument("--micro-batch-tokens", type=int)
     parser.add_argument("--init-adapter", type=Path)
     try:
         args, _ = parser.parse_known_args(list(trainer_args))
-        config: dict[str, Any] = json.loads(args.config.read_text()) if args.config else {}
         adapter: dict[str, Any] = (
             json.loads((args.init_adapter / "adapter_config.json").read_text()) if args.init_adapter else {}
         )
+        return TrainerNeeds(
+            lora_r=int(adapter.get("r") or config.lora_r),
+            target_modules=tuple(adapter.get("target_modules") or config.target_modules),
+            micro_batch_tokens=config.micro_batch_tokens,
+            logprob_chunk_tokens=config.logprob_chunk_tokens,
+            bytes_per_param=4 if config.dtype == "float32" else 2,
+            procs=procs,
+        )
+    except (argparse.ArgumentError, OSError, ValueError, TypeError) as exc:
+        raise PlanError(f"cannot read the trainer's settings from --trainer-arg: {exc}") from None
+
+
+def trainer_config(trainer_args: Sequence[str]) -> TrainConfig:
+    """The trainer's configuration its flags (``--trainer-arg``) make (``PlanError`` if they cannot be read)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    add_train_config_flags(parser)
+    try:
+        args, _ = parser.parse_known_args(list(trainer_args))
+        return train_config_from(args, args.config.read_text() if args.config else None)
     except (argparse.ArgumentError, OSError, ValueError) as exc:
         raise PlanError(f"cannot read the trainer's settings from --trainer-arg: {exc}") from None
-    defaults = TrainerNeeds()
-    try:
-        return TrainerNeeds(
-            lora_r=int(adapter.get("r") or args.lora_r or config.get("lora_r", defaults.lora_r)),
-            target_modules=tuple(adapter.get("target_modules") or config.get("target_modules",
-                                                                              defaults.target_modules)),
-            micro_batch_tokens=int(args.micro_batch_tokens or config.get("micro_batch_tokens",
-                                                                         defaults.micro_batch_tokens)),
-            logprob_chunk_tokens=int(config.get("logprob_chunk_tokens", defaults.logprob_chunk_tokens)),
-            bytes_per_param=4 if config.get("dtype") == "float32" else 2,
-            procs=procs,
-        )  # fmt: skip
-    except (TypeError, ValueError) as exc:
-        raise PlanError(f"cannot read the trainer's settings from {args.config}: {exc}") from None
 
 
 def host_memory(meminfo: Path = Path("/proc/meminfo")) -> int | None:

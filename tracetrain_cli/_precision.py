@@ -18,10 +18,7 @@ Wherever the two are not both float32, the trainer corrects for the gap (``Train
 
 from __future__ import annotations
 
-import argparse
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 Device = Literal["cpu", "cuda"]
@@ -82,15 +79,11 @@ def agree(
 
 def trainer_dtype(trainer_args: list[str]) -> str | None:
     """The dtype the trainer's own flags name (``--dtype``, else ``"dtype"`` in ``--config``'s JSON), if any."""
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
-    parser.add_argument("--config", type=Path)
-    parser.add_argument("--dtype")
+    from tracetrain_cli._gpu_estimate import PlanError
+    from tracetrain_cli._gpu_inputs import trainer_config
+
     try:
-        args, _ = parser.parse_known_args(trainer_args)
-        if args.dtype:
-            return str(args.dtype)
-        config = json.loads(args.config.read_text()) if args.config else {}
-    except (argparse.ArgumentError, OSError, ValueError) as exc:
-        raise SystemExit(f"tracetrain serve: cannot read the trainer's settings from --trainer-arg: {exc}") from None
-    value = config.get("dtype") if isinstance(config, dict) else None
-    return str(value) if value is not None else None
+        config = trainer_config(trainer_args)
+    except PlanError as exc:
+        raise SystemExit(f"tracetrain serve: {exc}") from None
+    return config.dtype if "dtype" in config.model_fields_set else None

@@ -10,9 +10,11 @@ import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import SecretStr, ValidationError
+from pydantic import SecretStr
 
+from tracetrain_cli._config import config_text
 from tracetrain_cli._models import LOG_BACKENDS, TRAIN_MODULES, missing_modules, resolve_model_dir
+from tracetrain_cli._setting_flags import settings_from as proxy_settings
 
 if TYPE_CHECKING:  # the serving modules load at `serve`, not for every command's --help
     from tracetrain_cli._precision import SamplerDtype
@@ -24,8 +26,7 @@ _LOG_TO_CHECK_S = 180  # the trainer's imports (torch) and one request to each t
 
 
 def settings_from(args: argparse.Namespace) -> Any:
-    from proxy import Settings
-
+    """The proxy's settings from serve's flags (``_setting_flags``), after serve's own refusals."""
     if args.replica:
         raise SystemExit(
             "tracetrain serve: --replica was removed. Name every vLLM server with --upstream (repeatable): the "
@@ -37,84 +38,7 @@ def settings_from(args: argparse.Namespace) -> Any:
             f"tracetrain serve: --vllm-arg={given[0]}: pass serve's own --reasoning-parser NAME instead, so that the "
             "proxy knows the parser too"
         )
-    flags = {
-        "upstreams": tuple(args.upstream) if args.upstream else None,
-        "served_model": args.served_model,
-        "reasoning_parser": args.reasoning_parser,
-        "reads_images": getattr(args, "reads_images", None),
-        "host": args.host,
-        "port": args.port,
-        "data_dir": args.data_dir,
-        "database_url": args.database_url,
-        "policies": tuple(args.policy) if args.policy else None,
-        "policy_configs": _policy_configs(args.policy_config) or None,
-        "policy_keys": tuple(args.policy_key) or None,
-        "group_size": args.group_size,
-        "min_group_size": args.min_group_size,
-        "api_keys": args.api_keys,
-        "reward_keys": args.reward_keys,
-        "adapter_keys": args.adapter_keys,
-        "admin_token": args.admin_token,
-        "batch_groups": args.batch_groups,
-        "keep_versions": args.keep_versions,
-        "adapter_delivery": args.adapter_delivery,
-        "reward_source": args.reward_source,
-        "judge_model": args.judge_model,
-        "judge_api_base": args.judge_api_base,
-        "judges": tuple(args.judge) or None,
-        "judge_rubric": args.judge_rubric,
-        "langfuse": args.langfuse or None,  # unset: TRACETRAIN_LANGFUSE decides
-        "otlp_endpoint": args.otlp_endpoint,
-        "otlp_content": args.otlp_content,
-        "share_gpu": args.share_gpu,  # unset: TRACETRAIN_SHARE_GPU decides
-        "handover_wait_s": args.handover_wait,
-        "handover_timeout_s": args.handover_timeout,
-        "regression_guard": False if args.no_regression_guard else None,  # unset: TRACETRAIN_REGRESSION_GUARD
-        "regression_margin": args.regression_margin,
-        "regression_alpha": args.regression_alpha,
-        "regression_groups": args.regression_groups,
-        "canary": args.canary,
-        "canary_groups": args.canary_groups,
-        "canary_minutes": args.canary_minutes,
-        "canary_margin": args.canary_margin,
-        "canary_alpha": args.canary_alpha,
-        "reward_timeout_s": args.reward_timeout,
-        "reward_weights": args.reward_weights,
-        "turn_discount": args.turn_discount,
-        "keep_trajectories_days": args.keep_trajectories,
-        "min_free_disk_mb": args.min_free_disk,
-        "max_body_mb": args.max_body_mb,
-        "max_connections": args.max_connections,
-        "header_timeout_s": args.header_timeout,
-        "body_timeout_s": args.body_timeout,
-        "seat_timeout_s": args.seat_timeout,
-        "forwarded_allow_ips": args.forwarded_allow_ips,
-        "protect_metrics_and_docs": args.protect_metrics_and_docs,  # unset: TRACETRAIN_PROTECT_METRICS_AND_DOCS
-    }
-    try:
-        return Settings(**{k: v for k, v in flags.items() if v is not None})
-    except ValidationError as exc:
-        lines = [f"  {'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}" for e in exc.errors()]
-        raise SystemExit("tracetrain serve: invalid settings\n" + "\n".join(lines)) from None
-
-
-def _policy_configs(given: list[str]) -> dict[str, Any]:
-    """``--policy-config NAME=FILE``s read (SystemExit with what is wrong)."""
-    from proxy import PolicyOverrides
-
-    configs: dict[str, Any] = {}
-    for item in given:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise SystemExit(f"tracetrain serve: --policy-config {item!r}: give NAME=FILE (the policy, '=', a .toml or "
-                             ".json file)")  # fmt: skip
-        if name in configs:
-            raise SystemExit(f"tracetrain serve: --policy-config names {name} twice")
-        try:
-            configs[name] = PolicyOverrides.from_file(Path(path))
-        except ValueError as exc:
-            raise SystemExit(f"tracetrain serve: --policy-config {name}: {exc}") from None
-    return configs
+    return proxy_settings(args)
 
 
 def kept_loaded(settings: Any) -> int:
@@ -135,10 +59,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
     if args.trainer_procs < 1:
         raise SystemExit(f"tracetrain serve: --trainer-procs must be at least 1, got {args.trainer_procs}")
-    # Upstreams named in the environment are servers someone else runs, as --upstream names them: no vLLM child.
-    env_upstreams = os.environ.get("TRACETRAIN_UPSTREAMS") or os.environ.get("TRACETRAIN_UPSTREAM") or ""
-    args.upstream = args.upstream or [url.strip() for url in env_upstreams.split(",") if url.strip()] or None
     settings = settings_from(args)
+    if args.print_config:
+        print(config_text(args, settings), end="")
+        return 0
     if args.plan_only:  # before anything is checked, written or started: a GPU box may not have vLLM yet
         model_dir = _model_dir(args, settings.data_dir)
         print(render_plan(device_plan(args, pick_device(args.device), model_dir, kept_loaded(settings))))

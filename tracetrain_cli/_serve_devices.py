@@ -30,17 +30,20 @@ _DERIVED_FROM = {"--max-lora-rank": "--trainer-arg=--lora-r",
                  "--max-loras": "serve's own --max-loras, or --keep-versions (every policy's summed, + 1)"}  # fmt: skip
 
 
-def add_device_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group(
-        "GPUs (--device cuda)",
-        "The default plan: with one GPU, vLLM and the trainer share it: the trainer keeps its resident memory "
-        "(bf16 base, LoRA, AdamW state, gradients), vLLM gets the rest less a margin as its "
-        "--gpu-memory-utilization, and vLLM sleeps around each training step so that the step's activations fit. "
-        "With several GPUs each side gets its own: the trainer the last GPU (one per --trainer-procs process), "
-        "vLLM the smallest power-of-two tensor-parallel group of the others that holds its weights and a KV "
-        "cache, at 0.90. serve prints the plan, with its memory estimates, when it starts. GPU indices are "
-        "nvidia-smi's. These flags override the plan; a plan that contradicts itself is refused.",
-    )
+# The GPU group's description in serve --help (the group itself is made with the others: its settings are in it).
+GPU_PLAN = (
+    "The default plan: with one GPU, vLLM and the trainer share it: the trainer keeps its resident memory "
+    "(bf16 base, LoRA, AdamW state, gradients), vLLM gets the rest less a margin as its "
+    "--gpu-memory-utilization, and vLLM sleeps around each training step so that the step's activations fit. "
+    "With several GPUs each side gets its own: the trainer the last GPU (one per --trainer-procs process), "
+    "vLLM the smallest power-of-two tensor-parallel group of the others that holds its weights and a KV "
+    "cache, at 0.90. serve prints the plan, with its memory estimates, when it starts. GPU indices are "
+    "nvidia-smi's. These flags override the plan; a plan that contradicts itself is refused."
+)
+
+
+def add_device_flags(g: Any) -> None:
+    """The GPU plan's flags, into serve's GPU group."""
     g.add_argument(
         "--plan-only",
         action="store_true",
@@ -68,17 +71,6 @@ def add_device_flags(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="vLLM data parallel: not supported yet (an adapter loaded through /v1/load_lora_adapter reaches "
         "one engine); only 1 is accepted (default 1)",
-    )
-    g.add_argument(
-        "--share-gpu",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="force vLLM and the trainer onto the same GPU(s), or onto GPUs of their own (--no-share-gpu) "
-        "(default: shared with one GPU, dedicated with several). Shared: around each training step new calls "
-        "wait in the proxy, vLLM finishes what it runs and sleeps, the trainer steps, vLLM wakes with the new "
-        "adapter and the calls go on (vLLM gets VLLM_SERVER_DEV_MODE=1 and, on CUDA, --enable-sleep-mode). With "
-        "--upstream, the same hand-over with your vLLM: start it with VLLM_SERVER_DEV_MODE=1 and, on CUDA, "
-        "--enable-sleep-mode and the --gpu-memory-utilization the plan prints (--plan-only)",
     )
     g.add_argument(
         "--trainer-shard",

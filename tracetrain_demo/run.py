@@ -45,6 +45,7 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm  # type: ignore[import-untyped]  # no stubs in the train extra
 
+from tracetrain_core import SourceError, apply_sources
 from tracetrain_demo import serve_api
 from tracetrain_demo._lane import Evaluation, Lane, env_for
 from tracetrain_demo.report import HEADER, busy_cpu_seconds, row, summary
@@ -115,6 +116,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        apply_sources(p, argv, os.environ)  # TRACETRAIN_<FLAG> under the flags, as for every command
+    except SourceError as exc:
+        p.error(str(exc))
+    args = p.parse_args(argv)
+    args.tasks = [task.strip() for task in args.task.split(",") if task.strip()]
+    unknown = [task for task in args.tasks if task not in TASKS]
+    if not args.tasks or unknown or len(set(args.tasks)) != len(args.tasks):
+        p.error(f"--task {args.task}: name each of {', '.join(sorted(TASKS))} at most once, comma-separated")
+    if args.structured and args.tasks != ["city"]:
+        p.error("--structured is the city task's (--task city): the tool tasks constrain their first call already")
+    return args
+
+
+def parser() -> argparse.ArgumentParser:
+    """``tracetrain demo``'s flags."""
     p = argparse.ArgumentParser(
         prog="tracetrain demo",
         description="An unmodified agent gets better at its task while it runs. Starts tracetrain serve on "
@@ -200,14 +219,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="the trainer's correction for a sampler/learner gap (default: the task's; city: auto, tis where the "
         "dtypes differ; lookup and agents-sdk: tis, as their first call is constrained)",
     )
-    args = p.parse_args(argv)
-    args.tasks = [task.strip() for task in args.task.split(",") if task.strip()]
-    unknown = [task for task in args.tasks if task not in TASKS]
-    if not args.tasks or unknown or len(set(args.tasks)) != len(args.tasks):
-        p.error(f"--task {args.task}: name each of {', '.join(sorted(TASKS))} at most once, comma-separated")
-    if args.structured and args.tasks != ["city"]:
-        p.error("--structured is the city task's (--task city): the tool tasks constrain their first call already")
-    return args
+    return p
 
 
 def _start_serve(args: argparse.Namespace, data_dir: Path, run_dir: Path, children: list[ChildProcess]) -> str:

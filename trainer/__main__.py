@@ -28,9 +28,9 @@ from typing import NoReturn
 from pydantic import ValidationError
 
 from store import POLICY_NAME_PATTERN
+from tracetrain_core import add_train_config_flags, train_config_from
 from trainer import _distributed
 from trainer._attention import ATTN_CHOICES
-from trainer._config import TrainConfig
 from trainer._distributed import Ranks
 from trainer._run_log import (
     MissingExtra,
@@ -51,7 +51,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     _add_job_flags(p)
     _add_process_flags(p)
-    _add_config_flags(p)
+    add_train_config_flags(p)
     _add_worker_flags(p)
     _add_log_flags(p)
     p.add_argument("--once", action="store_true", help="run the queued jobs, then exit")
@@ -115,39 +115,6 @@ def _add_process_flags(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="the attention kernel (default auto: flash_attention_2 on CUDA in bf16/fp16 when the flash_attn "
         "package is installed, else sdpa); the choice is logged at start",
-    )
-
-
-def _add_config_flags(p: argparse.ArgumentParser) -> None:
-    """TrainConfig: a JSON file of its fields, and the flags that override them."""
-    p.add_argument("--config", type=Path, help="a JSON file of TrainConfig fields; the flags below override it")
-    p.add_argument("--loss", choices=["grpo", "dr_grpo", "gspo", "cispo"], help="the objective (default grpo)")
-    p.add_argument("--learning-rate", type=float, help="AdamW learning rate (default 3e-4)")
-    p.add_argument("--lora-r", type=int, help="LoRA rank (default 16); vLLM's --max-lora-rank must be at least this")
-    p.add_argument(
-        "--max-staleness",
-        type=int,
-        help="skip samples served by a version more than this many versions old (default 2)",
-    )
-    p.add_argument("--kl-coef", type=float, help="weight of the KL to the base model (default 0: off)")
-    p.add_argument(
-        "--micro-batch-tokens",
-        type=int,
-        help="token budget of one packed forward (default 4096); smaller needs less GPU memory per step",
-    )
-    p.add_argument(
-        "--dtype", choices=["auto", "float32", "bfloat16"], help="what the trainer computes in (default auto)"
-    )
-    p.add_argument(
-        "--sampler-dtype",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="what vLLM samples in (serve passes it); decides the default --sampler-correction (default auto: unknown)",
-    )
-    p.add_argument(
-        "--sampler-correction",
-        choices=["auto", "none", "tis", "mis"],
-        help="correct the sampler/learner log-prob gap: tis (truncated importance sampling), mis (masked), none "
-        "(default auto: tis unless both compute in float32)",
     )
 
 
@@ -216,13 +183,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     group = Ranks.from_env()
     where = f" [rank {group.rank}]" if group is not None else ""
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s %(levelname)s %(name)s{where}: %(message)s")
-    flags = {"loss": args.loss, "learning_rate": args.learning_rate, "lora_r": args.lora_r,
-             "max_staleness": args.max_staleness, "kl_coef": args.kl_coef}  # fmt: skip
-    flags["micro_batch_tokens"] = args.micro_batch_tokens
-    flags |= {"dtype": args.dtype, "sampler_dtype": args.sampler_dtype, "sampler_correction": args.sampler_correction}
     try:
-        base = TrainConfig.model_validate_json(args.config.read_text()).to_dict() if args.config else {}
-        config = TrainConfig.from_dict({**base, **{k: v for k, v in flags.items() if v is not None}})
+        config = train_config_from(args, args.config.read_text() if args.config else None)
     except (OSError, ValidationError) as exc:
         raise SystemExit(f"python -m trainer: bad training configuration: {exc}") from None
     if not (args.base_model / "config.json").is_file():

@@ -71,16 +71,11 @@ def policy_view(services: PolicySources, row: dict[str, Any]) -> dict[str, Any]:
         "training": row["training"],
         "training_reason": row["training_reason"],
         "config": row["config"],  # what it overrides
-        "settings": {k: v for k, v in _asdict(resolved).items() if k != "name"},  # what it runs with
+        "settings": resolved.model_dump(exclude={"name"})  # what it runs with
+        | {"sampling": resolved.sampling.model_dump(exclude_none=True)},
         "created_at": row["created_at"],
         "retired_at": row["retired_at"],
     }
-
-
-def _asdict(settings: Any) -> dict[str, Any]:
-    out = {name: getattr(settings, name) for name in settings.__dataclass_fields__}
-    out["sampling"] = settings.sampling.model_dump(exclude_none=True)
-    return out
 
 
 async def list_policies(services: PolicySources) -> dict[str, Any]:

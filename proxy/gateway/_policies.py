@@ -70,8 +70,11 @@ class ServedPolicy:
 class PolicyRegistry:
     """The policies served, each one's published versions and alias; calls in flight on each version."""
 
-    def __init__(self, base_model: str | None = None, policies: tuple[PolicySettings, ...] = ()) -> None:
+    def __init__(self, base_model: str | None = None, policies: tuple[PolicySettings, ...] = (),
+                 aliases: tuple[tuple[str, str], ...] = ()) -> None:  # fmt: skip
         self.base_model = base_model
+        # An agent's own model names, each to the policy that serves it ("*": every name nothing else serves).
+        self.aliases = dict(aliases)
         self._states: dict[str, ServedPolicy] = {}
         # (policy, version) -> requests now being served by it: a version is not unloaded under them, even after
         # its policy was retired.
@@ -120,17 +123,26 @@ class PolicyRegistry:
             self.in_flight[(policy, version)] -= 1
 
     def policy(self, model: str, scope: Scope = EVERY) -> ServedPolicy:
-        """The policy ``model`` names (``NAME`` or ``NAME@N``), if served and within ``scope``; else a 404."""
-        name = model.partition("@")[0]
+        """The policy ``model`` names (``NAME``, ``NAME@N`` or an alias), if served and within ``scope``; else a
+        404."""
+        name = self.aliased(model).partition("@")[0]
         state = self._states.get(name)
         if state is None or not scope.allows(name):
             raise self._unknown(model, scope)
         return state
 
+    def aliased(self, model: str) -> str:
+        """The policy's name an alias stands for (``--model-alias``); a policy's own name as it is."""
+        if model in self.aliases:
+            return self.aliases[model]
+        if model.partition("@")[0] in self._states or "*" not in self.aliases:
+            return model
+        return self.aliases["*"]
+
     def resolve(self, model: str, scope: Scope = EVERY) -> Route:
         """The version ``model`` names; a 404 for a name outside ``scope``, as for one that does not exist."""
         state = self.policy(model, scope)
-        _, sep, pinned = model.partition("@")
+        _, sep, pinned = self.aliased(model).partition("@")
         if not sep:
             return Route(state.name, state.active_version, self.served_name(state.name, state.active_version))
         if _PINNED.fullmatch(pinned) and int(pinned) in state.loaded_versions:
@@ -164,9 +176,15 @@ class PolicyRegistry:
             return ModelNotFound(f"The model '{model}' does not exist, and no model is served to this key.",
                                  param="model")  # fmt: skip
         names = ", ".join(f"'{name}'" for name in visible)
+        aliased = self.aliased(model)
+        if aliased != model and aliased.partition("@")[0] not in self._states:
+            return ModelNotFound(f"The model '{model}' is an alias (--model-alias) of the policy '{aliased}', which "
+                                 f"this proxy does not serve; it serves {names}.", param="model")  # fmt: skip
         return ModelNotFound(
-            f"The model '{model}' does not exist. This proxy serves {names} (each one's newest version) and pinned "
-            f"versions such as '{visible[0]}@0'; see GET /v1/models.",
+            f"The model '{model[:200]}' does not exist. This proxy serves {names} (each one's newest version) and "
+            f"pinned versions such as '{visible[0]}@0'; see GET /v1/models. To serve an agent's own model name, "
+            f"map it to a policy: tracetrain serve --model-alias '{model[:200]}={visible[0]}' (or --model-alias "
+            f"'*={visible[0]}' for every name).",
             param="model",
         )
 
@@ -188,4 +206,7 @@ class PolicyRegistry:
             if scope.allows(name):
                 state = self._states[name]
                 data += [entry(name)] + [entry(state.adapter(v)) for v in sorted(state.loaded_versions)]
+        # An alias is listed as a model of its own: agents that check the list find the name they ask for.
+        data += [entry(alias) for alias, name in sorted(self.aliases.items())
+                 if alias != "*" and name in self._states and scope.allows(name)]  # fmt: skip
         return {"object": "list", "data": data}
