@@ -248,14 +248,11 @@ OTHER_PROGRAMS = frozenset({
     "--allowed", "--tools", "--http", "--loop", "--interface", "--idle", "--nonblocking",
 })  # fmt: skip
 # Named by a page another change rewrites (docs/BENCHMARKS.md proposes `--server granian` as a follow-up).
-NOT_YET = frozenset({"--server"})
-
-
 def test_the_docs_name_only_flags_that_exist() -> None:
     import re
 
     root = Path(__file__).parent.parent
-    known = set(OTHER_PROGRAMS | NOT_YET)
+    known = set(OTHER_PROGRAMS)
     for _, parser in commands():
         known |= {s for a in parser._actions for s in a.option_strings if s.startswith("--")}
     # The project's other programs: python -m trainer (and trainer.pull, trainer.sft), bench/, docs/screenshots.py.
