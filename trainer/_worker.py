@@ -9,16 +9,14 @@ groups waits at most one step of each other policy, however many jobs a busy one
 model stays loaded; moving to another policy puts that policy's LoRA and AdamW state in place of the
 last one's (``Learner.switch``), or builds the learner again when that cannot be done in place.
 
-The proxy publishes what the worker records (``proxy.training._publisher``). The worker
-trains on top of the version the policy serves: after a rollback or a failed publish it
-reloads that version's adapter first. It never talks to vLLM or the proxy; the store is
-the only thing they share, so the worker can run on its own GPU machine: the adapter's
-files are recorded in the store with it, and vLLM fetches them through the proxy.
+The proxy publishes what the worker records (``proxy.training._publisher``). The worker trains on top of the
+version the policy serves: after a rollback or a failed publish it reloads that version's adapter first. It
+never talks to vLLM or the proxy; the store is the only thing they share, so the worker can run on its own GPU
+machine: the adapter's files are recorded in the store with it, and vLLM fetches them through the proxy.
 
-A claimed job carries a lease that the worker renews while it trains. A worker that dies
-stops renewing: after the lease any proxy replica queues the job again (``store._jobs``).
-A worker that restarts on the same host gives back at once the claims of its dead
-predecessor, without waiting for the lease.
+A claimed job carries a lease that the worker renews while it trains. A worker that dies stops renewing: after
+the lease any proxy replica queues the job again (``store._jobs``). A worker that restarts on the same host
+gives back at once the claims of its dead predecessor, without waiting for the lease.
 
 Under torchrun (``--procs N``) the ``Worker`` runs on rank 0 only and tells the other ranks
 what to do; they run ``follow``, which never opens the store (``trainer._distributed``).
