@@ -301,9 +301,9 @@ def judgements(proxy: RunningProxy, **params: Any) -> list[dict[str, Any]]:
     return data
 
 
-def fake_judge(fake: FakeVLLM, held: threading.Event | None = None) -> list[dict[str, Any]]:
-    """Make the fake vLLM answer judge requests (they carry a response_format): 1 for Paris, else 0; with
-    ``held``, once that event is set."""
+def fake_judge(fake: FakeVLLM, delay_s: float = 0.0, held: threading.Event | None = None) -> list[dict[str, Any]]:
+    """Make the fake vLLM answer judge requests (they carry a response_format): 1 for Paris, else 0; after
+    ``delay_s``, and with ``held``, once that event is set."""
     asked: list[dict[str, Any]] = []
 
     def reply_for(body: dict[str, Any]) -> Reply | None:
@@ -313,7 +313,7 @@ def fake_judge(fake: FakeVLLM, held: threading.Event | None = None) -> list[dict
         prompt = body["messages"][-1]["content"]
         blocks = re.findall(r'<trajectory id="(t\d+)">\n(.*?)\n</trajectory>', prompt, re.DOTALL)
         scores = [(label, 1.0 if "Paris" in text else 0.0) for label, text in blocks]
-        return Reply(answer(*scores, explanation="Checked the capital."), held=held)
+        return Reply(answer(*scores, explanation="Checked the capital."), delay_s=delay_s, held=held)
 
     fake.reply_for = reply_for
     return asked
