@@ -159,18 +159,18 @@ def _runs_vllm(item: pytest.Item) -> bool:
     return item.get_closest_marker("integration") is not None or _shared_server(item) is not None
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> Iterator[None]:
-    """Each module that uses a shared server moves up next to the first module that uses the same one.
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """On pytest-xdist's workers (``make test``), every test that runs real vLLM joins one ``xdist_group``: one
+    worker runs them all, in the order below, one vLLM at a time (marked as collected: xdist reads the groups
+    in its own ``pytest_collection_modifyitems``)."""
+    if _WORKER in os.environ and _runs_vllm(item):
+        item.add_marker(pytest.mark.xdist_group(VLLM_GROUP))
 
-    On pytest-xdist's workers (``make test``), every test that runs real vLLM joins one ``xdist_group`` (one
-    worker runs them in this order, one vLLM at a time) and they come first: the longest unit starts first.
-    """
-    if _WORKER in os.environ:  # before xdist's own hook reads the groups
-        for item in items:
-            if _runs_vllm(item):
-                item.add_marker(pytest.mark.xdist_group(VLLM_GROUP))
-    yield  # -k and -m deselect
+
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each module that uses a shared server moves up next to the first module that uses the same one; on
+    xdist's workers the tests of real vLLM come first (their group, the longest unit, starts first)."""
     modules: dict[Any, list[pytest.Item]] = {}
     for item in items:
         modules.setdefault(getattr(item, "module", None) or item.path, []).append(item)
@@ -189,7 +189,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items[:] = [item for module_items in order for item in module_items]
     if _WORKER in os.environ:
         items.sort(key=lambda item: not _runs_vllm(item))  # stable: the order above holds within each part
+        _name_groups(items)
     config.stash[_LAST_USE] = {server: item.nodeid for item in items if (server := _shared_server(item))}
+
+
+def _name_groups(items: list[pytest.Item]) -> None:
+    """What xdist's loadgroup reads: ``nodeid@group``. xdist 3.8 writes it into ``item._nodeid``, which pytest 9
+    no longer reads (a test's id is ``item._id``), so its groups would be ignored and the tests spread."""
+    from _pytest.nodeid import coerce_node_id
+
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None and "@" not in item.nodeid.rpartition("::")[2]:
+            item._id = coerce_node_id(f"{item.nodeid}@{VLLM_GROUP}")  # type: ignore[attr-defined]
 
 
 @pytest.hookimpl(hookwrapper=True)
