@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from fake_vllm import FakeVLLM, serve_in_thread
@@ -29,10 +30,18 @@ _WORKER_STARTS = pytest.StashKey[int]()
 _WORKER = "PYTEST_XDIST_WORKER"
 POSTGRES_URL = "TRACETRAIN_TEST_POSTGRES_URL"
 VLLM_GROUP = "vllm"
+HTTP_TIMEOUT_S = 60.0
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """On an xdist worker, the PostgreSQL tests get a database of the worker's own (tests/workers.py)."""
+    """On an xdist worker, the PostgreSQL tests get a database of the worker's own (tests/workers.py).
+
+    The tests' own httpx calls (``httpx.get``, ``httpx.post``, a bare ``httpx.Client()``) wait up to 60 s, not
+    httpx's 5: a loaded 2-core machine has taken longer than 5 s to answer the first dashboard page or a call
+    right after a training step. A test that bounds a wait passes its own timeout; this one only ends a hang.
+    """
+    default = httpx._config.DEFAULT_TIMEOUT_CONFIG  # the object every httpx default argument refers to
+    default.connect = default.read = default.write = default.pool = HTTP_TIMEOUT_S
     worker, url = os.environ.get(_WORKER), os.environ.get(POSTGRES_URL)
     if worker and url:
         os.environ[POSTGRES_URL] = worker_database(url, worker)
