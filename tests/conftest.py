@@ -208,8 +208,10 @@ def _name_groups(items: list[pytest.Item]) -> None:
     from _pytest.nodeid import coerce_node_id
 
     for item in items:
-        if item.get_closest_marker("xdist_group") is not None and "@" not in item.nodeid.rpartition("::")[2]:
-            item._id = coerce_node_id(f"{item.nodeid}@{VLLM_GROUP}")  # type: ignore[attr-defined]
+        mark = item.get_closest_marker("xdist_group")
+        if mark is not None and "@" not in item.nodeid.rpartition("::")[2]:
+            group = mark.args[0] if mark.args else mark.kwargs.get("name", "default")
+            item._id = coerce_node_id(f"{item.nodeid}@{group}")  # type: ignore[attr-defined]
 
 
 @pytest.hookimpl(hookwrapper=True)
