@@ -203,11 +203,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _name_groups(items: list[pytest.Item]) -> None:
-    """What xdist's loadgroup reads: ``nodeid@group``. xdist 3.8 writes it into ``item._nodeid``, which pytest 9
-    no longer reads (a test's id is ``item._id``), so its groups would be ignored and the tests spread."""
+    """Ids as xdist's scheduler needs them: one per test, and ``nodeid@group`` for a group's.
+
+    xdist 3.8 (and schemathesis, naming each operation's test) write ``item._nodeid``, which pytest 9 no longer
+    reads (a test's id is ``item._id``): xdist would ignore the groups, and take schemathesis's tests, all with
+    one id, for one test and run it once.
+    """
     from _pytest.nodeid import coerce_node_id
 
     for item in items:
+        parent, _, name = item.nodeid.rpartition("::")
+        if name != item.name and parent:
+            item._id = coerce_node_id(f"{parent}::{item.name}")  # type: ignore[attr-defined]
         mark = item.get_closest_marker("xdist_group")
         if mark is not None and "@" not in item.nodeid.rpartition("::")[2]:
             group = mark.args[0] if mark.args else mark.kwargs.get("name", "default")
