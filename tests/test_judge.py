@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -300,8 +301,9 @@ def judgements(proxy: RunningProxy, **params: Any) -> list[dict[str, Any]]:
     return data
 
 
-def fake_judge(fake: FakeVLLM, delay_s: float = 0.0) -> list[dict[str, Any]]:
-    """Make the fake vLLM answer judge requests (they carry a response_format): 1 for Paris, else 0."""
+def fake_judge(fake: FakeVLLM, delay_s: float = 0.0, held: threading.Event | None = None) -> list[dict[str, Any]]:
+    """Make the fake vLLM answer judge requests (they carry a response_format): 1 for Paris, else 0; after
+    ``delay_s``, and with ``held``, once that event is set."""
     asked: list[dict[str, Any]] = []
 
     def reply_for(body: dict[str, Any]) -> Reply | None:
@@ -311,7 +313,7 @@ def fake_judge(fake: FakeVLLM, delay_s: float = 0.0) -> list[dict[str, Any]]:
         prompt = body["messages"][-1]["content"]
         blocks = re.findall(r'<trajectory id="(t\d+)">\n(.*?)\n</trajectory>', prompt, re.DOTALL)
         scores = [(label, 1.0 if "Paris" in text else 0.0) for label, text in blocks]
-        return Reply(answer(*scores, explanation="Checked the capital."), delay_s=delay_s)
+        return Reply(answer(*scores, explanation="Checked the capital."), delay_s=delay_s, held=held)
 
     fake.reply_for = reply_for
     return asked
@@ -345,12 +347,14 @@ def test_with_reward_source_judge_a_full_group_is_judged_and_trains(start_proxy,
 
 
 def test_a_group_that_changes_while_judged_is_not_written_but_judged_again(start_proxy, fake: FakeVLLM) -> None:
-    asked = fake_judge(fake, delay_s=0.5)
+    thinking = threading.Event()
+    asked = fake_judge(fake, held=thinking)
     proxy = start_proxy(reward_source="judge", group_size=2, judge_quiet_s=0.1, judge_idle_s=60)
     attempt(proxy, "a")
     attempt(proxy, "b")
     wait_for(lambda: asked)
     attempt(proxy, "a", "And of Italy?")  # the agent goes on while the judge thinks
+    thinking.set()
     ok = wait_for(lambda: judgements(proxy, state="ok"))
     (failed,) = judgements(proxy, state="failed")
     assert "changed while it was judged" in failed["error"] and failed["id"] < ok[0]["id"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 import uuid
 from collections import Counter
@@ -135,7 +136,8 @@ _LITELLM_TYPES = "ignore:Item 'summary' on TypedDict"
 async def test_two_replicas_scanning_together_judge_a_group_once(
     replicas: tuple[Store, Store], fake: FakeVLLM, tmp_path: Path
 ) -> None:
-    asked = fake_judge(fake, delay_s=0.3)  # both scans see the group due while the first judge still thinks
+    thinking = threading.Event()  # both scans see the group due while the first judge still thinks
+    asked = fake_judge(fake, held=thinking)
     settings = Settings(upstream=f"{fake.url}/v1", data_dir=tmp_path, reward_source="judge", group_size=2,  # type: ignore[attr-defined]
                         min_group_size=2, batch_groups=5, judge_quiet_s=0.05)  # fmt: skip
     judges = []
@@ -151,6 +153,7 @@ async def test_two_replicas_scanning_together_judge_a_group_once(
     try:
         started = await asyncio.gather(*(judge.scan_once() for judge in judges))
         assert [len(s) for s in started] == [1, 1]  # both saw it due
+        thinking.set()
         deadline = time.monotonic() + 60  # the first judgement imports litellm: seconds on a busy machine
         while any(judge._tasks for judge in judges):
             assert time.monotonic() < deadline

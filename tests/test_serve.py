@@ -21,6 +21,7 @@ from pathlib import Path
 import openai
 import pytest
 from fake_vllm import FakeVLLM
+from vllm_servers import VLLMServers
 
 from tracetrain import Client
 from tracetrain_proc import ChildProcess
@@ -115,8 +116,10 @@ def test_the_vllm_serve_starts_returns_logprobs_after_temperature(tmp_path: Path
 
 
 @pytest.mark.integration
-async def test_serve_starts_vllm_trains_publishes_and_survives_a_vllm_crash(tmp_path: Path,
-                                                                            tiny_model_dir: Path) -> None:  # fmt: skip
+async def test_serve_starts_vllm_trains_publishes_and_survives_a_vllm_crash(
+    tmp_path: Path, tiny_model_dir: Path, vllm_servers: VLLMServers
+) -> None:
+    vllm_servers.share_kernels(tmp_path / "data")  # its own vLLM, with the kernels the session compiled
     port = free_port()
     serve = start_serve(
         tmp_path, port, "--model", str(tiny_model_dir), "--device", "cpu", "--vllm-port", str(free_port()),

@@ -9,7 +9,9 @@ A test that changes a server's state does not leak it into the next: before each
 to how it started (every LoRA adapter unloaded, resumed and awake when it serves the sleep endpoints).
 Adapter names (``agent@1``...) can then repeat from test to test. A test that must own its server (a
 resolver pointed at its own proxy, a server it crashes, one that ``tracetrain serve`` supervises) still
-starts its own.
+starts its own, and ``share_kernels(data_dir)`` hands it the kernels the others compiled: a cold vLLM
+compiles its C++ kernels (g++) at its first requests, ~10 s on a quiet machine and several times that on
+a loaded one.
 """
 
 from __future__ import annotations
@@ -62,6 +64,19 @@ class VLLMServers:
             raise
         self._running[name] = process
         return process
+
+    def share_kernels(self, data_dir: Path) -> Path:
+        """``data_dir`` (made, private) with its torch.compile cache linked to the one the shared servers use.
+
+        vLLM keeps that cache under its data directory (``VLLMLaunch.env``), keyed by what was compiled: one
+        cache serves every model and server, and concurrent compiles take its file locks.
+        """
+        shared = self._root / "cache" / "torchinductor"
+        shared.mkdir(parents=True, exist_ok=True)
+        (data_dir / "cache").mkdir(mode=0o700, parents=True, exist_ok=True)
+        data_dir.chmod(0o700)
+        (data_dir / "cache" / "torchinductor").symlink_to(shared, target_is_directory=True)
+        return data_dir
 
     def stop(self, name: str) -> None:
         process = self._running.pop(name, None)

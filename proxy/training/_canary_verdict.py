@@ -43,6 +43,7 @@ versions through by the bound of 8). Pure: no I/O; ``proxy.training._canary`` re
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -216,6 +217,7 @@ def arm_view(totals: ArmTotals) -> dict[str, Any]:
     return {"trajectories": totals.trajectories, "rewarded": k, "mean": mean, "interval": interval}
 
 
+@functools.lru_cache(maxsize=1024)  # a bisection of ~200 CDFs, asked again at every look for the same (q, df)
 def t_quantile(q: float, df: float) -> float:
     """The ``q`` quantile of Student's t with ``df`` degrees of freedom, by bisection of its CDF.
 
