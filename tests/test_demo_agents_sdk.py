@@ -207,3 +207,19 @@ def test_the_sdk_agents_calls_reach_vllm_as_the_tool_tasks_agent_sends_them(
         assert (sdk_call["temperature"], sdk_call["max_tokens"]) == (chat_call["temperature"], chat_call["max_tokens"])
         assert (sdk_call.get("tool_choice") or "auto") == chat_call["tool_choice"]  # vLLM: none named is "auto"
     assert "find_hotel(city: string): The hotel booked for the traveller in a city." in prompt(sdk_calls[0])
+
+
+def test_each_captured_responses_call_is_rewarded_by_the_city_its_lookup_named() -> None:
+    scenario = scenarios()[0][0]
+    request = {"instructions": agents_sdk.INSTRUCTIONS, "input": scenario.prompt}
+
+    def lookup(city: str) -> dict[str, object]:
+        output = [
+            {"type": "function_call", "name": "find_hotel", "call_id": "c", "arguments": json.dumps({"city": city})}
+        ]
+        return {"output": output}
+
+    assert agents_sdk.call_reward(request, lookup(scenario.destination)) == 1.0
+    assert agents_sdk.call_reward(request, lookup(scenario.origin)) == 0.0
+    answer = [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "{}"}]}]
+    assert agents_sdk.call_reward(request, {"output": answer}) is None  # an answer: the trajectory's reward judges it
