@@ -60,7 +60,7 @@ _BESIDE_TRAINING = 16
 # near the sample length keep attention cheap.
 _TRAIN_CONFIG = {"micro_batch_tokens": 1024}
 # serve's --turn-discount with --call-rewards (the flag's help says why 0).
-_TURN_DISCOUNT = 0.0
+DEFAULT_TURN_DISCOUNT = 0.0
 
 
 def train_config(tasks: Sequence[Task], learning_rate: float, dtype: str, correction: str | None) -> dict[str, object]:
@@ -228,7 +228,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.turn_discount is not None and not (args.call_rewards and 0 <= args.turn_discount <= 1):
         p.error("--turn-discount G weighs call rewards: give --call-rewards too, and G from 0 to 1")
     if args.call_rewards and args.turn_discount is None:
-        args.turn_discount = _TURN_DISCOUNT
+        args.turn_discount = DEFAULT_TURN_DISCOUNT
     if args.structured and args.tasks != ["city"]:
         p.error("--structured is the city task's (--task city): the tool tasks constrain their first call already")
     return args
