@@ -65,6 +65,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "before and after only)")  # fmt: skip
     p.add_argument("--data-dir", type=Path, default=REPO / ".tracetrain", help="the model; the demo runs in it")
     p.add_argument("--out", type=Path, default=REPO / ".tracetrain" / "bench-call-rewards", help="results and plot")
+    p.add_argument("--port", type=int, default=8100, help="the demo's proxy port (default 8100; vLLM: the next one)")
     p.add_argument("--reuse", action="store_true", help="keep the runs already in OUT (an interrupted bench goes on)")
     args = p.parse_args(argv)
     args.minutes = TASKS[args.task].minutes if args.minutes is None else args.minutes
@@ -84,7 +85,7 @@ def demo_command(args: argparse.Namespace, call_rewards: bool) -> list[str]:
     """The demo's command line for one run: training bound by minutes alone (the steps' bound out of reach)."""
     command = [sys.executable, "-m", "tracetrain_cli", "demo", "--data-dir", str(args.data_dir), "--task", args.task,
                "--minutes", str(args.minutes), "--steps", "100000", "--eval-attempts", str(args.eval_attempts),
-               "--eval-every", str(args.eval_every)]  # fmt: skip
+               "--eval-every", str(args.eval_every), "--port", str(args.port)]  # fmt: skip
     return command + (["--call-rewards", "--turn-discount", str(args.turn_discount)] if call_rewards else [])
 
 

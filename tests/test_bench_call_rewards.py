@@ -29,13 +29,13 @@ def _demo_results(before: float, after: float, steps: int, *, began: float = 100
 
 
 def test_the_bench_runs_pairs_interleaved_with_call_rewards_first_at_the_same_minutes(bench: ModuleType) -> None:
-    args = bench.parse(["--pairs", "2", "--minutes", "2"])
+    args = bench.parse(["--pairs", "2", "--minutes", "2", "--port", "8300"])
     assert bench.schedule(args.pairs) == [(0, True), (0, False), (1, True), (1, False)]
     with_, without = bench.demo_command(args, True), bench.demo_command(args, False)
     assert with_[with_.index("--minutes") + 1] == without[without.index("--minutes") + 1] == "2.0"
     assert with_[-3:] == ["--call-rewards", "--turn-discount", "0.0"]  # the demo's default discount, recorded
     assert "--call-rewards" not in without and "--turn-discount" not in without
-    assert with_[with_.index("--task") + 1] == "lookup"
+    assert with_[with_.index("--task") + 1] == "lookup" and without[without.index("--port") + 1] == "8300"
 
 
 def test_the_bench_defaults_to_three_pairs_of_the_tool_tasks_minutes_and_refuses_nonsense(bench: ModuleType) -> None:
