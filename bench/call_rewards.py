@@ -180,7 +180,7 @@ def plot(runs: Sequence[dict[str, Any]], path: Path, task: str, attempts: int) -
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
-    args.out = args.out.resolve()
+    args.out, args.data_dir = args.out.resolve(), args.data_dir.resolve()  # the demo runs from the repository's root
     args.out.mkdir(parents=True, exist_ok=True)
     hours = 2 * args.pairs * (args.minutes + _OVERHEAD_MINUTES) / 60
     _say(f"{args.pairs} pair(s) of {args.task} runs, {args.minutes:g} training minutes each: about {hours:.1f} h")
