@@ -18,7 +18,8 @@ first round, the version serving after training, and with --eval-every the versi
   the difference in points per minute with its standard error over the pairs (defined where a ratio is not, when a
   run without call rewards gained nothing).
 
-OUT gets each run's demo results (run-P-with/, run-P-without/: results.json, reward-curve.png, demo.log), the summary
+OUT gets each run's demo results (run-P-with/, run-P-without/: results.json, reward-curve.png, demo.log and the
+store, tracetrain.db), the summary
 (results.json) and one plot of held-out success against minutes for every run (call-rewards.png).
 
     .venv/bin/python bench/call_rewards.py --pairs 3 --out .tracetrain/bench-call-rewards
@@ -98,8 +99,10 @@ def run(args: argparse.Namespace, pair: int, call_rewards: bool) -> dict[str, An
              f"(log: {kept / 'demo.log'})")  # fmt: skip
         with (kept / "demo.log").open("w") as log:
             subprocess.run(demo_command(args, call_rewards), cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)
-        for name in ("results.json", "reward-curve.png"):
-            shutil.copy2(args.data_dir / "demo" / name, kept / name)
+        # The store too (the next run starts on a fresh one): each run's rewards, call rewards and steps stay readable.
+        for name in ("results.json", "reward-curve.png", "tracetrain.db", "tracetrain.db-wal"):
+            if (args.data_dir / "demo" / name).exists():
+                shutil.copy2(args.data_dir / "demo" / name, kept / name)
     results = json.loads((kept / "results.json").read_text())
     return {"pair": pair, "call_rewards": call_rewards, "minutes": args.minutes, "before": results["before"],
             "after": results["after"], "steps": len(results["steps"]),
