@@ -19,8 +19,8 @@ first round, the version serving after training, and with --eval-every the versi
   run without call rewards gained nothing).
 
 OUT gets each run's demo results (run-P-with/, run-P-without/: results.json, reward-curve.png, demo.log and the
-store, tracetrain.db), the summary
-(results.json) and one plot of held-out success against minutes for every run (call-rewards.png).
+store, tracetrain.db), the summary (results.json) and one plot of held-out success against minutes for every run
+(call-rewards.png).
 
     .venv/bin/python bench/call_rewards.py --pairs 3 --out .tracetrain/bench-call-rewards
 """
