@@ -110,11 +110,11 @@ def run(args: argparse.Namespace, pair: int, call_rewards: bool) -> dict[str, An
 
 
 def curve(results: dict[str, Any], minutes: float) -> list[tuple[float, float]]:
-    """(minute, held-out success) of a demo's results: the base model at 0, each later version at the minute its
-    measurement began (the one after training at the budget's end)."""
+    """(minute, held-out success) of a demo's results: the base model's first measurement at 0, each later one at the
+    minute it began (the one after training at the budget's end, even of a run whose version is still the base)."""
     began = float(results["training_began"])
-    return [(0.0 if h["version"] == 0 else min(max((h["started"] - began) / 60, 0.0), minutes), float(h["success"]))
-            for h in results["held_out"]]  # fmt: skip
+    return [(0.0 if i == 0 else min(max((h["started"] - began) / 60, 0.0), minutes), float(h["success"]))
+            for i, h in enumerate(results["held_out"])]  # fmt: skip
 
 
 def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -99,3 +99,6 @@ def test_a_measurement_during_training_sits_at_the_minute_it_began(bench: Module
     results["held_out"].insert(1, {"version": 3, "success": 0.3, "attempts": 200, "started": 1000.0 + 180,
                                    "finished": 1000.0 + 300})  # fmt: skip
     assert bench.curve(results, 9.0) == [(0.0, 0.1), (3.0, 0.3), (9.0, 0.5)]
+    untrained = _demo_results(0.1, 0.12, 0)  # no step landed: the version measured after training is still 0
+    untrained["held_out"][1]["version"] = 0
+    assert bench.curve(untrained, 9.0) == [(0.0, 0.1), (9.0, 0.12)]
