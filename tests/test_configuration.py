@@ -246,8 +246,10 @@ OTHER_PROGRAMS = frozenset({
     "--generation-config", "--override-generation-config", "--no-enable-chunked-prefill", "--block-size",
     "--structured-outputs-config", "--extra-index-url", "--query-gpu", "--logdir", "--backend-store-uri",
     "--allowed", "--tools", "--http", "--loop", "--interface", "--idle", "--nonblocking",
+    "--dist", "--durations", "--junitxml",  # pytest's
 })  # fmt: skip
-# Named by a page another change rewrites (docs/BENCHMARKS.md proposes `--server granian` as a follow-up).
+
+
 def test_the_docs_name_only_flags_that_exist() -> None:
     import re
 

@@ -311,3 +311,40 @@ def test_held_out_evaluations_beside_training_keep_few_attempts_in_flight(
     beside, after = (command[command.index("--concurrency") + 1] for command in commands)
     assert (beside, after) == ("16", "64")
     assert commands[0][commands[0].index("--model") + 1] == "lookup@0"
+
+
+def test_call_rewards_give_serve_the_turn_discount_and_need_a_task_whose_checker_judges_calls(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tracetrain_demo.run as run
+
+    commands: list[list[str]] = []
+
+    class Recorded:  # serve, as far as the demo starts it and waits for it
+        def __init__(self, name: str, command: list[str], env: dict[str, str], log: Path) -> None:
+            commands.append(command)
+            self.log_path = log
+
+        def start(self) -> None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self.log_path.touch()
+
+        async def wait_for_output(self, text: str, timeout_s: float) -> None:
+            pass
+
+    monkeypatch.setattr(run, "ChildProcess", Recorded)
+    monkeypatch.setattr(run, "_pull_model", lambda data_dir: tmp_path / "model")
+
+    def serve_command(*argv: str) -> list[str]:
+        commands.clear()
+        run._start_serve(run._parse(["--port", "8100", *argv]), tmp_path, tmp_path / "demo", [])
+        return commands[0]
+
+    assert "--turn-discount=0.0" in serve_command("--task", "lookup", "--call-rewards")  # the demo's default
+    assert "--turn-discount=0.5" in serve_command("--task", "agents-sdk", "--call-rewards", "--turn-discount", "0.5")
+    assert not any(arg.startswith("--turn-discount") for arg in serve_command("--task", "lookup"))
+    for refused in (["--call-rewards"], ["--task", "lookup", "--turn-discount", "0.5"],
+                    ["--task", "lookup", "--call-rewards", "--turn-discount", "1.5"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            run._parse(refused)
+    assert run._parse(["--task", "city,lookup", "--call-rewards"]).turn_discount == 0.0  # lookup's lane takes them

@@ -35,11 +35,12 @@ def sdk_env(proxy: RunningProxy, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OPENAI_API_KEY", "unused")
 
 
-@pytest.fixture
-def rewards_url(proxy: RunningProxy) -> Iterator[str]:
-    """The reward service scoring the Agents SDK task, on loopback."""
+@pytest.fixture(params=[False], ids=["attempts"])
+def rewards_url(proxy: RunningProxy, request: pytest.FixtureRequest) -> Iterator[str]:
+    """The reward service scoring the Agents SDK task, on loopback (parametrized: with its --call-rewards)."""
     client = Client(proxy.url)
-    handler = type("Handler", (reward_service._Handler,), {"client": client, "task": "agents-sdk"})
+    handler = type("Handler", (reward_service._Handler,),
+                   {"client": client, "task": "agents-sdk", "call_rewards": request.param})  # fmt: skip
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}/finished"
@@ -89,6 +90,21 @@ def test_an_agents_sdk_attempt_is_one_responses_trajectory_whose_calls_merge_and
     samples, stats = build_samples(calls)
     assert (len(samples), stats.merged, stats.mismatched) == (1, 1, 0)  # the second prompt extends the first call
     sdk.close()
+
+
+@pytest.mark.parametrize("rewards_url", [True], ids=["call-rewards"], indirect=True)
+def test_the_reward_service_rewards_each_responses_call_that_looked_up_by_its_city(
+    proxy: RunningProxy, fake: FakeVLLM, sdk_env: None, rewards_url: str
+) -> None:
+    scenario = scenarios()[0][0]
+    fake.script(Reply(tool_calls=[ToolCall("find_hotel", json.dumps({"city": scenario.origin}))]),
+                Reply(tool_calls=[ToolCall("find_hotel", json.dumps({"city": scenario.destination}))]),
+                Reply(content=json.dumps({"hotel": hotel_in(scenario.destination)})))  # fmt: skip
+    assert _attempt(scenario, "R-0", "R")["calls"] == 3
+    assert httpx.post(rewards_url, json={"trajectory_id": "R-0"}).status_code == 204
+    with Client(proxy.url) as sdk:
+        trajectory = sdk.get_trajectory("R-0")
+    assert [call.reward for call in trajectory.calls] == [0.0, 1.0, None] and trajectory.reward == pytest.approx(1.0)
 
 
 def test_a_wrong_lookup_earns_partial_credit_from_the_captured_responses(
@@ -207,3 +223,19 @@ def test_the_sdk_agents_calls_reach_vllm_as_the_tool_tasks_agent_sends_them(
         assert (sdk_call["temperature"], sdk_call["max_tokens"]) == (chat_call["temperature"], chat_call["max_tokens"])
         assert (sdk_call.get("tool_choice") or "auto") == chat_call["tool_choice"]  # vLLM: none named is "auto"
     assert "find_hotel(city: string): The hotel booked for the traveller in a city." in prompt(sdk_calls[0])
+
+
+def test_each_captured_responses_call_is_rewarded_by_the_city_its_lookup_named() -> None:
+    scenario = scenarios()[0][0]
+    request = {"instructions": agents_sdk.INSTRUCTIONS, "input": scenario.prompt}
+
+    def lookup(city: str) -> dict[str, object]:
+        output = [
+            {"type": "function_call", "name": "find_hotel", "call_id": "c", "arguments": json.dumps({"city": city})}
+        ]
+        return {"output": output}
+
+    assert agents_sdk.call_reward(request, lookup(scenario.destination)) == 1.0
+    assert agents_sdk.call_reward(request, lookup(scenario.origin)) == 0.0
+    answer = [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "{}"}]}]
+    assert agents_sdk.call_reward(request, {"output": answer}) is None  # an answer: the trajectory's reward judges it

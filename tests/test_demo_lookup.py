@@ -11,18 +11,19 @@ import pytest
 from conftest import RunningProxy
 from fake_vllm import FakeVLLM, Reply, ToolCall
 
-from tracetrain import Client
+from tracetrain import Client, Trajectory
 from tracetrain_demo import lookup_agent, reward_service
 from tracetrain_demo.lookup import INSTRUCTIONS, by_prompt, find_hotel, hotel_in, json_hotel, scenarios, score
 from tracetrain_demo.tasks import TASKS
 from trainer._samples import CapturedCall, build_samples
 
 
-@pytest.fixture
-def rewards_url(proxy: RunningProxy) -> Iterator[str]:
-    """The reward service scoring the lookup task, on loopback."""
+@pytest.fixture(params=[False], ids=["attempts"])
+def rewards_url(proxy: RunningProxy, request: pytest.FixtureRequest) -> Iterator[str]:
+    """The reward service scoring the lookup task, on loopback (parametrized: with its --call-rewards)."""
     client = Client(proxy.url)
-    handler = type("Handler", (reward_service._Handler,), {"client": client, "task": "lookup"})
+    handler = type("Handler", (reward_service._Handler,),
+                   {"client": client, "task": "lookup", "call_rewards": request.param})  # fmt: skip
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}/finished"
@@ -94,6 +95,41 @@ def test_one_tool_episode_is_one_trajectory_of_two_calls_that_merge_and_is_rewar
     samples, stats = build_samples(calls)
     assert (len(samples), stats.merged, stats.mismatched) == (1, 1, 0)  # the fake's template re-renders exactly
     sdk.close()
+
+
+def _rewarded(proxy: RunningProxy, fake: FakeVLLM, rewards_url: str, trajectory_id: str, *replies: Reply) -> Trajectory:
+    """One attempt at the first training request, the model answering ``replies``, reported to the reward service."""
+    fake.script(*replies)
+    lookup_agent.attempt(proxy.client(), "agent", scenarios()[0][0], trajectory_id, "G", temperature=1.0, max_tokens=48)
+    assert httpx.post(rewards_url, json={"trajectory_id": trajectory_id}).status_code == 204
+    with Client(proxy.url) as sdk:
+        return sdk.get_trajectory(trajectory_id)
+
+
+def _lookup(city: str) -> Reply:
+    return Reply(tool_calls=[ToolCall("find_hotel", f'{{"city": "{city}"}}')])
+
+
+@pytest.mark.parametrize("rewards_url", [True], ids=["call-rewards"], indirect=True)
+def test_the_reward_service_rewards_each_tool_call_by_the_city_it_named(
+    proxy: RunningProxy, fake: FakeVLLM, rewards_url: str
+) -> None:
+    scenario = scenarios()[0][0]
+    answer = Reply(content=f'{{"hotel": "{hotel_in(scenario.destination)}"}}')
+    trajectory = _rewarded(proxy, fake, rewards_url, "C-0", _lookup(scenario.origin), _lookup(scenario.destination),
+                           answer)  # fmt: skip
+    # The wrong city's call 0, the destination's 1; the answer has no reward of its own (the trajectory's judges it).
+    assert [call.reward for call in trajectory.calls] == [0.0, 1.0, None]
+    assert trajectory.reward == pytest.approx(1.0)
+
+
+def test_without_call_rewards_the_service_rewards_the_attempt_alone(
+    proxy: RunningProxy, fake: FakeVLLM, rewards_url: str
+) -> None:
+    trajectory = _rewarded(proxy, fake, rewards_url, "A-0", _lookup(scenarios()[0][0].destination),
+                           Reply(content="no idea"))  # fmt: skip
+    assert [call.reward for call in trajectory.calls] == [None, None]
+    assert trajectory.reward == pytest.approx(0.3)
 
 
 def test_the_summary_says_how_calls_became_samples_and_why_they_split() -> None:

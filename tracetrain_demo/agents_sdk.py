@@ -48,14 +48,23 @@ def find_hotel(city: str) -> str:
 
 def score_call(request: dict[str, Any], response: dict[str, Any] | None) -> lookup.Score:
     """Score an attempt from its last captured Responses call: the request's input, the response's output."""
-    items = request.get("input")
-    if not isinstance(items, list):
-        items = [{"role": "user", "content": items}]
+    items = _input(request)
     scenario = _scenario(items)
     output = list((response or {}).get("output") or [])
     cities = [_city(item) for item in [*items, *output] if _is_call(item)]
     reply = "" if any(_is_call(item) for item in output) else _text(output)
     return lookup.score(scenario, cities, reply)
+
+
+def call_reward(request: dict[str, Any], response: dict[str, Any] | None) -> float | None:
+    """One captured Responses call's own reward (``lookup.call_reward``) from the find_hotel calls it output."""
+    output = list((response or {}).get("output") or [])
+    return lookup.call_reward(_scenario(_input(request)), [_city(item) for item in output if _is_call(item)])
+
+
+def _input(request: dict[str, Any]) -> list[Any]:
+    items = request.get("input")
+    return items if isinstance(items, list) else [{"role": "user", "content": items}]
 
 
 def _scenario(items: list[Any]) -> Scenario:

@@ -24,6 +24,9 @@ gives partial credit for each step on the way, since GRPO learns only from diffe
          skill taught here is the lookup, and the city task already teaches a bare JSON reply)
     0.1  the booked hotel's name appears in the final reply
     1.0  success (the line above)
+
+With call rewards (``tracetrain demo --call-rewards``), each model call that called find_hotel also gets its own
+reward (``call_reward``): 1 when it named the destination, else 0; the trajectory's reward stays as above.
 """
 
 from __future__ import annotations
@@ -133,12 +136,20 @@ def score(scenario: Scenario, tool_cities: list[object], reply: str) -> Score:
     booked = hotel_in(scenario.destination)
     hotel = json_hotel(reply)
     called = bool(tool_cities)
-    to_destination = any(isinstance(c, str) and normal(c) == normal(scenario.destination) for c in tool_cities)
+    to_destination = call_reward(scenario, tool_cities) == 1.0
     valid = hotel is not None
     success = valid and normal(hotel or "") == normal(booked)
     mentions = f" {normal(booked)} " in f" {normal(reply)} "
     reward = 1.0 if success else 0.1 * called + 0.2 * to_destination + 0.2 * valid + 0.1 * mentions
     return Score(round(reward, 6), success, called, to_destination, valid)
+
+
+def call_reward(scenario: Scenario, cities: list[object]) -> float | None:
+    """One model call's own reward from the ``city`` of each find_hotel call it made: 1.0 when one named the
+    destination, 0.0 when none did, None when it made none (an answer: the trajectory's reward judges it)."""
+    if not cities:
+        return None
+    return float(any(isinstance(c, str) and normal(c) == normal(scenario.destination) for c in cities))
 
 
 def tool_cities(messages: list[dict[str, Any]]) -> list[object]:

@@ -60,6 +60,8 @@ _BESIDE_TRAINING = 16
 # TrainConfig's defaults (docs/TRAINING.md says how they were chosen), except: on a CPU, packed rows
 # near the sample length keep attention cheap.
 _TRAIN_CONFIG = {"micro_batch_tokens": 1024}
+# serve's --turn-discount with --call-rewards (the flag's help says why 0).
+DEFAULT_TURN_DISCOUNT = 0.0
 
 
 def train_config(tasks: Sequence[Task], learning_rate: float, dtype: str, correction: str | None) -> dict[str, object]:
@@ -91,7 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             policy = "agent" if len(args.tasks) == 1 else task
             port = _free_port()
             _start(children, ChildProcess(f"reward service ({task})", [sys.executable, "-m",
-                   "tracetrain_demo.reward_service", "--proxy", url, "--port", str(port), "--task", task], env_for(url),
+                   "tracetrain_demo.reward_service", "--proxy", url, "--port", str(port), "--task", task,
+                   *(["--call-rewards"] if args.call_rewards and TASKS[task].score_calls else [])], env_for(url),
                    run_dir / "logs" / f"rewards-{policy}.log"))  # fmt: skip
             lanes.append(Lane(task, policy, url, run_dir, port))
         if args.eval_attempts:
@@ -127,6 +130,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     unknown = [task for task in args.tasks if task not in TASKS]
     if not args.tasks or unknown or len(set(args.tasks)) != len(args.tasks):
         p.error(f"--task {args.task}: name each of {', '.join(sorted(TASKS))} at most once, comma-separated")
+    if args.call_rewards and not any(TASKS[task].score_calls for task in args.tasks):
+        p.error(f"--call-rewards: the {args.task} task's checker judges whole attempts only (lookup, agents-sdk)")
+    if args.turn_discount is not None and not (args.call_rewards and 0 <= args.turn_discount <= 1):
+        p.error("--turn-discount G weighs call rewards: give --call-rewards too, and G from 0 to 1")
+    if args.call_rewards and args.turn_discount is None:
+        args.turn_discount = DEFAULT_TURN_DISCOUNT
     if args.structured and args.tasks != ["city"]:
         p.error("--structured is the city task's (--task city): the tool tasks constrain their first call already")
     return args
@@ -182,6 +191,21 @@ def parser() -> argparse.ArgumentParser:
         metavar="FRACTION",
         help="try each new version on this share of new trajectories before it serves them all (serve --canary; "
         "default: a new version serves everything at once)",
+    )
+    p.add_argument(
+        "--call-rewards",
+        action="store_true",
+        help="the reward service also rewards each find_hotel call on its own (1 when it named the destination, "
+        "else 0) beside the attempt's reward (lookup and agents-sdk; docs/TRAINING.md, call rewards)",
+    )
+    p.add_argument(
+        "--turn-discount",
+        type=float,
+        metavar="G",
+        help="serve's --turn-discount with --call-rewards: how much a call's reward counts for the calls before it "
+        "(default 0: a find_hotel call's reward judges the city it chose, which no earlier call chose; the "
+        "answer's credit reaches every call undiscounted through the attempt's reward). With --url, give it to "
+        "that serve instead",
     )
     p.add_argument("--temperature", type=float, default=0.7, help="the agent's sampling temperature (default 0.7)")
     p.add_argument(
@@ -247,6 +271,7 @@ def _start_serve(args: argparse.Namespace, data_dir: Path, run_dir: Path, childr
         *dict.fromkeys(arg for task in tasks for arg in task.serve_args),
         f"--sampler-dtype={sampler}", *([f"--log-to={args.log_to}"] if args.log_to else []),
         *([f"--canary={args.canary}"] if args.canary else []),
+        *([f"--turn-discount={args.turn_discount}"] if args.call_rewards else []),
     ]  # fmt: skip
     serve = ChildProcess("tracetrain serve", command, dict(os.environ), run_dir / "logs" / "serve.log")
     _say(f"starting tracetrain serve on port {args.port} (vLLM on the CPU: ~1 min; log: {serve.log_path})")

@@ -54,6 +54,9 @@ class Task:
     # +90 points where float32 sampling made 17 and +68. "both": vLLM, and the trainer under bf16 autocast: the tool
     # task's step trains ~8,600 tokens, 2x faster so (docs/BENCHMARKS.md).
     bf16: Literal["sampler", "both"] | None = None
+    # Each call's own reward, (call id, reward) for the calls the checker can judge apart from the answer (the
+    # reward service's --call-rewards); None: the task's checker judges whole attempts only.
+    score_calls: Callable[[Trajectory], list[tuple[str, float]]] | None = None
 
 
 def _city_episode(episode: dict[str, Any]) -> Scored:
@@ -75,18 +78,39 @@ def _lookup_episode(episode: dict[str, Any]) -> Scored:
 def _lookup_trajectory(trajectory: Trajectory) -> Scored:
     last = trajectory.calls[-1]
     messages = list(last.request["messages"])
+    answer = _message(last.response)
+    cities = lookup.tool_cities([*messages, answer])  # the last call's own tool calls count too
+    return lookup.score(_lookup_scenario(trajectory), cities, "" if answer.get("tool_calls") else _reply(last.response))
+
+
+def _lookup_calls(trajectory: Trajectory) -> list[tuple[str, float]]:
+    scenario = _lookup_scenario(trajectory)
+    rewards = [(call.id, lookup.call_reward(scenario, lookup.tool_cities([_message(call.response)])))
+               for call in trajectory.calls]  # fmt: skip
+    return [(call_id, reward) for call_id, reward in rewards if reward is not None]
+
+
+def _lookup_scenario(trajectory: Trajectory) -> task.Scenario:
+    messages = list(trajectory.calls[-1].request["messages"])
     user = next((m.get("content") for m in messages if m.get("role") == "user"), None)
     scenario = lookup.by_prompt().get(user) if isinstance(user, str) else None
     if scenario is None:
         raise ValueError(f"trajectory {trajectory.id} does not start with one of the task's requests")
-    answer = ((last.response or {}).get("choices") or [{}])[0].get("message") or {}
-    cities = lookup.tool_cities([*messages, answer])  # the last call's own tool calls count too
-    return lookup.score(scenario, cities, "" if answer.get("tool_calls") else _reply(last.response))
+    return scenario
 
 
 def _agents_sdk_trajectory(trajectory: Trajectory) -> Scored:
     last = trajectory.calls[-1]
     return agents_sdk.score_call(last.request, last.response)
+
+
+def _agents_sdk_calls(trajectory: Trajectory) -> list[tuple[str, float]]:
+    rewards = [(c.id, agents_sdk.call_reward(c.request, c.response)) for c in trajectory.calls]
+    return [(call_id, reward) for call_id, reward in rewards if reward is not None]
+
+
+def _message(response: dict[str, Any] | None) -> dict[str, Any]:
+    return dict(((response or {}).get("choices") or [{}])[0].get("message") or {})
 
 
 def _reply(response: dict[str, Any] | None) -> str:
@@ -128,6 +152,7 @@ TASKS: dict[str, Task] = {
         _lookup_attempt,
         _lookup_episode,
         _lookup_trajectory,
+        score_calls=_lookup_calls,
         max_tokens=48,
         minutes=9.0,
         eval_every=0.0,
@@ -147,6 +172,7 @@ TASKS: dict[str, Task] = {
         _agents_sdk_attempt,
         _lookup_episode,  # the agent prints what the tool task's agent prints
         _agents_sdk_trajectory,
+        score_calls=_agents_sdk_calls,
         max_tokens=48,
         minutes=10.0,
         serve_args=(f"--vllm-arg=--chat-template={lookup.TEMPLATE}",),
