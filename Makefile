@@ -39,7 +39,7 @@ test: $(VENV)/.test-installed
 	$(PY) -m pytest
 
 lint: $(VENV)/.test-installed
-	$(PY) -m ruff check proxy store trainer sdk tracetrain_cli tracetrain_demo tracetrain_vllm tracetrain_proc tracetrain_core tests bench
+	$(PY) -m ruff check proxy store trainer sdk tracetrain_cli tracetrain_demo tracetrain_vllm tracetrain_proc tracetrain_core tests bench docker
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports
 

@@ -58,7 +58,8 @@ class Stack:
             extra_headers={"X-Group-Id": group, "X-Trajectory-Id": trajectory},
         )
         raw.parse()
-        return raw.headers.get("x-policy-version", "?")
+        version: str = raw.headers.get("x-policy-version", "?")
+        return version
 
     def reward(self, rewards: dict[str, float]) -> None:
         body = {"rewards": [{"trajectory_id": t, "reward": r} for t, r in rewards.items()]}
