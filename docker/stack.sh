@@ -38,13 +38,12 @@ health_loop() {
     declare -A last
     while true; do
         for id in $(podman ps -q --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME"); do
-            interval=$(podman inspect --format '{{if .Config.Healthcheck}}{{.Config.Healthcheck.Interval}}{{end}}' \
-                "$id" 2>/dev/null) || continue
-            [ -z "$interval" ] && continue
-            status=$(podman inspect --format '{{.State.Health.Status}}' "$id" 2>/dev/null) || continue
-            # Until a container is healthy its check runs every 2 s (what `up` waits on), then at its interval.
+            status=$(podman inspect --format '{{if .Config.Healthcheck}}{{.State.Health.Status}}{{end}}' "$id" \
+                2>/dev/null) || continue
+            [ -z "$status" ] && continue
+            # Until a container is healthy its check runs every 2 s (what `up` waits on), then every 15 s.
             every=2
-            [ "$status" = healthy ] && every=$((interval / 1000000000))
+            [ "$status" = healthy ] && every=15
             if [ $((SECONDS - ${last[$id]:-0})) -ge "$every" ]; then
                 last[$id]=$SECONDS
                 podman healthcheck run "$id" >/dev/null 2>&1 || true
