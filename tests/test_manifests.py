@@ -349,6 +349,9 @@ def test_compose_files_parse_with_compose_1_29_and_v2(variant: str, clean_env: p
         )
         assert proxy["environment"]["TRACETRAIN_UPSTREAMS"] == "http://vllm-a:8000/v1,http://vllm-b:8000/v1"
         assert services["vllm-a"]["environment"]["TRACETRAIN_ADAPTERS_URL"] == "http://lb:8100"
+        # The proxies accept the key each vLLM's resolver sends for adapter files.
+        adapters_key = services["vllm-a"]["environment"]["TRACETRAIN_ADAPTERS_KEY"]
+        assert adapters_key in [k.get_secret_value() for k in settings.adapter_keys]
 
 
 def test_compose_runs_the_public_bases_unless_variables_name_local_ones() -> None:
