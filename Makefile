@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip install -q --disable-pip-version-check
 # litellm (bench only) would fetch a price map from the network at import time.
 export LITELLM_LOCAL_MODEL_COST_MAP := True
 
-.PHONY: demo test lint manifests bench-proxy clean
+.PHONY: demo test lint manifests images stack-up stack-down stack-smoke bench-proxy clean
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
@@ -42,7 +42,7 @@ test: $(VENV)/.test-installed
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
 lint: $(VENV)/.test-installed
-	$(PY) -m ruff check proxy store trainer sdk tracetrain_cli tracetrain_demo tracetrain_vllm tracetrain_proc tracetrain_core tests bench
+	$(PY) -m ruff check proxy store trainer sdk tracetrain_cli tracetrain_demo tracetrain_vllm tracetrain_proc tracetrain_core tests bench docker
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports
 
@@ -50,6 +50,24 @@ lint: $(VENV)/.test-installed
 # and v2 (.ci/manifests.sh installs what is missing).
 manifests: $(VENV)/.test-installed
 	PY=$(PY) bash .ci/manifests.sh
+
+# The images docker/compose.yaml runs, with podman or docker (.ci/engine.sh installs podman where neither runs);
+# where no image registry answers, the base images are built from Debian's packages first (.ci/bases.sh).
+images: $(VENV)/.test-installed
+	PY=$(PY) bash .ci/images.sh
+
+# docker/compose.yaml started, returning when every service is healthy; keys from the environment (docker/README.md),
+# throwaway ones generated into docker/.stack-keys.env where unset. STACK_FILES: override files;
+# STACK_DOWN_FLAGS=--volumes also removes the data.
+stack-up:
+	bash docker/stack.sh up $(STACK_FILES)
+
+stack-down:
+	bash docker/stack.sh down $(STACK_DOWN_FLAGS)
+
+# The stack with fresh volumes, trained through and checked by docker/stack_smoke.py, then removed.
+stack-smoke: images
+	PY=$(PY) bash .ci/stack-smoke.sh
 
 $(VENV)/.bench-installed: $(VENV)/.test-installed
 	$(PIP) -e ".[test,bench]"

@@ -349,6 +349,37 @@ def test_compose_files_parse_with_compose_1_29_and_v2(variant: str, clean_env: p
         )
         assert proxy["environment"]["TRACETRAIN_UPSTREAM"] == "http://vllm-a:8000/v1,http://vllm-b:8000/v1"
         assert services["vllm-a"]["environment"]["TRACETRAIN_ADAPTERS_URL"] == "http://lb:8100"
+        # The proxies accept the key each vLLM's resolver sends for adapter files.
+        adapters_key = services["vllm-a"]["environment"]["TRACETRAIN_ADAPTERS_KEY"]
+        assert adapters_key in [k.get_secret_value() for k in settings.adapter_keys]
+
+
+def test_compose_runs_the_public_bases_unless_variables_name_local_ones() -> None:
+    local = {"PYTHON_IMAGE": "tracetrain-base-python:bookworm", "POSTGRES_IMAGE": "tracetrain-base-postgres:bookworm",
+             "NGINX_IMAGE": "tracetrain-base-nginx:bookworm"}  # fmt: skip
+    for compose in _compose_commands():
+        for env, (python, postgres, nginx) in (
+            ({}, ("python:3.11-slim", "postgres:16", "nginx:1.27-alpine")),
+            (local, tuple(local.values())),
+        ):
+            done = compose_config(compose, COMPOSE_SETS["cpu"], KEYS | env)
+            assert done.returncode == 0, done.stderr
+            services = yaml.safe_load(done.stdout)["services"]
+            assert services["postgres"]["image"] == postgres and services["lb"]["image"] == nginx
+            assert {s["build"]["args"]["PYTHON_IMAGE"] for s in services.values() if "build" in s} == {python}
+
+
+def test_the_smoke_settings_make_a_job_of_two_groups_of_two(clean_env: pytest.MonkeyPatch) -> None:
+    for compose in _compose_commands():
+        done = compose_config(compose, ["compose.yaml", "compose.smoke.yaml"], KEYS)
+        assert done.returncode == 0, done.stderr
+        services = yaml.safe_load(done.stdout)["services"]
+        for name in ("proxy-a", "proxy-b"):
+            proxy = services[name]
+            command = proxy["command"] if isinstance(proxy["command"], list) else proxy["command"].split()
+            settings = proxy_settings(command, {k: str(v) for k, v in proxy["environment"].items()}, clean_env)
+            assert (settings.group_size, settings.min_group_size, settings.batch_groups) == (2, 2, 2)
+            assert proxy["environment"]["TRACETRAIN_UPSTREAMS"] == "http://vllm-a:8000/v1,http://vllm-b:8000/v1"
 
 
 def test_compose_refuses_to_start_without_keys() -> None:
