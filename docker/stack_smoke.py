@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -187,9 +188,18 @@ def kill_trainer_mid_step(stack: Stack) -> None:
 
     wait_for("the trainer claims the second job", claimed, 600, 0.5)
     trainer = stack.container("trainer")
-    stack.engine_run("kill", trainer)
+    started = stack.engine_run("inspect", "--format", "{{.State.StartedAt}}", trainer).strip()
+    # Its process killed from the host, as the kernel's OOM killer would: a crash, which the restart policy answers.
+    # (`podman kill` counts as the operator stopping it, and podman then leaves it stopped.)
+    os.kill(int(stack.engine_run("inspect", "--format", "{{.State.Pid}}", trainer)), signal.SIGKILL)
     print(f"stack_smoke:   killed the trainer while it held job {running['id']} (worker {running['worker']}, "
           f"progress {running['progress']})", flush=True)  # fmt: skip
+
+    def restarted() -> bool:
+        state = stack.engine_run("inspect", "--format", "{{.State.Status}} {{.State.StartedAt}}", trainer).strip()
+        return state.startswith("running") and not state.endswith(started)
+
+    wait_for("the trainer container restarted by its restart policy", restarted, 120, 1.0)
 
     def finished() -> bool:
         job = next(j for j in stack.jobs() if j["id"] == running["id"])
