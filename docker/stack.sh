@@ -77,7 +77,16 @@ up)
     keys
     start=$SECONDS
     start_health_loop
-    $COMPOSE "${files[@]}" up -d --no-build
+    running=$($ENGINE ps -aq --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME")
+    if [ -n "$running" ]; then
+        # docker-compose 1.29 reads the network podman made as changed (its IPAM driver) and refuses a second `up`:
+        # a stack already there is only waited for (stack-down first to start it with other files or settings).
+        log "$COMPOSE_PROJECT_NAME is up already: waiting for its services' health"
+    else
+        # A network left by an `up` that stopped half-way: the same refusal, so it goes first.
+        $ENGINE network rm "${COMPOSE_PROJECT_NAME}_default" >/dev/null 2>&1 || true
+        $COMPOSE "${files[@]}" up -d --no-build
+    fi
     # `up -d` waits for the health of what others depend on; the rest (lb, the trainer) is waited for here.
     services=$($COMPOSE "${files[@]}" config --services)
     while true; do
