@@ -58,7 +58,7 @@ start_health_loop() {
     [ -f "$run_dir/health.pid" ] && kill -0 "$(cat "$run_dir/health.pid")" 2>/dev/null && return 0
     export -f health_loop
     export COMPOSE_PROJECT_NAME CONTAINERS_CONF
-    setsid bash -c health_loop >/dev/null 2>&1 </dev/null &
+    setsid bash -c health_loop >>"$run_dir/health.log" 2>&1 </dev/null &
     echo $! >"$run_dir/health.pid"
 }
 
@@ -104,6 +104,7 @@ up)
             esac
         done
         [ ${#waiting[@]} -eq 0 ] && break
+        start_health_loop  # again, should it have died: what `up` waits for would never change
         [ $((SECONDS - start)) -gt "${STACK_UP_TIMEOUT_S:-1500}" ] && log "not healthy: ${waiting[*]}" && exit 1
         sleep 5
     done
