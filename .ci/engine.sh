@@ -24,7 +24,11 @@ apt_install() {
 # mmdebstrap builds the base images from Debian's packages where no registry is reachable.
 apt_install mmdebstrap
 
-if docker info >/dev/null 2>&1; then
+sock_dir=/run/tracetrain-podman
+sock=$sock_dir/podman.sock
+# A Docker daemon of the machine's own; not the Docker API of the podman service below, which an earlier run of this
+# script exported as DOCKER_HOST (docker/stack.sh under .ci/stack-smoke.sh runs it again).
+if [ "${DOCKER_HOST:-}" != "unix://$sock" ] && docker info >/dev/null 2>&1; then
     if docker compose version >/dev/null 2>&1; then compose="docker compose"; else
         apt_install docker-compose
         compose="docker-compose"
@@ -39,8 +43,6 @@ conf=$PWD/docker/engine/containers.conf
 export CONTAINERS_CONF=$conf
 # Without systemd podman cannot schedule health checks on timers: docker/stack.sh runs them instead.
 export DISABLE_HC_SYSTEMD=true
-sock_dir=/run/tracetrain-podman
-sock=$sock_dir/podman.sock
 if ! curl -sf --unix-socket "$sock" http://d/_ping >/dev/null 2>&1; then
     mkdir -p "$sock_dir"
     log "starting podman system service on $sock"

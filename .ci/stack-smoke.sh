@@ -20,7 +20,14 @@ on_exit() {
     fi
     start=$SECONDS
     docker/stack.sh down --volumes
-    log "stack down: $((SECONDS - start)) s"
+    # Nothing of the stack left: docker/stack.sh checked its containers; its volumes and network go with them.
+    left=$({ $ENGINE volume ls -q; $ENGINE network ls --format '{{.Name}}'; } | grep "^${COMPOSE_PROJECT_NAME}_" || true)
+    if [ -n "$left" ]; then
+        log "left after stack down: $left"
+        [ $rc -eq 0 ] && rc=1
+    else
+        log "stack down, no container, volume or network of $COMPOSE_PROJECT_NAME left: $((SECONDS - start)) s"
+    fi
     exit $rc
 }
 trap on_exit EXIT

@@ -58,7 +58,7 @@ start_health_loop() {
     [ -f "$run_dir/health.pid" ] && kill -0 "$(cat "$run_dir/health.pid")" 2>/dev/null && return 0
     export -f health_loop
     export COMPOSE_PROJECT_NAME CONTAINERS_CONF
-    setsid bash -c health_loop >/dev/null 2>&1 </dev/null &
+    setsid bash -c health_loop >>"$run_dir/health.log" 2>&1 </dev/null &
     echo $! >"$run_dir/health.pid"
 }
 
@@ -77,7 +77,16 @@ up)
     keys
     start=$SECONDS
     start_health_loop
-    $COMPOSE "${files[@]}" up -d --no-build
+    running=$($ENGINE ps -aq --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME")
+    if [ -n "$running" ]; then
+        # docker-compose 1.29 reads the network podman made as changed (its IPAM driver) and refuses a second `up`:
+        # a stack already there is only waited for (stack-down first to start it with other files or settings).
+        log "$COMPOSE_PROJECT_NAME is up already: waiting for its services' health"
+    else
+        # A network left by an `up` that stopped half-way: the same refusal, so it goes first.
+        $ENGINE network rm "${COMPOSE_PROJECT_NAME}_default" >/dev/null 2>&1 || true
+        $COMPOSE "${files[@]}" up -d --no-build
+    fi
     # `up -d` waits for the health of what others depend on; the rest (lb, the trainer) is waited for here.
     services=$($COMPOSE "${files[@]}" config --services)
     while true; do
@@ -95,6 +104,7 @@ up)
             esac
         done
         [ ${#waiting[@]} -eq 0 ] && break
+        start_health_loop  # again, should it have died: what `up` waits for would never change
         [ $((SECONDS - start)) -gt "${STACK_UP_TIMEOUT_S:-1500}" ] && log "not healthy: ${waiting[*]}" && exit 1
         sleep 5
     done

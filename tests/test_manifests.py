@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import copy
 import os
 import re
 import shutil
@@ -175,11 +176,19 @@ def test_the_proxy_refuses_the_shipped_placeholder_keys(overlay: str, clean_env:
         proxy_settings(proxy["command"] + proxy["args"], resolved_env(objects, proxy), clean_env)
 
 
+def with_real_keys(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rendered objects, their keys Secret's placeholders replaced by real keys (KEYS) as a deployer's are."""
+    copied = copy.deepcopy(objects)
+    (keys,) = [o for o in copied if o["kind"] == "Secret" and o["metadata"]["name"].startswith("tracetrain-keys")]
+    keys["data"] = {k: base64.b64encode(KEYS[k].encode()).decode() for k in keys["data"]}
+    return copied
+
+
 @pytest.mark.parametrize("overlay", ["overlays/cpu", "overlays/gpu"])
 def test_the_proxy_starts_from_its_container_spec_with_real_keys(overlay: str, clean_env: pytest.MonkeyPatch) -> None:
-    objects = rendered(overlay)
+    objects = with_real_keys(rendered(overlay))
     proxy = container(one(objects, "Deployment", "proxy"), "proxy")
-    env = resolved_env(objects, proxy) | {k: v for k, v in KEYS.items() if k in resolved_env(objects, proxy)}
+    env = resolved_env(objects, proxy)
     settings = proxy_settings(proxy["command"] + proxy["args"], env, clean_env)
     assert (settings.host, settings.port) == ("0.0.0.0", 8100)
     assert settings.database_url == env["TRACETRAIN_DATABASE_URL"]
@@ -212,6 +221,15 @@ def test_vllm_fetches_adapters_from_the_proxy_service_with_a_key_from_a_secret()
     assert "secretKeyRef" in key_ref
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
     assert "--enable-lora" in vllm["args"]
+
+
+@pytest.mark.parametrize("overlay", ["overlays/cpu", "overlays/gpu"])
+def test_the_proxies_accept_the_key_vllm_fetches_adapters_with(overlay: str, clean_env: pytest.MonkeyPatch) -> None:
+    objects = with_real_keys(rendered(overlay))
+    sent = resolved_env(objects, container(one(objects, "StatefulSet", "vllm"), "vllm"))["TRACETRAIN_ADAPTERS_KEY"]
+    proxy = container(one(objects, "Deployment", "proxy"), "proxy")
+    settings = proxy_settings(proxy["command"] + proxy["args"], resolved_env(objects, proxy), clean_env)
+    assert sent in [k.get_secret_value() for k in settings.adapter_keys]
 
 
 @pytest.mark.parametrize(("overlay", "device"), [("overlays/cpu", "cpu"), ("overlays/gpu", "cuda")])
@@ -379,7 +397,7 @@ def test_the_smoke_settings_make_a_job_of_two_groups_of_two(clean_env: pytest.Mo
             command = proxy["command"] if isinstance(proxy["command"], list) else proxy["command"].split()
             settings = proxy_settings(command, {k: str(v) for k, v in proxy["environment"].items()}, clean_env)
             assert (settings.group_size, settings.min_group_size, settings.batch_groups) == (2, 2, 2)
-            assert proxy["environment"]["TRACETRAIN_UPSTREAMS"] == "http://vllm-a:8000/v1,http://vllm-b:8000/v1"
+            assert proxy["environment"]["TRACETRAIN_UPSTREAM"] == "http://vllm-a:8000/v1,http://vllm-b:8000/v1"
 
 
 def test_compose_refuses_to_start_without_keys() -> None:
