@@ -202,21 +202,27 @@ async def test_a_call_the_store_cannot_key_is_not_answered_and_says_why(fake: Fa
     conn.close()
 
 
-def test_a_lone_calls_new_trajectory_is_seated_in_its_record_and_a_streams_before_its_first_byte(
-    proxy: RunningProxy, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """One commit for a non-streamed call's seat and record; a stream tells its group in its first bytes,
-    so it is seated on its own, while vLLM starts on the call."""
+@pytest.fixture
+def seat_commits(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The trajectory ids the writer seats in transactions of their own (``seat_all_sqlite``), in order."""
     import store._writer as writer
 
-    seat_commits: list[str] = []
+    seated: list[str] = []
     seat_all = writer.seat_all_sqlite
 
     def seating(conn, seats):  # type: ignore[no-untyped-def]
-        seat_commits.extend(seat.trajectory_id for seat in seats)
+        seated.extend(seat.trajectory_id for seat in seats)
         return seat_all(conn, seats)
 
     monkeypatch.setattr(writer, "seat_all_sqlite", seating)
+    return seated
+
+
+def test_a_lone_calls_new_trajectory_is_seated_in_its_record_and_a_streams_before_its_first_byte(
+    proxy: RunningProxy, seat_commits: list[str]
+) -> None:
+    """One commit for a non-streamed call's seat and record; a stream tells its group in its first bytes,
+    so it is seated on its own, while vLLM starts on the call."""
     client = proxy.client()
     plain = client.chat.completions.with_raw_response.create(model="agent", messages=TASK)
     with client.chat.completions.with_streaming_response.create(model="agent", messages=TASK, stream=True) as stream:
@@ -287,20 +293,10 @@ async def test_a_lone_stream_is_sent_upstream_before_its_seat_and_closed_if_the_
 
 
 def test_concurrent_calls_new_trajectories_are_seated_in_their_records(
-    proxy: RunningProxy, fake: FakeVLLM, monkeypatch: pytest.MonkeyPatch
+    proxy: RunningProxy, fake: FakeVLLM, seat_commits: list[str]
 ) -> None:
     """Not only a lone call: each non-streamed call's seat is taken in its record's transaction (no commit of its
     own), and calls of one task still fill one derived group."""
-    import store._writer as writer
-
-    seat_commits: list[str] = []
-    seat_all = writer.seat_all_sqlite
-
-    def seating(conn, seats):  # type: ignore[no-untyped-def]
-        seat_commits.extend(seat.trajectory_id for seat in seats)
-        return seat_all(conn, seats)
-
-    monkeypatch.setattr(writer, "seat_all_sqlite", seating)
     fake.script(*[Reply(content="Lima.", delay_s=0.3) for _ in range(4)])  # all four in flight at once
     client = proxy.client()
 
