@@ -3,6 +3,8 @@ running stack, through its one published port (nginx, then the proxies), with th
 
 Parts, each timed:
 
+0. the entry point serves: first calls until one answers (each vLLM on a CPU takes its first request slowly);
+   every failed try is printed with its status and body;
 1. rewarded groups: two groups of two trajectories, rewarded 1 and 0, make a training job;
 2. a version trained: the trainer container records policy@1 and the proxies publish it;
 3. both vLLM servers serve it: each lists agent@1, and a new call is served by version 1;
@@ -13,7 +15,7 @@ Parts, each timed:
 
 Run it with the stack up (docker/stack.sh up docker/compose.yaml docker/compose.smoke.yaml): it reads the keys
 and the engine from the environment that docker/stack.sh and .ci/engine.sh set (make stack-smoke does all
-of it). Exits non-zero on the first part that fails.
+of it). Exits non-zero on the first part that fails, its last line naming the part and what the stack answered.
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import httpx
-from openai import OpenAI
+from openai import APIConnectionError, APIStatusError, OpenAI
 
 POLICY = "agent"
 
@@ -104,6 +107,38 @@ class Stack:
         return self.engine_run("exec", self.container(service), "python3", "-c", script).split()
 
 
+def what_failed(exc: BaseException) -> str:
+    """One line: the error, what the stack answered (status, request id, body) or the causes of a broken connection."""
+    line = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, APIStatusError):
+        request_id = exc.response.headers.get("x-request-id") or exc.response.headers.get("x-call-id") or "-"
+        line += f" (HTTP {exc.status_code}, call {request_id}, body {exc.response.text[:400]!r})"
+    cause = exc.__cause__ or exc.__context__
+    while cause is not None:
+        line += f" <- {type(cause).__name__}: {cause}"
+        cause = cause.__cause__ or cause.__context__
+    return line
+
+
+def first_call(stack: Stack, timeout_s: float) -> None:
+    """Calls until one answers: healthy containers do not prove the path through nginx and a proxy to vLLM serves."""
+    deadline = time.monotonic() + timeout_s
+    tries = 0
+    while True:
+        tries += 1
+        trajectory = f"warm-{tries}-{uuid.uuid4().hex[:8]}"
+        try:
+            version = stack.call(trajectory, trajectory, "Say hello.")
+        except (APIStatusError, APIConnectionError) as exc:
+            print(f"stack_smoke:   try {tries} failed: {what_failed(exc)}", flush=True)
+            if time.monotonic() > deadline:
+                raise SystemExit(f"stack_smoke: no call answered within {timeout_s:.0f} s ({tries} tries)") from exc
+            time.sleep(5)
+            continue
+        print(f"stack_smoke:   try {tries} answered by version {version}", flush=True)
+        return
+
+
 def wait_for(what: str, check: Callable[[], bool], timeout_s: float, every_s: float = 2.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not check():
@@ -119,7 +154,12 @@ timings: list[tuple[str, float]] = []
 def part(name: str) -> Iterator[None]:
     print(f"stack_smoke: {name} ...", flush=True)
     start = time.monotonic()
-    yield
+    try:
+        yield
+    except Exception as exc:
+        # The last line CI shows: which part, and what the stack answered (the traceback is above it).
+        traceback.print_exc()
+        raise SystemExit(f"stack_smoke: FAILED: {name}: {what_failed(exc)}") from None
     took = time.monotonic() - start
     timings.append((name, took))
     print(f"stack_smoke: {name}: ok, {took:.1f} s", flush=True)
@@ -156,7 +196,7 @@ def restart_under_load(stack: Stack, service: str, seconds_after: float) -> None
                 stack.call(trajectory, trajectory, f"Load {n}: say yes.")
                 answered.append(trajectory)
             except Exception as exc:  # a call cut by the restart is the caller's to retry; it is counted
-                failed.append(f"{trajectory}: {type(exc).__name__}: {exc}")
+                failed.append(f"{trajectory}: {what_failed(exc)[:300]}")
 
     threads = [threading.Thread(target=agent, args=(w,), daemon=True) for w in range(3)]
     for thread in threads:
@@ -229,9 +269,11 @@ def main() -> int:
     stack = Stack(args.base_url, args.engine, args.project)
     start = time.monotonic()
 
-    with part("rewarded groups through nginx and the proxies"):
+    with part("the entry point serves a first call"):
         if active_version(stack) != 0:
             raise SystemExit("stack_smoke: the stack has trained before: start it with fresh volumes")
+        first_call(stack, timeout_s=300)
+    with part("rewarded groups through nginx and the proxies"):
         rewarded_groups(stack, 1, groups=2)
     with part("a version trained and published"):
         wait_for("policy@1 published", lambda: active_version(stack) >= 1, 900)
