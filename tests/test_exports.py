@@ -7,7 +7,13 @@ import proxy
 
 def test_proxy_public_names() -> None:
     assert sorted(proxy.__all__) == [
-        "Declared", "GROUPS", "PolicyOverrides", "SamplingDefaults", "Settings", "create_app", "declared"
+        "Declared",
+        "GROUPS",
+        "PolicyOverrides",
+        "SamplingDefaults",
+        "Settings",
+        "create_app",
+        "declared",
     ]
 
 
@@ -85,8 +91,8 @@ def test_the_pure_core_public_names() -> None:
     assert sorted(tracetrain_core.__all__) == [
         "ADVANTAGE_EPS", "CallAdvantages", "GroupAdvantages", "LossVariant", "SamplerCorrection", "SamplerDType",
         "SourceError", "TrainConfig", "TrainDType", "add_train_config_flags", "anthropic_chat_messages",
-        "anthropic_reply", "apply_sources", "call_advantages", "call_messages", "call_reply", "call_returns",
-        "call_tools", "canonical_message", "common_prefix", "env_name", "first_choice", "flag_actions",
+        "anthropic_reply", "apply_sources", "call_advantages", "call_messages", "call_reply", "call_tools",
+        "canonical_message", "common_prefix", "discounted_sums", "env_name", "first_choice", "flag_actions",
         "group_advantages", "long_flag", "reply_message", "responses_chat_messages", "responses_reply",
         "same_message", "structured_outputs", "subcommand_chain", "train_config_from",
     ]  # fmt: skip

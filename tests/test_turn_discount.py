@@ -18,31 +18,53 @@ from test_trainer_samples import ASSISTANT, IM_END, TOOL, USER, call, header, tu
 import tracetrain
 from proxy import PolicyOverrides
 from store import Store
-from tracetrain_core import call_advantages, call_returns, group_advantages
+from tracetrain_core import call_advantages, discounted_sums, group_advantages
 from trainer._batch import TrajectoryData, build_batch
 from trainer._config import TrainConfig
 
 
-def test_a_calls_return_is_its_reward_the_later_ones_discounted_and_the_trajectorys() -> None:
-    assert call_returns([None, None, None], 0.7, 0.5) == [0.7, 0.7, 0.7]  # no call rewards: R for every call
-    # 1.0 + (-1.0 + 0.5 * (0 + 0.5 * 2.0)) = 0.5; 1.0 + (0 + 0.5 * 2.0) = 2.0; 1.0 + 2.0 = 3.0
-    assert call_returns([-1.0, None, 2.0], 1.0, 0.5) == [0.5, 2.0, 3.0]
-    assert call_returns([1.0, 1.0], 0.0, 1.0) == [2.0, 1.0]  # undiscounted: every later reward counts
-    assert call_returns([1.0, 1.0], 0.0, 0.0) == [1.0, 1.0]  # a call's own reward alone
+def test_a_calls_term_is_its_own_value_and_the_later_ones_discounted() -> None:
+    assert discounted_sums([0.0, 0.0, 0.0], 0.5) == [0.0, 0.0, 0.0]
+    # -1 + 0.5 * (0 + 0.5 * 2) = -0.5; 0 + 0.5 * 2 = 1; 2
+    assert discounted_sums([-1.0, 0.0, 2.0], 0.5) == [-0.5, 1.0, 2.0]
+    assert discounted_sums([1.0, 1.0], 1.0) == [2.0, 1.0]  # undiscounted: every later value counts
+    assert discounted_sums([1.0, 1.0], 0.0) == [1.0, 1.0]  # a call's own value alone
     with pytest.raises(ValueError, match="turn discount"):
-        call_returns([1.0], 0.0, 1.5)
+        discounted_sums([1.0], 1.5)
 
 
-def test_call_advantages_center_on_the_groups_first_returns() -> None:
-    # Group a: first returns 2.0 and 0.0 (mean 1, std 1); group b: one member, no baseline.
-    r = call_advantages([[2.0, 1.0], [0.0, 0.5, -1.0], [3.0]], ["a", "a", "b"], scale=True)
-    assert r.advantages == [[1.0, 0.0], [-1.0, -0.5, -2.0], [0.0]]
+def test_each_kind_of_reward_is_normalized_against_its_own_kind_in_the_group() -> None:
+    # Group a: outcomes 1 and 0 (advantages +1, -1); tool-call rewards 1 and 0 (normalized +1, -1); the answer
+    # calls have none. Group b: one member, no baseline.
+    r = call_advantages([[1.0, None], [0.0, None], [1.0]], [1.0, 0.0, 1.0], ["a", "a", "b"], discount=0.0, scale=True)
+    assert r.advantages == [[2.0, 1.0], [-2.0, -1.0], [0.0]]
     assert (r.keep, r.groups, r.dropped_groups, r.dropped_samples) == ([True, True, False], 2, 1, 1)
-    # First returns alike, later calls not: scaled by the std of all the group's call returns (here 0.5 ** 0.5).
-    alike = call_advantages([[1.0, 2.0], [1.0, 0.0]], ["a", "a"], scale=True)
-    assert alike.advantages[0] == pytest.approx([0.0, 2**0.5], rel=1e-12) and alike.keep == [True, True]
-    assert alike.advantages[1] == pytest.approx([0.0, -(2**0.5)], rel=1e-12)
-    assert call_advantages([[1.0, 1.0], [1.0]], ["a", "a"], scale=True).keep == [False, False]  # no signal
+    # The discount carries a call's normalized reward to the calls before it: 0.5 of it to the first call.
+    later = call_advantages([[None, 1.0], [None, 0.0]], [1.0, 1.0], ["a", "a"], discount=0.5, scale=True)
+    assert later.advantages == [[0.5, 1.0], [-0.5, -1.0]] and later.keep == [True, True]
+    unscaled = call_advantages([[None, 3.0], [None, 1.0]], [2.0, 0.0], ["a", "a"], discount=1.0, scale=False)
+    assert unscaled.advantages == [[2.0, 2.0], [-2.0, -2.0]]  # outcome +-1, calls +-1, unscaled
+    # Neither kind varies: no signal. A lone call reward has nothing in its group to be measured against.
+    assert call_advantages([[1.0, None], [1.0]], [1.0, 1.0], ["a", "a"], discount=1.0, scale=True).keep == [False] * 2
+    assert call_advantages([[-1.0], [None]], [1.0, 1.0], ["a", "a"], discount=1.0, scale=True).keep == [False] * 2
+
+
+def test_a_call_without_a_reward_is_not_charged_with_the_other_calls_rewards() -> None:
+    """The tool task: every tool call right (rewarded 1), the answers judged by the outcome alone. The answer
+    calls' advantages are the outcome's, to the bit: a baseline shared with the tool calls' rewards would push
+    every answer down by their mean, and unlearned the task's answers as its tool calls improved."""
+    rng = random.Random(11)
+    for _ in range(100):
+        n = rng.randint(2, 8)
+        rewards = [rng.choice([0.0, 1.0]) for _ in range(n)]
+        tool = [rng.choice([0.0, 1.0, 1.0]) for _ in range(n)]
+        for discount in (0.0, 0.5, 1.0):
+            r = call_advantages([[t, None] for t in tool], rewards, ["g"] * n, discount=discount, scale=True)
+            outcome = group_advantages(rewards, ["g"] * n, scale=True)
+            assert [a[1] for a in r.advantages] == [o if k else 0.0 for o, k in zip(outcome.advantages, r.keep,
+                                                                                    strict=True)]  # fmt: skip
+            # Summed over the group, each kind's advantages are centred: no push up or down of every answer.
+            assert abs(sum(a[1] for a in r.advantages)) <= 1e-9 * n
 
 
 def test_without_call_rewards_the_advantages_are_bit_identical_to_group_advantages() -> None:
@@ -52,10 +74,10 @@ def test_without_call_rewards_the_advantages_are_bit_identical_to_group_advantag
         rewards = [rng.choice([0.0, 1.0, rng.random(), rng.gauss(0, 3)]) for _ in range(n)]
         groups = [rng.choice("abc") for _ in range(n)]
         discount = rng.choice([0.0, 0.5, 0.9, 1.0])
-        returns = [call_returns([None] * rng.randint(1, 5), r, discount) for r in rewards]
+        calls: list[list[float | None]] = [[None] * rng.randint(1, 5) for _ in rewards]
         for scale in (True, False):
             before = group_advantages(rewards, groups, scale=scale)
-            after = call_advantages(returns, groups, scale=scale)
+            after = call_advantages(calls, rewards, groups, discount=discount, scale=scale)
             assert [a[0] for a in after.advantages] == before.advantages  # exact floats, not approximately
             assert all(len(set(a)) == 1 for a in after.advantages)  # every call of a trajectory alike
             assert (after.keep, after.dropped_groups, after.dropped_samples) == (
@@ -80,10 +102,10 @@ def test_a_group_without_call_rewards_trains_as_before_whatever_the_discount() -
 
 
 def test_a_group_with_call_rewards_trains_each_call_with_its_own_advantage() -> None:
-    trajectories = [_two_call_trajectory("a", 1.0, [-1.0, None]), _two_call_trajectory("b", 1.0, [None, None])]
+    trajectories = [_two_call_trajectory("a", 1.0, [-1.0, None]), _two_call_trajectory("b", 1.0, [0.0, None])]
     batch = build_batch(trajectories, TrainConfig(), trained_version=0, turn_discount=0.5)
-    # Returns: a [0.0, 1.0], b [1.0, 1.0]; first returns 0 and 1: mean 0.5, std 0.5.
-    assert batch.advantages == [-1.0, 1.0, 1.0, 1.0]
+    # Outcomes alike (no outcome signal); the tool calls' rewards -1 and 0: normalized -1 and +1; the answers none.
+    assert batch.advantages == [-1.0, 0.0, 1.0, 0.0]
     assert [s.n_calls for s in batch.samples] == [1, 1, 1, 1]  # one sample per call: one advantage per segment
     assert [sum(s.loss_mask) for s in batch.samples] == [2, 2, 2, 2]
     assert batch.metrics["call_rewarded_groups"] == 1 and batch.metrics["calls_per_trajectory"] == 2.0
@@ -104,6 +126,7 @@ def test_a_rewarded_call_over_loopback_reaches_the_trainers_advantages(start_pro
                          {"role": "user", "content": "Go on."}]  # fmt: skip
     with tracetrain.Client(proxy.url) as tt:
         tt.post_reward(ids[0], -1.0, call_id=calls[ids[0]][0])  # its first call's tool call failed
+        tt.post_reward(ids[1], 0.0, call_id=calls[ids[1]][0])  # the other's worked
         tt.post_rewards([(ids[0], 1.0), (ids[1], 1.0)])
 
     async def read() -> tuple[list[TrajectoryData], float]:
@@ -116,9 +139,9 @@ def test_a_rewarded_call_over_loopback_reaches_the_trainers_advantages(start_pro
             await store.close()
 
     trajectories, discount = asyncio.run(read())
-    assert discount == 0.5 and [t.call_rewards for t in trajectories] == [[-1.0, None], [None, None]]
+    assert discount == 0.5 and [t.call_rewards for t in trajectories] == [[-1.0, None], [0.0, None]]
     batch = build_batch(trajectories, TrainConfig(), trained_version=0, turn_discount=discount)
-    assert batch.advantages == [-1.0, 1.0, 1.0, 1.0]  # the failed call alone is pushed down
+    assert batch.advantages == [-1.0, 0.0, 1.0, 0.0]  # the failed call down, the one that worked up, answers alike
 
 
 def test_serves_turn_discount_reaches_its_trainer(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,7 +13,7 @@ SFT and the trainer can never disagree:
   (``apply_sources``);
 - the trainer's configuration (``TrainConfig``) and the flags that make it, read by the trainer and by
   ``tracetrain serve`` alike;
-- group-relative advantages (``group_advantages``; with call rewards ``call_returns`` and ``call_advantages``):
+- group-relative advantages (``group_advantages``; with call rewards ``call_advantages``):
   what the trainer trains on and the dashboard shows.
 """
 
@@ -22,7 +22,7 @@ from tracetrain_core._advantages import (
     CallAdvantages,
     GroupAdvantages,
     call_advantages,
-    call_returns,
+    discounted_sums,
     group_advantages,
 )
 from tracetrain_core._anthropic import anthropic_chat_messages, anthropic_reply
@@ -73,10 +73,10 @@ __all__ = [
     "call_advantages",
     "call_messages",
     "call_reply",
-    "call_returns",
     "call_tools",
     "canonical_message",
     "common_prefix",
+    "discounted_sums",
     "env_name",
     "first_choice",
     "flag_actions",

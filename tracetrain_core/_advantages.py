@@ -19,15 +19,16 @@ Where this departs from the papers:
   computed at unit size, then scaled back); a centred reward past the largest double, possible only
   unscaled, drops its group: a non-finite advantage is never kept.
 
-Call rewards (``call_returns``, ``call_advantages``): a call's tokens get the return
-``G_k = R + sum_{j >= k} gamma^(j-k) r_j`` (its own reward ``r_k``, the later calls' discounted by the turn
-discount ``gamma`` per call, and the trajectory's reward ``R``), and the advantage ``(G_k - mean) / std`` where
-mean and std are the group's over the first calls' returns ``G_0``. Departures from AReaL's turn discount,
-which discounts the final reward too: ``R`` is the outcome of the whole episode and counts fully for every
-call, so a trajectory without call rewards trains exactly as ``group_advantages`` trains it, for any gamma
-(and a long successful trajectory's first calls are not worth less than a short one's). The baseline is the
-group's ``G_0``: every attempt at a task starts from the same state, whose value ``G_0`` estimates; a mean per
-call index would compare calls in different states and has no baseline where only one trajectory is that long.
+Call rewards (``call_advantages``): each kind of reward is normalized against its own kind in the group, as
+DeepSeekMath's process supervision normalizes step rewards: call ``k`` of a trajectory gets
+``A_k = (R - mean R) / std R + sum_{j >= k} gamma^(j-k) (r_j - mean r) / std r``, the outcome's advantage
+plus its own and the later calls' normalized rewards discounted by the turn discount ``gamma`` per call (a call
+without a reward adds nothing). Departures from AReaL's turn discount, which discounts the final reward too:
+``R`` is the outcome of the whole episode and counts fully for every call, so a trajectory without call rewards
+trains exactly as ``group_advantages`` trains it, for any gamma. Each kind has its own baseline because a
+shared one biases the calls without a reward: centred on the first call's return ``R + r_0``, an answer call
+(no reward of its own) got ``R - mean(R + r_0)``, pushed down by the mean tool-call reward even when every
+attempt succeeded, and the tool task's answers were unlearned as its tool calls improved.
 """
 
 from __future__ import annotations
@@ -102,21 +103,21 @@ def group_advantages(
     )
 
 
-def call_returns(call_rewards: Sequence[float | None], reward: float, discount: float) -> list[float]:
-    """Each call's return: the trajectory's ``reward`` plus its own and the later calls' rewards, discounted by
-    ``discount`` per call (a call without a reward adds 0). Summed from the last call back, in double precision.
+def discounted_sums(values: Sequence[float], discount: float) -> list[float]:
+    """Each position's value plus the later ones', discounted by ``discount`` per position; summed from the last
+    back, in double precision.
 
-    >>> call_returns([None, 1.0, None, -1.0], 0.5, 0.5)
-    [0.875, 1.25, 0.0, -0.5]
+    >>> discounted_sums([0.0, 1.0, 0.0, -1.0], 0.5)
+    [0.375, 0.75, -0.5, -1.0]
     """
     if not 0.0 <= discount <= 1.0:
         raise ValueError(f"the turn discount must be in [0, 1], got {discount}")
-    returns = [0.0] * len(call_rewards)
-    later = 0.0  # the discounted sum of the later calls' rewards
-    for k in range(len(call_rewards) - 1, -1, -1):
-        later = float(call_rewards[k] or 0.0) + discount * later
-        returns[k] = float(reward) + later
-    return returns
+    sums = [0.0] * len(values)
+    later = 0.0
+    for k in range(len(values) - 1, -1, -1):
+        later = float(values[k]) + discount * later
+        sums[k] = later
+    return sums
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,51 +125,60 @@ class CallAdvantages:
     """Per-call advantages of each item (a trajectory) and which items carry signal."""
 
     advantages: list[list[float]]  # one per call of each item; zeros where keep is False
-    keep: list[bool]  # False for members of groups of one and of groups whose returns do not vary
+    keep: list[bool]  # False for members of groups of one and of groups where neither kind of reward varies
     groups: int
     dropped_groups: int
     dropped_samples: int
 
 
 def call_advantages(
-    returns: Sequence[Sequence[float]], groups: Sequence[Hashable], *, scale: bool, eps: float = ADVANTAGE_EPS
+    call_rewards: Sequence[Sequence[float | None]],
+    rewards: Sequence[float],
+    groups: Sequence[Hashable],
+    *,
+    discount: float,
+    scale: bool,
+    eps: float = ADVANTAGE_EPS,
 ) -> CallAdvantages:
-    """Each call's return minus the group's mean first-call return, over the group's std of first-call returns
-    when ``scale`` (``call_returns`` gives the returns). Where every call of every item has the return of its
-    first call (no call rewards), the advantages are exactly ``group_advantages``' of the first returns.
+    """Each call's advantage: its trajectory's outcome advantage (``group_advantages`` of ``rewards``) plus the
+    discounted sum of its own and the later calls' normalized call rewards (``call_rewards``: one list per item,
+    one entry per call, ``None`` where a call has none).
 
-    A group whose first returns do not vary but whose call returns do is scaled by the std of all its call
-    returns; a group whose returns do not vary at all, or of one item, is dropped.
+    A call reward is normalized against the group's call rewards: minus their mean, over their population std
+    when ``scale``. A call without a reward adds nothing, so an item without call rewards gets its outcome
+    advantage on every call, exactly. A group keeps its items when its rewards or its call rewards vary.
 
-    >>> r = call_advantages([[1.0, 1.0], [0.0], [2.0, 0.0]], ["a", "a", "b"], scale=False)
+    >>> r = call_advantages([[1.0, None], [0.0, None]], [1.0, 0.0], ["a", "a"], discount=0.0, scale=True)
     >>> r.advantages, r.keep
-    ([[0.5, 0.5], [-0.5], [0.0, 0.0]], [True, True, False])
+    ([[2.0, 1.0], [-2.0, -1.0]], [True, True])
     """
-    if len(returns) != len(groups):
-        raise ValueError(f"returns and groups must be of one length, got {len(returns)} and {len(groups)}")
-    if any(not item for item in returns):
-        raise ValueError("every item needs the return of at least one call")
-    values = [[float(v) for v in item] for item in returns]
-    if not all(math.isfinite(v) for item in values for v in item):
-        raise ValueError("returns must be finite numbers")
+    if not len(call_rewards) == len(rewards) == len(groups):
+        raise ValueError(f"call_rewards, rewards and groups must be of one length, got {len(call_rewards)}, "
+                         f"{len(rewards)} and {len(groups)}")  # fmt: skip
+    if any(not item for item in call_rewards):
+        raise ValueError("every item has at least one call")
+    present = [float(r) for item in call_rewards for r in item if r is not None]
+    if not all(math.isfinite(v) for v in present):
+        raise ValueError("call rewards must be finite numbers")
+    outcome = group_advantages(rewards, groups, scale=scale, eps=eps)
     members: dict[Hashable, list[int]] = {}
     for i, group in enumerate(groups):
         members.setdefault(group, []).append(i)
 
-    advantages = [[0.0] * len(item) for item in values]
-    keep = [False] * len(values)
+    advantages = [[0.0] * len(item) for item in call_rewards]
+    keep = [False] * len(call_rewards)
     dropped_groups = 0
     for indices in members.values():
-        # The same arithmetic as group_advantages, on the first calls' returns: identical where calls add nothing.
-        mean = sum(values[i][0] for i in indices) / len(indices)
-        std = math.sqrt(sum((values[i][0] - mean) ** 2 for i in indices) / len(indices))
-        if std <= eps:
-            pooled = [v - mean for i in indices for v in values[i]]
-            std = math.sqrt(sum(c * c for c in pooled) / len(pooled))
-        if len(indices) < 2 or std <= eps:
+        given = [float(r) for i in indices for r in call_rewards[i] if r is not None]
+        mean = sum(given) / len(given) if given else 0.0
+        std = math.sqrt(sum((v - mean) ** 2 for v in given) / len(given)) if given else 0.0
+        calls_vary = std > eps
+        if len(indices) < 2 or not (calls_vary or outcome.keep[indices[0]]):
             dropped_groups += 1
             continue
         for i in indices:
-            advantages[i] = [(v - mean) / std if scale else v - mean for v in values[i]]
+            normalized = [0.0 if r is None or not calls_vary else (float(r) - mean) / std if scale
+                          else float(r) - mean for r in call_rewards[i]]  # fmt: skip
+            advantages[i] = [outcome.advantages[i] + c for c in discounted_sums(normalized, discount)]
             keep[i] = True
     return CallAdvantages(advantages, keep, len(members), dropped_groups, keep.count(False))

@@ -147,8 +147,9 @@ def apply_sources(
     return origins
 
 
-def subcommand_chain(parser: argparse.ArgumentParser, argv: Sequence[str]) -> Iterable[tuple[argparse.ArgumentParser,
-                                                                                           Sequence[str]]]:
+def subcommand_chain(
+    parser: argparse.ArgumentParser, argv: Sequence[str]
+) -> Iterable[tuple[argparse.ArgumentParser, Sequence[str]]]:
     """The parser of each sub-command ``argv`` names (``db prune``: the db parser, then prune's), with the
     arguments that follow its name."""
     rest = list(argv)
@@ -157,5 +158,5 @@ def subcommand_chain(parser: argparse.ArgumentParser, argv: Sequence[str]) -> It
         index = next((i for i, token in enumerate(rest) if subs and token in subs[0].choices), None)
         if index is None:
             return
-        parser, rest = subs[0].choices[rest[index]], rest[index + 1:]
+        parser, rest = subs[0].choices[rest[index]], rest[index + 1 :]
         yield parser, rest

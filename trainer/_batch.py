@@ -3,7 +3,7 @@
 Each trajectory's calls become samples (``build_samples``: token ids only); every
 sample of a trajectory carries the trajectory's group-relative advantage. In a group where some
 call has its own reward, each call's tokens carry that call's advantage instead
-(``tracetrain_core.call_advantages`` over ``call_returns`` with the turn discount): its calls are
+(``tracetrain_core.call_advantages``: the outcome's advantage plus the discounted call rewards): its calls are
 built one sample each, so that each segment has its own advantage (the prefix tree forwards the
 prefix they share once). A group without call rewards trains exactly as before. Samples
 sampled by a policy more than ``max_staleness`` versions older than the one being
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from store import RewardedTrajectory
-from tracetrain_core import CallAdvantages, GroupAdvantages, call_advantages, call_returns, group_advantages
+from tracetrain_core import CallAdvantages, GroupAdvantages, call_advantages, group_advantages
 from trainer._config import TrainConfig
 from trainer._samples import CapturedCall, Decode, Sample, SampleStats, build_samples
 from trainer._sampling import SamplingDefaults
@@ -80,18 +80,16 @@ def build_batch(
     turn_discount: float = 1.0,
 ) -> Batch:
     """Samples and their advantages for one step on top of ``trained_version`` (``decode``: see build_samples;
-    ``turn_discount``: how call rewards reach the calls before them, ``tracetrain_core.call_returns``)."""
+    ``turn_discount``: how call rewards reach the calls before them, ``tracetrain_core.call_advantages``)."""
     rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float64)  # (N,)
     groups = [t.group_id for t in trajectories]
     adv = group_advantages([t.reward for t in trajectories], groups, scale=cfg.scale_advantages)
     by_call = {t.group_id for t in trajectories if _rewarded_calls(t)}  # the groups trained call by call
     per_call = None
     if by_call:
-        returns = [
-            call_returns(t.call_rewards or [None] * max(1, len(t.calls)), t.reward, turn_discount)
-            for t in trajectories
-        ]
-        per_call = call_advantages(returns, groups, scale=cfg.scale_advantages)
+        call_rewards = [t.call_rewards or [None] * max(1, len(t.calls)) for t in trajectories]
+        per_call = call_advantages(call_rewards, [t.reward for t in trajectories], groups, discount=turn_discount,
+                                   scale=cfg.scale_advantages)  # fmt: skip
     samples: list[Sample] = []
     advantages: list[float] = []
     stats = SampleStats()
@@ -140,9 +138,7 @@ def _dropped(
     adv: GroupAdvantages, per_call: CallAdvantages | None, by_call: set[str], groups: Sequence[str]
 ) -> tuple[int, int]:
     """Groups and trajectories dropped for want of signal: each group counted by the rule it trained under."""
-    keep = [
-        (per_call.keep[i] if per_call is not None and g in by_call else adv.keep[i]) for i, g in enumerate(groups)
-    ]
+    keep = [(per_call.keep[i] if per_call is not None and g in by_call else adv.keep[i]) for i, g in enumerate(groups)]
     dropped = {g for g, k in zip(groups, keep, strict=True) if not k}
     return len(dropped), keep.count(False)
 

@@ -86,7 +86,7 @@ class WorkerSettings:
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S  # under torchrun: the process group's timeout
     # retention: the newest versions that keep their files (trainer._retention), unless the policy says another
     keep_versions: int = 3
-    # how a call's reward reaches the calls before it (tracetrain_core.call_returns), unless the policy says another
+    # how a call's reward reaches the calls before it (tracetrain_core.call_advantages), unless the policy says another
     turn_discount: float = 1.0
     adapter_files: bool = True  # record each adapter's files in the store (a vLLM that cannot see this disk)
 

@@ -2,7 +2,7 @@
 
 ``calls.reward`` holds the reward of one call (``POST /v1/rewards`` with a ``call_id``: the latest wins), and
 ``rewards.call_id`` names the call a recorded reward was given to (NULL: the whole trajectory). A call's reward
-trains through ``--turn-discount`` (``tracetrain_core.call_returns``). ``trajectories.demonstration`` keeps the
+trains through ``--turn-discount`` (``tracetrain_core.call_advantages``). ``trajectories.demonstration`` keeps the
 answer a person wrote for the trajectory with their score (``POST /admin/trajectories/{id}/feedback``), which
 ``tracetrain export`` writes and ``tracetrain sft`` trains on.
 
