@@ -19,5 +19,6 @@ from proxy._app import create_app
 from proxy._declare import GROUPS, Declared, declared
 from proxy._policy_config import PolicyOverrides, SamplingDefaults
 from proxy._settings import Settings
+from proxy.gateway import HANG_UP  # how `tracetrain serve`'s server tells a stream that its client left
 
-__all__ = ["GROUPS", "Declared", "PolicyOverrides", "SamplingDefaults", "Settings", "create_app", "declared"]
+__all__ = ["GROUPS", "HANG_UP", "Declared", "PolicyOverrides", "SamplingDefaults", "Settings", "create_app", "declared"]

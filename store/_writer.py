@@ -78,6 +78,11 @@ def _write_failed(doing: str, error: BaseException) -> None:
         log.error("could not write to the store (%s): %s", doing, redact(str(error)))
 
 
+def _settle_all(settled: list[tuple[asyncio.Future[Any], Any, Exception | None]]) -> None:
+    for done, result, error in settled:
+        _settle(done, result, error)
+
+
 def _settle(done: asyncio.Future[Any], result: Any, error: Exception | None) -> None:
     if done.done():
         return
@@ -112,9 +117,11 @@ class GroupCommitWriter:
         self._busy = False  # the thread is writing a batch
         # SQLite: the caller's connection for lone writes; it gives up at once when the lock is taken.
         self._here_conn: Any = None
+        self._here_driver: sqlite3.Connection | None = None  # its sqlite3 connection, looked up once
         if sync_engine is not None:
             self._here_conn = sync_engine.raw_connection()
             self._here_conn.cursor().execute("PRAGMA busy_timeout = 0")
+            self._here_driver = self._here_conn.driver_connection
         self._thread = threading.Thread(target=self._run, name="tracetrain-store-writer", daemon=True)
         self._thread.start()
 
@@ -139,10 +146,10 @@ class GroupCommitWriter:
 
     def _here(self, commit: Callable[[sqlite3.Connection, list[Any]], Any], item: CallWrite | Seat) -> Any:
         """``commit`` one item on the caller's thread if the writer is idle and SQLite's lock free, else _QUEUE."""
-        if self._here_conn is None or self._busy or not self._pending.empty():
+        if self._here_driver is None or self._busy or not self._pending.empty():
             return _QUEUE
         try:
-            result = commit(self._here_conn.driver_connection, [item])
+            result = commit(self._here_driver, [item])
         except sqlite3.Error:  # locked, or worse: the thread's way retries and reports it
             return _QUEUE
         FULL_DISK.succeeded()
@@ -157,7 +164,7 @@ class GroupCommitWriter:
         await asyncio.to_thread(self._thread.join)
         if self._here_conn is not None:
             self._here_conn.close()
-            self._here_conn = None
+            self._here_conn = self._here_driver = None
 
     def _next_batch(self, first: _Pending) -> tuple[list[_Pending], bool]:
         """``first`` and whatever else is queued, up to a limit; True once close() was asked."""
@@ -224,9 +231,10 @@ class GroupCommitWriter:
         self._release_failed_seats(items, outcomes)
         if last:
             self._busy = False
-        for (_, done), (result, error) in zip(batch, outcomes, strict=True):
-            if done is not None:
-                self._loop.call_soon_threadsafe(_settle, done, result, error)
+        settled = [(done, result, error) for (_, done), (result, error) in zip(batch, outcomes, strict=True)
+                   if done is not None]  # fmt: skip
+        if settled:  # one wake-up of the event loop for the whole batch, not one per call
+            self._loop.call_soon_threadsafe(_settle_all, settled)
 
     def _one_by_one(
         self, commit: Callable[[list[Any]], list[Any] | None], items: list[Any]

@@ -9,6 +9,7 @@ def test_proxy_public_names() -> None:
     assert sorted(proxy.__all__) == [
         "Declared",
         "GROUPS",
+        "HANG_UP",
         "PolicyOverrides",
         "SamplingDefaults",
         "Settings",
@@ -43,7 +44,7 @@ def test_the_proxy_subpackages_public_names() -> None:
         "proxy.admin": ["Admin", "AdminAuth", "TokenTexts"],
         "proxy.data": ["FeedbackPost", "RewardBatch", "RewardPost", "get_trajectory", "give_feedback", "list_groups",
                        "list_trajectories", "parse_feedback", "post_rewards", "review_queue", "validate_feedback"],
-        "proxy.gateway": ["Forwarder", "Gate", "Key", "KeyHints", "Keyer", "NOT_AWAKE", "PolicyRegistry",
+        "proxy.gateway": ["Forwarder", "Gate", "HANG_UP", "Key", "KeyHints", "Keyer", "NOT_AWAKE", "PolicyRegistry",
                           "RETRY_AFTER_FAILED_S", "Route", "Served", "ServedPolicy", "Signer", "Split", "Upstream",
                           "new_trajectory_id"],
         "proxy.gateway.dialects": ["CHAT", "COMPLETIONS", "ChatCompletionRequest", "ChatTranslation",

@@ -12,6 +12,9 @@ connections and requests served at once: a request past it is answered 503 (uvic
 from the ``Content-Length``, before the body is read). ``X-Forwarded-For`` is believed only from the proxies
 ``forwarded_allow_ips`` names (none by default). All of them: docs/OPERATIONS.md.
 
+A stream learns that its client hung up from the connection itself (the ``proxy.HANG_UP`` extension:
+its callback runs when the connection is lost), instead of a task of its own listening on ``receive()``.
+
 A connection answered and closed before its request was read whole (the 431, the 413, a 503, any
 ``Connection: close`` answer to a request still arriving) closes as HTTP servers close it, lingering:
 the server's half ends (FIN) after the answer, and what the client still sends is read and dropped
@@ -24,13 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import weakref
+from collections.abc import Callable
 from typing import Any, cast
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from proxy import Settings
+from proxy import HANG_UP, Settings
 
 MAX_HEADER_BYTES = 64 * 1024
 # A lingering close (the module's docstring), as Apache's: it ends once the client sends nothing for LINGER_S, or
@@ -58,6 +62,7 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         self._reading_headers = True
         self._header_bytes = 0
         self._lingering_since: float | None = None  # the loop's clock when a lingering close began
+        self._hang_ups: list[Callable[[], None]] = []  # what runs when the connection is lost (``HANG_UP``)
         super().connection_made(transport)
         # uvicorn's closes (its request cycles' and its own) go through ``close_connection``.
         self._socket = transport
@@ -110,8 +115,20 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self.scope["extensions"] = {HANG_UP: {"tell": self._tell_on_hang_up}}
         if self.deadline is None:  # a kept-alive connection's next request: its headers from their first byte
             self.deadline = self.loop.time() + self.header_timeout_s
+
+    def _tell_on_hang_up(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Run ``callback`` when the connection is lost; returns the function that takes it back."""
+        self._hang_ups.append(callback)
+        return lambda: self._hang_ups.remove(callback)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        hang_ups, self._hang_ups = self._hang_ups, []
+        for callback in hang_ups:
+            callback()
 
     def on_headers_complete(self) -> None:
         self._reading_headers = False

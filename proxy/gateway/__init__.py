@@ -15,11 +15,13 @@ from proxy.gateway._forward import Forwarder
 from proxy.gateway._gate import NOT_AWAKE, RETRY_AFTER_FAILED_S, Gate
 from proxy.gateway._keying import Key, Keyer, KeyHints, new_trajectory_id
 from proxy.gateway._policies import PolicyRegistry, Route, ServedPolicy
+from proxy.gateway._relay import HANG_UP
 from proxy.gateway._served import Served, Signer
 from proxy.gateway._split import Split
 from proxy.gateway.upstream import Upstream
 
 __all__ = [
+    "HANG_UP",
     "NOT_AWAKE",
     "RETRY_AFTER_FAILED_S",
     "Forwarder",

@@ -144,14 +144,22 @@ class Relay:
         return call_write(self._call, self._assembler.capture, response, status, error, self._ttft)
 
 
+# The ASGI extension by which ``tracetrain serve``'s HTTP server (``tracetrain_cli._http_server``) tells a stream
+# that its client hung up: ``scope["extensions"][HANG_UP]["tell"](callback)`` runs ``callback`` when the
+# connection is lost, and returns the function that takes it back.
+HANG_UP = "tracetrain.hang_up"
+
+
 class RelayResponse(StreamingResponse):
     """A streaming response that closes its relay however the response ends.
 
     Served without Starlette's task group. uvicorn speaks ASGI 2.3, where a client that hangs
     up is told only through ``receive()``; Starlette listens for it with an anyio task group
     per stream, whose set-up came before the first byte and whose tear-down after the last
-    (docs/BENCHMARKS.md, issue 14). Here one plain task listens and cancels the stream's task
-    when the client is gone; under ASGI 2.4 a send to a gone client raises ``OSError`` instead.
+    (docs/BENCHMARKS.md, issue 14). Here the stream's task is cancelled when the client is gone:
+    told by the server itself where it offers the ``HANG_UP`` extension (``tracetrain serve``: no task
+    at all), else by one plain task that listens on ``receive()``; under ASGI 2.4 a send to a gone
+    client raises ``OSError`` instead.
     """
 
     def __init__(self, relay: Relay, headers: dict[str, str]) -> None:
@@ -166,7 +174,7 @@ class RelayResponse(StreamingResponse):
                 except OSError as exc:
                     raise ClientDisconnect() from exc
             else:
-                await self._stream_until_hang_up(receive, send)
+                await self._stream_until_hang_up(scope, receive, send)
             await self._relay.finish()
         finally:
             self._relay.close()
@@ -181,19 +189,23 @@ class RelayResponse(StreamingResponse):
         if more:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    async def _stream_until_hang_up(self, receive: Receive, send: Send) -> None:
+    async def _stream_until_hang_up(self, scope: Scope, receive: Receive, send: Send) -> None:
         streaming = asyncio.current_task()
         assert streaming is not None
         state = {"hung_up": False, "ended": False}
 
-        async def listen() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
+        def hang_up() -> None:
             if not state["ended"]:  # uvicorn also says "disconnect" once the response is complete
                 state["hung_up"] = True
                 streaming.cancel()
 
-        listener = asyncio.get_running_loop().create_task(listen())
+        async def listen() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            hang_up()
+
+        told = scope.get("extensions", {}).get(HANG_UP)  # by the server, or by a task listening on receive()
+        forget = told["tell"](hang_up) if told is not None else asyncio.get_running_loop().create_task(listen()).cancel
         try:
             await self.stream_response(send)
         except asyncio.CancelledError:
@@ -201,7 +213,7 @@ class RelayResponse(StreamingResponse):
                 raise  # cancelled from outside: the server is shutting down
         finally:
             state["ended"] = True
-            listener.cancel()
+            forget()
 
 
 def _asgi_version(scope: Scope) -> tuple[int, ...]:

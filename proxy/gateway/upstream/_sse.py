@@ -24,7 +24,7 @@ from dataclasses import dataclass
 _BOM = b"\xef\xbb\xbf"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass is built through object.__setattr__, 3x slower per event
 class ServerSentEvent:
     data: bytes
     event: str = "message"
