@@ -11,7 +11,8 @@ Parts, each timed:
 4. the dashboard answers: /admin/overview with the admin token, the /admin page;
 5. a proxy restarted under load: calls run while proxy-a restarts; every answered call is in the store;
 6. the trainer killed mid-step: a second job runs, the trainer container is killed while it holds the job,
-   comes back (restart policy) and the job ends in policy@2.
+   comes back (restart policy) and the job ends in policy@2 or later (a warm trainer's step takes ~2 s: a job
+   that ran to its end between two looks is followed by another, up to three tries).
 
 Run it with the stack up (docker/stack.sh up docker/compose.yaml docker/compose.smoke.yaml): it reads the keys
 and the engine from the environment that docker/stack.sh and .ci/engine.sh set (make stack-smoke does all
@@ -220,18 +221,36 @@ def restart_under_load(stack: Stack, service: str, seconds_after: float) -> None
     print(f"stack_smoke:   every answered call is recorded ({len(answered)})", flush=True)
 
 
+def a_running_job(stack: Stack, done_before: set[str], attempts: int = 3) -> dict[str, Any]:
+    """The next training job, seen while the trainer holds it: rewarded groups make one, and a job that ran to its
+    end between two looks (a warm trainer's step takes ~2 s) is followed by another, up to ``attempts`` times."""
+    running: dict[str, Any] = {}
+    missed: list[str] = []
+
+    def claimed_or_missed() -> bool:
+        jobs = stack.jobs()
+        holding = [j for j in jobs if j["state"] == "running"]
+        if holding:
+            running.update(holding[0])
+            return True
+        missed.extend(j["id"] for j in jobs if j["state"] == "succeeded" and j["id"] not in done_before | set(missed))
+        return bool(missed)
+
+    for attempt in range(1, attempts + 1):
+        missed.clear()
+        rewarded_groups(stack, 1 + attempt, groups=2)
+        wait_for("the trainer claims the next job", claimed_or_missed, 600, 0.2)
+        if running:
+            return running
+        done_before.update(missed)
+        print(f"stack_smoke:   job {', '.join(missed)} ended before it was seen running; another (try {attempt})",
+              flush=True)  # fmt: skip
+    raise SystemExit(f"stack_smoke: no job was seen running in {attempts} tries: each ended between two looks")
+
+
 def kill_trainer_mid_step(stack: Stack) -> None:
     done_before = {j["id"] for j in stack.jobs() if j["state"] == "succeeded"}
-    rewarded_groups(stack, 2, groups=2)
-    running: dict[str, Any] = {}
-
-    def claimed() -> bool:
-        jobs = [j for j in stack.jobs() if j["state"] == "running"]
-        if jobs:
-            running.update(jobs[0])
-        return bool(jobs)
-
-    wait_for("the trainer claims the second job", claimed, 600, 0.5)
+    running = a_running_job(stack, done_before)
     trainer = stack.container("trainer")
     started = stack.engine_run("inspect", "--format", "{{.State.StartedAt}}", trainer).strip()
     # Its process killed from the host, as the kernel's OOM killer would: a crash, which the restart policy answers.
