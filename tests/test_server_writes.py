@@ -4,6 +4,7 @@ call, on the proxy's one core, for every call."""
 from __future__ import annotations
 
 import asyncio.selector_events
+import contextlib
 import sqlite3
 import threading
 import time
@@ -81,10 +82,11 @@ def test_a_stream_learns_its_client_hung_up_from_the_connection(
                 if "w2" in line:
                     break  # hang up
         deadline = time.monotonic() + 3  # well before the stream's 4 s end
-        while time.monotonic() < deadline and not fake.disconnected_streams:
+        rows: list[Any] = []
+        while time.monotonic() < deadline and not (fake.disconnected_streams and rows):
             time.sleep(0.05)
-        rows = sqlite3.connect(tmp_path / "data" / "tracetrain.db").execute(
-            "SELECT status_code, error FROM calls").fetchall()  # fmt: skip
+            with contextlib.closing(sqlite3.connect(tmp_path / "data" / "tracetrain.db")) as db:
+                rows = db.execute("SELECT status_code, error FROM calls").fetchall()
     assert fake.disconnected_streams == 1  # the proxy hung up on vLLM as soon as its client left
     assert rows == [(499, "the client disconnected mid-stream")]
     assert listeners == []
