@@ -16,6 +16,7 @@ import pytest
 from fake_vllm import FakeVLLM, Reply
 from test_slow_clients import served, settings
 
+from proxy.gateway._relay import RelayResponse
 from tracetrain_cli._http_server import TimedHttpToolsProtocol
 
 _Transport = asyncio.selector_events._SelectorSocketTransport
@@ -63,7 +64,8 @@ def test_a_stream_learns_its_client_hung_up_from_the_connection(
     fake: FakeVLLM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Served by `tracetrain serve`'s server, a stream is told of a hang-up by the connection (``HANG_UP``), with no
-    task of its own listening on ``receive()``: its record keeps what was sampled, and vLLM is hung up on too."""
+    task of its own listening on ``receive()``: its record keeps what was sampled, vLLM is hung up on too, and the
+    stream ends without an error."""
     listeners: list[object] = []
     create_task = asyncio.BaseEventLoop.create_task
 
@@ -73,6 +75,17 @@ def test_a_stream_learns_its_client_hung_up_from_the_connection(
         return create_task(self, coro, **kwargs)
 
     monkeypatch.setattr(asyncio.BaseEventLoop, "create_task", counted)
+    raised: list[BaseException] = []  # what the stream's response let out (uvicorn would log it as the app's crash)
+    streaming = RelayResponse._stream_until_hang_up
+
+    async def watched(self: RelayResponse, *args: Any) -> None:
+        try:
+            await streaming(self, *args)
+        except BaseException as exc:
+            raised.append(exc)
+            raise
+
+    monkeypatch.setattr(RelayResponse, "_stream_until_hang_up", watched)
     fake.token_delay_s = 0.1
     fake.script(Reply(content=" ".join(f"w{i}" for i in range(40))))  # 4 s of tokens
     with served(settings(fake, tmp_path)) as (host, port):
@@ -89,4 +102,4 @@ def test_a_stream_learns_its_client_hung_up_from_the_connection(
                 rows = db.execute("SELECT status_code, error FROM calls").fetchall()
     assert fake.disconnected_streams == 1  # the proxy hung up on vLLM as soon as its client left
     assert rows == [(499, "the client disconnected mid-stream")]
-    assert listeners == []
+    assert listeners == [] and raised == []

@@ -62,7 +62,7 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         self._reading_headers = True
         self._header_bytes = 0
         self._lingering_since: float | None = None  # the loop's clock when a lingering close began
-        self._hang_ups: list[Callable[[], None]] = []  # what runs when the connection is lost (``HANG_UP``)
+        self._hang_ups: set[Callable[[], None]] = set()  # what runs when the connection is lost (``HANG_UP``)
         super().connection_made(transport)
         # uvicorn's closes (its request cycles' and its own) go through ``close_connection``.
         self._socket = transport
@@ -120,13 +120,15 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
             self.deadline = self.loop.time() + self.header_timeout_s
 
     def _tell_on_hang_up(self, callback: Callable[[], None]) -> Callable[[], None]:
-        """Run ``callback`` when the connection is lost; returns the function that takes it back."""
-        self._hang_ups.append(callback)
-        return lambda: self._hang_ups.remove(callback)
+        """Run ``callback`` when the connection is lost; returns the function that takes it back (nothing once it
+        ran: a stream takes it back as it ends, however it ended)."""
+        hang_ups = self._hang_ups
+        hang_ups.add(callback)
+        return lambda: hang_ups.discard(callback)
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
-        hang_ups, self._hang_ups = self._hang_ups, []
+        hang_ups, self._hang_ups = self._hang_ups, set()
         for callback in hang_ups:
             callback()
 
