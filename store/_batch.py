@@ -51,11 +51,6 @@ class CallWrite:
     # record's own transaction (SQLite), one commit instead of two; ``group_id`` is filled in then.
     seat_in: int = 0
 
-    def with_call(self, call: dict[str, Any]) -> CallWrite:
-        """This write with another row for the calls table (``dataclasses.replace``'s, without its field walk)."""
-        return CallWrite(call, self.trajectory_id, self.group_id, self.policy, self.keyed_by, self.task_key,
-                         self.tail_hash, self.created_at, self.version, self.seat_in)  # fmt: skip
-
 
 @functools.cache
 def _statements(dialect: str) -> tuple[Executable, Executable, Executable, Executable, Executable]:

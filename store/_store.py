@@ -21,6 +21,7 @@ its next call is stored against (``store._compact``); a call it does not know is
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import sqlite3
 import time
@@ -178,7 +179,7 @@ class Store:
 
     def _stored(self, write: CallWrite) -> CallWrite:
         """The row to queue: compact when it can be (``chains``), checked and encoded (``store._record_check``)."""
-        return write.with_call(checked_call(self.chains.stored_row(write.trajectory_id, write.call)))
+        return dataclasses.replace(write, call=checked_call(self.chains.stored_row(write.trajectory_id, write.call)))
 
     async def _release_seat(self, write: CallWrite) -> int:
         """Give back the seat a new trajectory took at keying (its row, still without calls: ``store._derived``),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import sqlite3
 import threading
 from pathlib import Path
@@ -198,13 +197,3 @@ def test_sqlalchemys_path_refuses_a_seat_left_to_the_record() -> None:
     engine = create_engine("sqlite://")
     with engine.connect() as conn, pytest.raises(ValueError, match="SQLite only"):
         write_batch(conn, "postgresql", [_new_trajectory_call("t-0", "call-0", group_size=2)])
-
-
-def test_a_write_with_another_call_row_keeps_every_other_field() -> None:
-    write = CallWrite({"id": "c"}, "t", "g", "agent", "header", "task", "tail", 1.5, 3, seat_in=8)
-    row = {"id": "c", "prefix_of": None}
-    copied = write.with_call(row)
-    assert copied.call is row and write.call == {"id": "c"}
-    assert [getattr(copied, f.name) for f in dataclasses.fields(CallWrite) if f.name != "call"] == [
-        getattr(write, f.name) for f in dataclasses.fields(CallWrite) if f.name != "call"
-    ]

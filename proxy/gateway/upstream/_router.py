@@ -133,7 +133,7 @@ class Router:
             candidates = [s for s in self.servers if s.state == "down" and s not in avoid]
         if not candidates:
             raise UpstreamNotReady(self.why_none())
-        return candidates[0] if len(candidates) == 1 else choose(trajectory_id, candidates)
+        return choose(trajectory_id, candidates)
 
     def why_none(self) -> str:
         """Why no server is in rotation, server by server."""
