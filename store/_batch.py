@@ -3,7 +3,8 @@
 The group-commit writer (``store._writer``) commits each batch in one transaction: the new groups,
 the new trajectories, the calls, and the trajectories' counts, in key order. On SQLite the same
 statements run as plain SQL on the driver's connection, with the seats the batch's records
-take (``CallWrite.seat_in``) first.
+take (``CallWrite.seat_in``) first: a seated trajectory's row is written there with its first call's
+values, and the batch's other statements leave it alone (unless another record of it is in the batch).
 
 A group or trajectory row that already exists is kept as it is (``ON CONFLICT DO NOTHING``), so the
 batch then reads the owners of its groups and trajectories: a record whose group or trajectory another
@@ -17,13 +18,14 @@ import functools
 import itertools
 import sqlite3
 import time
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import JSON, Connection, Executable, bindparam, insert, literal_column, select, union_all, update
 
-from store._derived import Seat, seat_one_sqlite
+from store._derived import FirstCall, Seat, seat_one_sqlite
 from store._engine import dumps, insert_ignore
 from store._errors import KeyTaken
 from store._lifecycle import GroupState
@@ -173,21 +175,38 @@ def write_batch_sqlite(conn: sqlite3.Connection, writes: Sequence[CallWrite]) ->
     """``write_batch`` on SQLite's own driver, in one IMMEDIATE transaction, seats first (``seat_in``)."""
     conn.execute("BEGIN IMMEDIATE")
     try:
-        for w in writes:
-            if w.seat_in:
-                seat = Seat(w.policy, str(w.task_key), w.trajectory_id, w.keyed_by, w.seat_in, w.created_at)
-                w.group_id = w.call["group_id"] = seat_one_sqlite(conn, seat)
-        groups, trajectories, updates = _rows(writes)
+        groups, trajectories, updates = _rows(_seat(conn, writes))
         _insert_sqlite(conn, G.name, groups, ignore=True)
         _insert_sqlite(conn, T.name, trajectories, ignore=True)
-        _check_owners(conn.execute(_sqlite_owners(len(groups), len(trajectories)),
-                                   (*_ids(groups), *_ids(trajectories))), groups, trajectories)  # fmt: skip
+        if groups:
+            _check_owners(conn.execute(_sqlite_owners(len(groups), len(trajectories)),
+                                       (*_ids(groups), *_ids(trajectories))), groups, trajectories)  # fmt: skip
         _insert_sqlite(conn, C.name, [w.call for w in writes], ignore=False)
         conn.executemany(_UPDATE_TRAJECTORY, updates)
     except BaseException:
         conn.rollback()
         raise
     conn.commit()
+
+
+def _seat(conn: sqlite3.Connection, writes: Sequence[CallWrite]) -> list[CallWrite]:
+    """Take the seats of ``writes`` (``seat_in``) in order; the writes whose group and trajectory rows are still
+    to be written or updated: all but the seated ones whose row the seat wrote with its call (``FirstCall``)."""
+    if not any(w.seat_in for w in writes):
+        return list(writes)
+    records = Counter(w.trajectory_id for w in writes)
+    rest = []
+    for w in writes:
+        if not w.seat_in:
+            rest.append(w)
+            continue
+        seat = Seat(w.policy, str(w.task_key), w.trajectory_id, w.keyed_by, w.seat_in, w.created_at)
+        first = FirstCall(time.time(), w.version, w.tail_hash) if records[w.trajectory_id] == 1 else None
+        w.group_id, written = seat_one_sqlite(conn, seat, first)
+        w.call["group_id"] = w.group_id
+        if first is None or not written:
+            rest.append(w)
+    return rest
 
 
 def _by_id(row: Mapping[str, Any]) -> str:

@@ -169,8 +169,8 @@ _NEWEST = (
 _TAKE = "UPDATE groups SET seats = seats + 1 WHERE id = ?"
 _OPEN = "INSERT INTO groups (id, policy, task_key, task_seq, seats, state, created_at) VALUES (?, ?, ?, ?, 1, ?, ?)"
 _JOIN = (
-    "INSERT INTO trajectories (id, group_id, policy, keyed_by, created_at, updated_at, n_calls, last_version, metrics)"
-    " VALUES (?, ?, ?, ?, ?, ?, 0, 0, '{}')"
+    "INSERT INTO trajectories (id, group_id, policy, keyed_by, created_at, updated_at, n_calls, last_version,"
+    " tail_hash, metrics) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, '{}')"
 )
 
 
@@ -178,7 +178,7 @@ def seat_all_sqlite(conn: sqlite3.Connection, seats: Sequence[Seat]) -> list[str
     """The group of each trajectory in ``seats``, seated in order in one IMMEDIATE transaction (SQLite)."""
     conn.execute("BEGIN IMMEDIATE")
     try:
-        groups = [seat_one_sqlite(conn, seat) for seat in seats]
+        groups = [seat_one_sqlite(conn, seat)[0] for seat in seats]
     except BaseException:
         conn.rollback()
         raise
@@ -186,13 +186,24 @@ def seat_all_sqlite(conn: sqlite3.Connection, seats: Sequence[Seat]) -> list[str
     return groups
 
 
-def seat_one_sqlite(conn: sqlite3.Connection, seat: Seat) -> str:
-    """``seat``'s group, inside the caller's transaction."""
+@dataclass(frozen=True, slots=True)
+class FirstCall:
+    """What a new trajectory's row holds once its first call is recorded: written with the seat when both go
+    in one transaction (``store._batch``), instead of a row inserted empty and updated at once."""
+
+    updated_at: float
+    version: int
+    tail_hash: str | None
+
+
+def seat_one_sqlite(conn: sqlite3.Connection, seat: Seat, first: FirstCall | None = None) -> tuple[str, bool]:
+    """``seat``'s group, inside the caller's transaction, and whether its trajectory's row was written now (with
+    ``first``'s values and one call, where given; else empty) rather than found stored."""
     stored = conn.execute(_STORED_GROUP, (seat.trajectory_id,)).fetchone()
     if stored is not None:  # keyed first by another call of it, here or on another replica
         if stored[1] != seat.policy:
             raise KeyTaken("trajectory", seat.trajectory_id)
-        return str(stored[0])
+        return str(stored[0]), False
     newest = conn.execute(_NEWEST, (seat.policy, seat.task_key)).fetchone()
     if newest is not None and newest[2] == _OPEN_STATE and newest[3] < seat.group_size:
         group_id = str(newest[0])
@@ -201,8 +212,9 @@ def seat_one_sqlite(conn: sqlite3.Connection, seat: Seat) -> str:
         number = (newest[1] or 0) + 1 if newest is not None else 1
         group_id = f"grp-{seat.task_key[:12]}-{uuid.uuid4().hex[:8]}"
         conn.execute(_OPEN, (group_id, seat.policy, seat.task_key, number, _OPEN_STATE, seat.now))
-    conn.execute(_JOIN, (seat.trajectory_id, group_id, seat.policy, seat.keyed_by, seat.now, seat.now))
-    return group_id
+    row = (seat.now, 0, 0, None) if first is None else (first.updated_at, 1, first.version, first.tail_hash)
+    conn.execute(_JOIN, (seat.trajectory_id, group_id, seat.policy, seat.keyed_by, seat.now, *row))
+    return group_id, True
 
 
 async def release_seats(engine: AsyncEngine, trajectory_ids: Sequence[str], policy: str | None = None) -> int:

@@ -197,3 +197,26 @@ def test_sqlalchemys_path_refuses_a_seat_left_to_the_record() -> None:
     engine = create_engine("sqlite://")
     with engine.connect() as conn, pytest.raises(ValueError, match="SQLite only"):
         write_batch(conn, "postgresql", [_new_trajectory_call("t-0", "call-0", group_size=2)])
+
+
+async def test_a_seated_trajectory_is_written_once_with_its_first_calls_values(tmp_path: Path) -> None:
+    """The row a record's seat writes holds its call already (one call, its version and tail hash; never among
+    the seats waiting for a call), with no second statement on it; two records of one new trajectory in a batch
+    both count, the later's values last."""
+    path = tmp_path / "first.db"
+    await (await Store.open(f"sqlite+aiosqlite:///{path}")).close()
+    conn = sqlite3.connect(path, isolation_level=None)
+    statements: list[str] = []
+    conn.set_trace_callback(statements.append)
+    alone = _new_trajectory_call("t-0", "call-0", group_size=3)
+    alone.version, alone.tail_hash = 3, "tail-0"
+    write_batch_sqlite(conn, [alone])
+    assert not [s for s in statements if s.startswith("UPDATE trajectories") or "ON CONFLICT" in s]
+    assert sum(s.startswith("INSERT INTO trajectories") for s in statements) == 1
+    twice = [_new_trajectory_call("t-1", "call-1", group_size=3), _new_trajectory_call("t-1", "call-2", group_size=3)]
+    twice[1].version, twice[1].tail_hash = 4, "tail-2"
+    write_batch_sqlite(conn, twice)
+    rows = conn.execute("SELECT id, n_calls, last_version, tail_hash FROM trajectories ORDER BY id").fetchall()
+    assert rows == [("t-0", 1, 3, "tail-0"), ("t-1", 2, 4, "tail-2")]
+    assert conn.execute("SELECT seats FROM groups").fetchall() == [(2,)]
+    conn.close()
