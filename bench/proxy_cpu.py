@@ -10,6 +10,10 @@ first. A cell's figure is the proxy process's CPU time (``/proc/PID/stat``, user
 thread) over the calls it answered. Then each proxy and the fake alone take ``wrk -c1`` (chat,
 plain and streamed), interleaved the same way: the proxy's added p50 is its p50 less the fake's.
 
+With ``--floor``, two relays that do none of the proxy's work take the chat cells beside them, in
+front of the same fake (``bench/_proxy/floor.py``): a TCP pipe (the sockets' and the loop's cost of a
+call) and uvicorn with the proxy's HTTP/1.1 client passing bodies through (the server's and the client's).
+
 The median of the rounds is reported for each side, with the spread (min-max) and the ratio
 this/base. Run from the repository root (``wrk`` from Debian):
 
@@ -65,6 +69,16 @@ def proxy(stack: contextlib.ExitStack, name: str, tree: Path, upstream: Server, 
     return start(stack, name, argv, "/readyz", POLICY, tree, workdir)
 
 
+def floors(stack: contextlib.ExitStack, upstream: Server, workdir: Path) -> dict[str, Server]:
+    """The relays of ``bench/_proxy/floor.py`` in front of ``upstream``, sent chat as the proxy forwards it."""
+    relays = {}
+    for relay in ("pipe", "asgi"):
+        argv = [sys.executable, "bench/_proxy/floor.py", relay, "--upstream", f"{HOST}:{upstream.port}"]
+        server = start(stack, f"floor-{relay}", argv, "/v1/models", BASE_MODEL, REPO, workdir)
+        relays[f"floor: {relay}"] = with_api(server, "chat-as-proxied")
+    return relays
+
+
 def with_api(server: Server, api: str) -> Server:
     return Server(server.name, server.port, server.model, server.proc, server.log, api)
 
@@ -92,6 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--apis", default=",".join(APIS))
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--no-c1", action="store_true", help="skip the c=1 added-latency cells")
+    parser.add_argument("--floor", action="store_true",
+                        help="run two relays that do none of the proxy's work beside the chat cells")  # fmt: skip
     args = parser.parse_args(argv)
     apis, modes = args.apis.split(","), args.modes.split(",")
     with tempfile.TemporaryDirectory(prefix="tracetrain-cpu-") as tmp, contextlib.ExitStack() as stack:
@@ -100,7 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"starting servers in {workdir} ...", file=sys.stderr, flush=True)
         fake = start(stack, "direct", [sys.executable, "tests/fake_vllm.py"], "/v1/models", BASE_MODEL, REPO, workdir)
         proxies = {name: proxy(stack, f"proxy{i}", tree, fake, workdir) for i, (name, tree) in enumerate(trees.items())}
-        everyone = [fake, *proxies.values()]
+        relays = floors(stack, fake, workdir) if args.floor else {}
+        everyone = [fake, *proxies.values(), *relays.values()]
         for server in proxies.values():  # warm-up: every API and mode once
             for api in apis:
                 for mode in modes:
@@ -120,6 +137,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                         print(f"round {round_ + 1} {api:9} {mode:6} {name:16} {ms:.3f} ms/call "
                               f"{result.rps:7.0f} req/s", file=sys.stderr, flush=True)  # fmt: skip
                     order.reverse()
+            for mode in modes if "chat" in apis else ():
+                for name, server in relays.items():
+                    settle(everyone)
+                    ms, result = cpu_per_call(server, mode, args.concurrency, args.duration, f"r{round_}-{name}-{mode}")
+                    cpu.setdefault((name, "chat", mode), []).append(ms)
+                    print(f"round {round_ + 1} chat      {mode:6} {name:16} {ms:.3f} ms/call "
+                          f"{result.rps:7.0f} req/s", file=sys.stderr, flush=True)  # fmt: skip
             if args.no_c1:
                 continue
             for mode in modes:
@@ -137,6 +161,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 old, new = cpu[(base, api, mode)], cpu[(this, api, mode)]
                 ratio = statistics.median(new) / statistics.median(old)
                 print(f"| {api} | {mode} | {spread(old)} | {spread(new)} | {ratio:.2f} |")
+        if relays:
+            print("\nchat beside the floor: the relays' CPU ms per call, median (min-max), and the proxy's above the")
+            print("uvicorn relay's (what its own work costs)")
+            print(f"| mode | {' | '.join(relays)} | {this} | {this} less floor: asgi |")
+            print("|---|---:|---:|---:|---:|")
+            for mode in modes:
+                cells = [spread(cpu[(name, "chat", mode)]) for name in [*relays, this]]
+                asgi = statistics.median(cpu[("floor: asgi", "chat", mode)])
+                own = statistics.median(cpu[(this, "chat", mode)]) - asgi
+                print(f"| {mode} | {' | '.join(cells)} | {own:.3f} |")
         if p50:
             print("\nadded p50 at c=1 (chat), ms: the proxy's p50 less the fake's in the same round, median (min-max)")
             print(f"| mode | fake alone p50 | {base} | {this} |")

@@ -6,7 +6,9 @@
 -- model's name for the upstream itself), MODE is "stream" or "plain", TAG a prefix
 -- unique to this run: ids are TAG-<thread>-<n>, so no two requests share one.
 -- API ("chat" by default, "responses", "messages") sends the same question to
--- /v1/responses or /v1/messages instead, in that API's grammar.
+-- /v1/responses or /v1/messages instead, in that API's grammar; "chat-as-proxied" sends
+-- the chat body with the capture flags the proxy adds to it (return_token_ids, logprobs),
+-- as the proxy forwards it (bench/_proxy/floor.py's relays pass it on unchanged).
 -- done() prints one machine-readable line, BENCH_RESULT key=value ..., that
 -- bench/proxy_overhead.py parses; "sent" counts request() calls, including requests
 -- still in flight when wrk stopped (it runs one over per run: one call is never written).
@@ -38,6 +40,9 @@ function init(args)
       )
       path = "/v1/messages"
    else
+      if api == "chat-as-proxied" then
+         tail = tail .. ',"return_token_ids":true,"logprobs":true'
+      end
       body = string.format(
          '{"model":"%s","messages":[{"role":"user","content":"%s"}],"max_tokens":16%s}', model, question, tail
       )
