@@ -21,11 +21,12 @@ A trajectory keyed into a group its call names takes no seat; where replicas may
 from its first call on (the proxy's keying: ``proxy.gateway._keying``).
 
 The trajectory row exists from its first call's keying on, with no calls until that call
-is recorded (``store._writer``). A seat whose call is never recorded would keep its group waiting
-for a reward that cannot come, so it is given back (``release_seats``: the row, still without
-calls, deleted and the group's count lowered): by the writer when the call's record fails, and by
-a sweep for a seat still without a call after a bound (``release_stale_seats``: the process that
-keyed it died before recording).
+is recorded (``store._writer``); a seat taken in its call's own record (SQLite, ``CallWrite.seat_in``)
+writes the row with that call counted already (``FirstCall``). A seat whose call is never
+recorded would keep its group waiting for a reward that cannot come, so it is given back
+(``release_seats``: the row, still without calls, deleted and the group's count lowered): by the
+writer when the call's record fails, and by a sweep for a seat still without a call after a bound
+(``release_stale_seats``: the process that keyed it died before recording).
 
 On SQLite a proxy with capture seats its trajectories on the group-commit writer's thread
 (``seat_all_sqlite``): the seats asked while the previous commit ran share one ``BEGIN
