@@ -93,6 +93,16 @@ def cpu_per_call(server: Server, mode: str, c: int, seconds: int, tag: str) -> t
     return used / result.completed * 1000, result
 
 
+def cpu_cell(cpu: dict[tuple[str, str, str], list[float]], server: Server, name: str, api: str, mode: str,
+             round_: int, args: argparse.Namespace) -> None:  # fmt: skip
+    """One cell of the table: ``server``'s CPU per call under ``args``' load, kept under (name, api, mode)."""
+    tag = f"r{round_}-{server.name}-{api}-{mode}"
+    ms, result = cpu_per_call(server, mode, args.concurrency, args.duration, tag)
+    cpu.setdefault((name, api, mode), []).append(ms)
+    print(f"round {round_ + 1} {api:9} {mode:6} {name:16} {ms:.3f} ms/call {result.rps:7.0f} req/s",
+          file=sys.stderr, flush=True)  # fmt: skip
+
+
 def spread(values: Sequence[float]) -> str:
     return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
 
@@ -131,19 +141,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     for name in order:
                         settle(everyone)
                         server = with_api(proxies[name], api)
-                        tag = f"r{round_}-{server.name}-{api}-{mode}"
-                        ms, result = cpu_per_call(server, mode, args.concurrency, args.duration, tag)
-                        cpu.setdefault((name, api, mode), []).append(ms)
-                        print(f"round {round_ + 1} {api:9} {mode:6} {name:16} {ms:.3f} ms/call "
-                              f"{result.rps:7.0f} req/s", file=sys.stderr, flush=True)  # fmt: skip
+                        cpu_cell(cpu, server, name, api, mode, round_, args)
                     order.reverse()
             for mode in modes if "chat" in apis else ():
                 for name, server in relays.items():
                     settle(everyone)
-                    ms, result = cpu_per_call(server, mode, args.concurrency, args.duration, f"r{round_}-{name}-{mode}")
-                    cpu.setdefault((name, "chat", mode), []).append(ms)
-                    print(f"round {round_ + 1} chat      {mode:6} {name:16} {ms:.3f} ms/call "
-                          f"{result.rps:7.0f} req/s", file=sys.stderr, flush=True)  # fmt: skip
+                    cpu_cell(cpu, server, name, "chat", mode, round_, args)
             if args.no_c1:
                 continue
             for mode in modes:
